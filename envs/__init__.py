@@ -1,0 +1,1 @@
+"""Environments, task suites, sandboxes and rewards for megatron-rl."""

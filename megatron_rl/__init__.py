@@ -1,0 +1,2 @@
+"""megatron-rl."""
+__version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""Named registries for extension points (environments, rewards, losses, advantage estimators, sandboxes).
+
+A registry maps a name to an object (usually a function or class) with a declared signature contract.
+Third-party packages may add entries through the Python entry-point group given at construction.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class RegistryError(KeyError):
+    """Unknown or duplicate registry name; the message lists what is available."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """A name -> object table. `register` works as a decorator or a plain call."""
+
+    def __init__(self, kind: str, entry_point_group: str | None = None):
+        self.kind = kind
+        self.entry_point_group = entry_point_group
+        self._items: dict[str, T] = {}
+        self._entry_points_loaded = False
+
+    def register(self, name: str, obj: T | None = None, *, overwrite: bool = False):
+        if obj is None:
+            return lambda o: self.register(name, o, overwrite=overwrite)
+        if name in self._items and not overwrite and self._items[name] is not obj:
+            raise RegistryError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
+        self._items[name] = obj
+        return obj
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded or not self.entry_point_group:
+            return
+        self._entry_points_loaded = True
+        for ep in importlib.metadata.entry_points(group=self.entry_point_group):
+            if ep.name not in self._items:
+                self._items[ep.name] = ep.load()
+
+    def get(self, name: str) -> T:
+        if name not in self._items:
+            self._load_entry_points()
+        if name not in self._items:
+            known = ", ".join(sorted(self._items)) or "none"
+            raise RegistryError(f"unknown {self.kind} {name!r}; known: {known}")
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        self._load_entry_points()
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def items(self) -> list[tuple[str, T]]:
+        return [(n, self._items[n]) for n in self.names()]
+
+
+Factory = Callable[..., T]

@@ -1,0 +1,88 @@
+"""The top-level run configuration: one section per component, loaded from `configs/*.yaml`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.config import ConfigError
+from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.trainer.policy import OptimConfig
+
+
+@dataclass
+class LaunchConfig:
+    """How the job's ranks are started when `megatron-rl train` is not already under a launcher."""
+
+    nproc_per_node: int = 2
+    """Local ranks started with torchrun (the world size on one machine)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (gloo on CPU, NCCL on GPU), gloo or nccl."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"launch.nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"launch.backend {self.backend!r} is not one of auto, gloo, nccl")
+
+
+@dataclass
+class DataConfig:
+    """Task data for the warm-up phase."""
+
+    domain: str = "countdown"
+    """Environment whose task suite provides the data."""
+    train_tasks: int = 256
+    """Training tasks taken from the suite."""
+    heldout_tasks: int = 32
+    """Held-out tasks for evaluation."""
+    sandbox: str = "bwrap"
+    """Sandbox backend that checks each reference solution (registry name)."""
+
+
+@dataclass
+class TrainConfig:
+    """Training-loop settings."""
+
+    steps: int = 30
+    """Optimizer steps."""
+    micro_batch_size: int = 8
+    """Samples per micro-batch."""
+    num_microbatches: int = 2
+    """Micro-batches per step on each data-parallel rank."""
+    seq_length: int = 64
+    """Tokens per sample (padded/truncated)."""
+    eval_every: int = 10
+    """Evaluate held-out loss every this many steps (and at the end)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run."""
+
+    name: str = "run"
+    """Run name; outputs go to output_dir/name."""
+    output_dir: str = "runs"
+    """Root folder of run outputs (shards, checkpoints, metrics)."""
+    seed: int = 1234
+    """Seed of every random stream of the run."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Process launch."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Task data."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+
+    def validate(self) -> None:
+        self.model.check_parallel(self.parallel)
+        self.parallel.resolve(self.launch.nproc_per_node)
+        if self.train.seq_length > self.model.max_seq_length:
+            raise ConfigError(f"train.seq_length={self.train.seq_length} exceeds "
+                              f"model.max_seq_length={self.model.max_seq_length}")

@@ -1,0 +1,171 @@
+"""The policy under training: Megatron-Core GPT chunks, DistributedDataParallel, Megatron optimizer, and one
+training step through `get_forward_backward_func` (no pipelining, 1F1B, or interleaved with VPP).
+
+Everything parallel is Megatron-Core's; what is ours is the wiring and the loss callback. Process groups
+come in through the `DistContext`; nothing reads Megatron's globals here except through that collection.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megatron_rl.config import ConfigError
+from megatron_rl.distributed import DistContext
+from megatron_rl.models.gpt import ModelConfig, build_gpt, transformer_config
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and schedule of the policy."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    decay_style: str = "constant"
+    """LR decay after warm-up: constant, linear or cosine."""
+    decay_steps: int = 0
+    """Steps from the start to the end of the decay; 0 means the run's total number of steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if self.decay_style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"optim.decay_style {self.decay_style!r} is not one of constant, linear, cosine")
+
+
+# loss_fn(output [b, s, V/tp] logits or per-token values, batch) -> (sum loss to back-propagate, {name: tensor})
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+class Policy:
+    """Model chunks + DDP + optimizer of one rank."""
+
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, ctx: DistContext, total_steps: int,
+                 init: Callable[[torch.nn.Module], None] | None = None):
+        self.cfg, self.optim_cfg, self.ctx = model_cfg, optim_cfg, ctx
+        self.tcfg = transformer_config(model_cfg, ctx.parallel)
+        self.chunks = self._build_chunks(init)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler(total_steps)
+        self.step_count = 0
+
+    def _build_chunks(self, init) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        par, pgs = self.ctx.parallel, self.ctx.pgs
+        vpp = par.vpp if par.pp > 1 and par.vpp else 1
+        pp_rank, pp_size = torch.distributed.get_rank(pgs.pp), par.pp
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.optim_cfg.distributed_optimizer)
+        chunks = []
+        for v in range(vpp):
+            first = pp_rank == 0 and v == 0
+            last = pp_rank == pp_size - 1 and v == vpp - 1
+            model = build_gpt(self.cfg, par, pgs, pre_process=first, post_process=last,
+                              vp_stage=v if vpp > 1 else None)
+            if init is not None:
+                init(model)
+            chunks.append(DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model,
+                                                  pg_collection=pgs))
+        return chunks
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = self.optim_cfg
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+            use_distributed_optimizer=o.distributed_optimizer, params_dtype=self.tcfg.params_dtype,
+            bf16=self.tcfg.bf16, fp16=self.tcfg.fp16)
+        return get_megatron_optimizer(ocfg, self.chunks, pg_collection=self.ctx.pgs)
+
+    def _build_scheduler(self, total_steps: int):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim_cfg
+        decay = max(o.decay_steps or total_steps, o.warmup_steps + 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay, lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+        """Forward+backward over `microbatches` (each {'tokens' [b, s], 'position_ids' [b, s], ...}) and one
+        optimizer step; returns summed metrics from the last pipeline stage (empty on other stages)."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._forward_backward(microbatches, loss_fn, seq_length, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.step_count += 1
+        return _reduce_metrics(results, ok, grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+        """Forward only; summed metrics from the last pipeline stage."""
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            results = self._forward_backward(microbatches, loss_fn, seq_length, forward_only=True)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        return _reduce_metrics(results, None, None)
+
+    def _forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        vpp = len(self.chunks)
+        iters = [iter(microbatches) for _ in range(vpp)] if vpp > 1 else iter(microbatches)
+        fb = get_forward_backward_func(pp_size=self.ctx.parallel.pp, vp_size=vpp if vpp > 1 else None)
+        return fb(forward_step_func=partial(_forward_step, loss_fn), data_iterator=iters, model=self.chunks,
+                  num_microbatches=len(microbatches), seq_length=seq_length,
+                  micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        for i, chunk in enumerate(self.chunks):
+            for name, p in chunk.module.named_parameters():
+                yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), p
+
+
+def _forward_step(loss_fn: LossFn, data_iterator, model):
+    batch = next(data_iterator)
+    # output: [b, s, V/tp] logits on the last stage, hidden states [s, b, h] elsewhere
+    output = model(batch["tokens"], batch["position_ids"], None)
+    return output, partial(_loss_wrapper, loss_fn, batch)
+
+
+def _loss_wrapper(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+    loss, metrics = loss_fn(output, batch)
+    return loss, {k: v.detach().clone() for k, v in metrics.items()}
+
+
+def _reduce_metrics(results: list[dict], ok: bool | None, grad_norm) -> dict:
+    out: dict = {} if ok is None else {"update_ok": bool(ok),
+                                       "grad_norm": float(grad_norm) if grad_norm is not None else None}
+    for rec in results or []:
+        for k, v in rec.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out

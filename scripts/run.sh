@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's main-job command: set up (idempotent) and run the main job on the embedded defaults
+# (CPU, local executor, bubblewrap sandboxes). Extra arguments are config overrides, e.g. train.steps=5.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/megatron-rl train configs/demo_cpu.yaml "$@"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12 machine (2 cores, no GPU is fine) for megatron-rl:
+#   1. Debian packages the tests and the main job need (Slurm + munge + slurmdbd + MariaDB, OpenMPI with
+#      PMIx, bubblewrap), installed only if missing; apt does not start any service.
+#   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
+#      then this package in editable mode with its [dev] extra.
+# Re-running it is cheap: every step checks before it acts. Set MRL_SKIP_APT=1 to skip step 1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV=${MRL_VENV:-$ROOT/.venv}
+TORCH_SPEC=${MRL_TORCH_SPEC:-torch==2.13.0}
+DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+install_debs() {
+  local missing=()
+  for p in "${DEB_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then log "Debian packages present"; return; fi
+  if [ "$(id -u)" != 0 ]; then
+    log "missing Debian packages: ${missing[*]}; run as root or install them, then re-run"; exit 1
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+install_python() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+  fi
+  local py="$VENV/bin/python"
+  if ! "$py" -c 'import torch' 2>/dev/null; then
+    log "installing $TORCH_SPEC (CPU wheel on CPU machines)"
+    "$py" -m pip install -q "$TORCH_SPEC"
+  fi
+  local stamp="$VENV/.mrl-setup-stamp" want
+  want=$(sha256sum setup.py | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    log "installing megatron-rl[dev] (editable)"
+    "$py" -m pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+  else
+    log "python packages up to date"
+  fi
+}
+
+[ "${MRL_SKIP_APT:-0}" = 1 ] || install_debs
+install_python
+log "done: activate with 'source $VENV/bin/activate'"

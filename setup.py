@@ -1,0 +1,34 @@
+"""megatron-rl: RL post-training of very large language models on Slurm supercomputers."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training on Megatron-Core, Slurm-native",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "envs", "envs.*",
+                                    "kernels", "kernels.*", "tools", "tools.*"]),
+    package_data={"envs": ["**/*.jsonl", "**/*.yaml"]},
+    install_requires=[
+        # Python 3.11 resolves to 0.16.1 (0.17+ require Python >= 3.12); clusters on 3.12 get newer ones.
+        "megatron-core>=0.16.1,<0.20",
+        # On CPU machines install the CPU wheel first (scripts/setup.sh does): a bare `torch` pulls CUDA.
+        "torch>=2.4",
+        "numpy>=1.24",
+        "packaging",
+        "psutil",  # megatron-core's dist_checkpointing save needs it but does not declare it
+        "pyyaml>=6",
+        "h5py>=3.10",
+        "hdf5plugin>=4.4",
+        "submitit>=1.5",
+        "mpi4py>=3.1",
+    ],
+    extras_require={
+        # apex is optional: NGC containers ship it and megatron_rl detects it; never required.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)

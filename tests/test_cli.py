@@ -1,0 +1,42 @@
+"""The `megatron-rl` console entry point: --help everywhere, unbuilt subcommands exit 2 with a reason."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import NOT_BUILT_EXIT, SUBCOMMANDS, main
+
+EXE = Path(sys.executable).parent / "megatron-rl"
+
+
+def test_console_script_help():
+    proc = subprocess.run([str(EXE), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for name in SUBCOMMANDS:
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_each_subcommand_help(name, capsys):
+    code = main([name, "--help"])
+    out = capsys.readouterr().out
+    module = SUBCOMMANDS[name][0]
+    if module is None:
+        assert code == NOT_BUILT_EXIT and "Not built yet" in out
+    else:
+        assert code == 0 and "usage" in out.lower()
+
+
+@pytest.mark.parametrize("name", [n for n, (m, _, _) in SUBCOMMANDS.items() if m is None])
+def test_unbuilt_subcommands_exit_2_and_say_so(name, capsys):
+    assert main([name, "anything"]) == NOT_BUILT_EXIT
+    err = capsys.readouterr().err
+    assert "Not built yet" in err and "nothing was done" in err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == NOT_BUILT_EXIT
+    assert "COMMAND" in capsys.readouterr().out
