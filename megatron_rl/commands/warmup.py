@@ -47,6 +47,7 @@ def _check(env, task, answer: str):
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     """Check each task's reference answer (and a corrupted one) with the environment's reward in the sandbox;
     write the verified ones as shards. Returns counts."""
+    import envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from envs.base import make_env
     from envs.sandbox.base import SANDBOXES
     from envs.tasks import load_domain

@@ -97,7 +97,8 @@ class Policy:
             adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
             use_distributed_optimizer=o.distributed_optimizer, params_dtype=self.tcfg.params_dtype,
             bf16=self.tcfg.bf16, fp16=self.tcfg.fp16)
-        return get_megatron_optimizer(ocfg, self.chunks, pg_collection=self.ctx.pgs)
+        # the groups we pass are gloo groups already on CPU; Megatron refuses extra gloo groups with pg_collection
+        return get_megatron_optimizer(ocfg, self.chunks, use_gloo_process_groups=False, pg_collection=self.ctx.pgs)
 
     def _build_scheduler(self, total_steps: int):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
