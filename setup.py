@@ -24,6 +24,8 @@ setup(
         "hdf5plugin>=4.4",
         "submitit>=1.5",
         "mpi4py>=3.1",
+        "jsonschema>=4.18",  # tool-call arguments are validated against each tool's JSON schema
+        "math-verify>=0.7",  # math answers (LaTeX and expression equivalence)
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.

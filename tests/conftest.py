@@ -8,10 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-try:  # TEMPORARY while tests/slurm_fixtures.py is being written
-    from tests.slurm_fixtures import slurm_cluster  # noqa: E402,F401
-except ImportError:
-    pass
+from tests.slurm_fixtures import slurm_cluster  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,26 @@
+"""Code environment: single turn; the model writes a Python function in a ```python block and the reward is
+the fraction of the task's hidden unit tests that pass, run in the sandbox (never in the worker).
+
+Task payload: `entry_point` (function name), `tests` (Python statements, usually asserts, each one test),
+`canonical_solution` (a reference solution; used by the suite's own tests, never shown).
+Reward: `tests` (weight 1) the pass rate; `format` (weight 0, recorded) whether a fenced block was used.
+"""
+from __future__ import annotations
+
+from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
+from envs.rewards import extract_code
+from envs.sandbox.base import Limits
+
+
+@ENVIRONMENTS.register("code")
+class CodeEnv(SingleTurnEnvironment):
+    name = "code"
+    instructions = "Write the complete function in Python 3 inside a single ```python code block."
+    limits = Limits(wall_s=10.0, cpu_s=10.0, memory_mb=512)
+
+    def reward_spec(self) -> RewardSpec:
+        return RewardSpec([RewardComponent("tests", "unit_tests", 1.0),
+                           RewardComponent("format", "format", 0.0, {"kind": "code_fence"})])
+
+    def _reward_state(self) -> dict:
+        return {"code": extract_code(self.last_action), "limits": self.limits}

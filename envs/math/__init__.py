@@ -1,0 +1,4 @@
+"""Math: a final answer checked with math-verify, plus a format component."""
+from envs.math.env import MathEnv
+
+__all__ = ["MathEnv"]

@@ -1,0 +1,603 @@
+"""Reward functions (the `REWARDS` registry), answer extraction helpers and the LLM-judge client.
+
+A reward function has the signature `fn(ctx: RewardContext, **params) -> RewardOutput` and is registered
+with `@reward(name, version)`; the version goes into every result's provenance, so a change of verifier
+is visible in the trajectory shards. Reward functions take untrusted model output: they return a zero
+score with a reason rather than raise. Code runs only in the sandbox, never in the worker.
+
+Threat model of the verifiers that run model code (unit tests, terminal verifiers, countdown): isolation is
+the sandbox's (see envs.sandbox). Covered here: the worker never evaluates model text; results are read
+from the sandbox's output only after a per-run random nonce (the program cannot guess it), and malformed
+or missing results score zero. Not covered: reward hacking from inside the test process itself (the
+solution runs in the same interpreter as the unit-test harness, so code that patches `json` or inspects
+the harness's frames can forge results) - run the harness in a separate process per test for adversarial
+settings; the terminal verifier's hidden files are only added after the model's last command.
+
+`JudgeClient` talks to an OpenAI-compatible HTTP endpoint (`/completions` with a list of prompts per
+request, or `/chat/completions` with concurrent requests), caches answers on disk by a hash of
+(model, version, prompt, sampling settings), and records the judge model, version and rubric hash.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from envs.base import RewardContext, RewardOutput, sandbox_problem
+from envs.sandbox.base import Limits
+from megatron_rl.registry import Registry
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[..., RewardOutput]
+REWARDS: Registry[RewardFn] = Registry("reward function", entry_point_group="megatron_rl.rewards")
+
+
+def reward(name: str, version: str = "1"):
+    """Register a reward function under `name`, stamping `version` into its provenance."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        fn.reward_name, fn.reward_version = name, version
+        return REWARDS.register(name, fn)
+
+    return deco
+
+
+def run_reward(fn: RewardFn, ctx: RewardContext, params: dict) -> RewardOutput:
+    """Call a reward function; an exception (a bug) becomes an invalid zero with the reason, logged."""
+    try:
+        out = fn(ctx, **params)
+    except Exception as e:
+        log.exception("reward function %s failed on task %s", getattr(fn, "reward_name", fn), ctx.task.id)
+        out = RewardOutput(0.0, f"reward function error: {e.__class__.__name__}: {e}", status="error")
+    out.provenance.setdefault("version", getattr(fn, "reward_version", "?"))
+    if not math.isfinite(out.score):
+        out.score, out.reason = 0.0, f"non-finite score ({out.reason})"
+    return out
+
+
+# --------------------------------------------------------------------------------- text extraction
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, j = 1, i
+    while j < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        j += 1
+    return text[i : j - 1].strip() if depth == 0 else None
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the last <tag>...</tag>; None if there is none."""
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+    return found[-1].strip() if found else None
+
+
+_ANSWER_LINE = re.compile(r"^\s*(?:\*\*)?(?:final\s+)?answer(?:\*\*)?\s*[:：]\s*(?:\*\*)?(.+?)(?:\*\*)?\s*$",
+                          re.I | re.M)
+
+
+def extract_answer_line(text: str) -> str | None:
+    """Text after the last 'Answer:' (or 'Final answer:') line; None if there is none."""
+    found = _ANSWER_LINE.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_final_answer(text: str) -> tuple[str | None, str]:
+    """The final answer by format: <answer> tag, then \\boxed{}, then an 'Answer:' line. Returns (answer, format)."""
+    for fmt, fn in (("answer_tag", lambda t: extract_tag(t, "answer")), ("boxed", extract_boxed),
+                    ("answer_line", extract_answer_line)):
+        ans = fn(text)
+        if ans:
+            return ans, fmt
+    return None, "none"
+
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def extract_code(text: str, lang: str = "python") -> str | None:
+    """The last fenced code block tagged `lang` (else the last fenced block; an unterminated last fence
+    counts). Without any fence, the whole text if it looks like a definition; else None."""
+    blocks = _FENCE.findall(text)
+    tagged = [body for tag, body in blocks if tag.lower() in (lang, lang[:2])]
+    if tagged or blocks:
+        return (tagged or [b for _, b in blocks])[-1].strip("\n")
+    if re.search(r"^(def|class|import|from) ", text, re.M):
+        return text
+    return None
+
+
+def parse_number(text) -> float | None:
+    """A number from text like '1,234.5', '$12.3', '-7%', '(45)' (accounting negative); None if none."""
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, (int, float)):
+        return float(text) if math.isfinite(text) else None
+    if not isinstance(text, str):
+        return None
+    s = text.strip().replace(",", "").replace("$", "").replace("%", "").replace("\u2212", "-")
+    neg = s.startswith("(") and s.endswith(")")
+    m = re.fullmatch(r"\(?\s*([-+]?\d*\.?\d+(?:[eE][-+]?\d+)?)\s*\)?\s*[a-zA-Z ]*", s)
+    if not m:
+        return None
+    v = float(m.group(1))
+    return -v if neg else v
+
+
+def numbers_close(a: float, b: float, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
+    return math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol)
+
+
+# ------------------------------------------------------------------------------------------ format
+@reward("format", version="1")
+def format_reward(ctx: RewardContext, kind: str = "answer_tag", pattern: str | None = None) -> RewardOutput:
+    """1 if the response follows the format: answer_tag, boxed, answer_line, boxed_or_line, code_fence, regex."""
+    text = ctx.response
+    checks = {
+        "answer_tag": lambda: len(re.findall(r"<answer>.*?</answer>", text, re.S)) == 1,
+        "boxed": lambda: extract_boxed(text) is not None,
+        "answer_line": lambda: extract_answer_line(text) is not None,
+        "boxed_or_line": lambda: extract_boxed(text) is not None or extract_answer_line(text) is not None,
+        "code_fence": lambda: bool(re.search(r"```[^\n]*\n.*?```", text, re.S)),
+        "regex": lambda: bool(pattern and re.search(pattern, text, re.S)),
+    }
+    if kind not in checks:
+        raise ValueError(f"unknown format kind {kind!r}; known: {sorted(checks)}")
+    ok = checks[kind]()
+    return RewardOutput(float(ok), f"{kind}: {'ok' if ok else 'missing'}", {"kind": kind})
+
+
+# ---------------------------------------------------------------------------------------- math
+def _math_verify_version() -> str:
+    try:
+        return importlib.metadata.version("math-verify")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def math_equal(gold: str, answer: str) -> bool:
+    """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals)."""
+    import math_verify
+
+    # math-verify times out with SIGALRM, which only works in the main thread
+    main = threading.current_thread() is threading.main_thread()
+    t = 5 if main else None
+    g = math_verify.parse(f"${gold}$" if "$" not in gold else gold, parsing_timeout=t)
+    a = math_verify.parse(f"${answer}$" if "$" not in answer else answer, parsing_timeout=t)
+    if not a:
+        a = math_verify.parse(answer, parsing_timeout=t)
+    return bool(g and a and math_verify.verify(g, a, timeout_seconds=t))
+
+
+@reward("math_verify", version="1")
+def math_verify_reward(ctx: RewardContext, answer_key: str = "answer") -> RewardOutput:
+    """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify)."""
+    prov = {"math_verify": _math_verify_version()}
+    gold = str(ctx.task.payload.get(answer_key, ""))
+    ans = extract_boxed(ctx.response) or extract_answer_line(ctx.response)
+    if not ans:
+        return RewardOutput(0.0, "no final answer (\\boxed{} or 'Answer:' line)", prov)
+    if len(ans) > 500:
+        return RewardOutput(0.0, "final answer too long", prov)
+    ok = math_equal(gold, ans)
+    return RewardOutput(float(ok), f"answer {ans[:60]!r} {'==' if ok else '!='} {gold!r}", prov)
+
+
+# ------------------------------------------------------------------------------------ answer match
+def answers_match(answer: str, gold, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
+    """Numbers compare with tolerance; other answers compare case- and whitespace-insensitively."""
+    a, g = parse_number(answer), parse_number(gold)
+    if a is not None and g is not None:
+        return numbers_close(a, g, rel_tol, abs_tol)
+    norm = lambda s: " ".join(str(s).lower().strip().strip(".").split())
+    return norm(answer) == norm(gold)
+
+
+@reward("answer_match", version="1")
+def answer_match_reward(ctx: RewardContext, answer_key: str = "answer", rel_tol: float = 1e-6,
+                        abs_tol: float = 1e-9) -> RewardOutput:
+    """1 if the final answer (<answer> tag, \\boxed{} or 'Answer:' line) matches the payload's answer."""
+    gold = ctx.task.payload.get(answer_key)
+    ans, fmt = extract_final_answer(ctx.response)
+    if ans is None:
+        return RewardOutput(0.0, "no final answer", {})
+    ok = answers_match(ans, gold, ctx.task.payload.get("rel_tol", rel_tol), ctx.task.payload.get("abs_tol", abs_tol))
+    return RewardOutput(float(ok), f"answer {ans[:60]!r} ({fmt}) {'matches' if ok else 'does not match'}", {})
+
+
+# -------------------------------------------------------------------------------------- unit tests
+_HARNESS = r'''
+import json, signal, sys, time
+nonce = sys.stdin.readline().strip()
+real_stdout = sys.stdout
+def alarm(*_):
+    raise TimeoutError("test timed out")
+signal.signal(signal.SIGALRM, alarm)
+g = {"__name__": "solution"}
+err = None
+try:
+    signal.setitimer(signal.ITIMER_REAL, PER_TEST_S)
+    exec(compile(open("solution.py", encoding="utf-8", errors="replace").read(), "solution.py", "exec"), g)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+except BaseException as e:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    err = "solution failed to load: %s: %s" % (type(e).__name__, str(e)[:200])
+results = []
+deadline = time.monotonic() + TOTAL_S
+for t in json.load(open("tests.json")):
+    left = min(PER_TEST_S, deadline - time.monotonic())
+    if err or left <= 0:
+        results.append([False, err or "not run: time budget spent"])
+        continue
+    try:
+        signal.setitimer(signal.ITIMER_REAL, left)
+        exec(compile(t, "test", "exec"), dict(g))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        results.append([True, ""])
+    except BaseException as e:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        results.append([False, "%s: %s" % (type(e).__name__, str(e)[:200])])
+        if isinstance(e, TimeoutError) and str(e) == "test timed out":
+            err = "not run: an earlier test timed out"
+sys.stdout = real_stdout
+print("\n" + nonce + json.dumps(results), flush=True)
+'''
+
+
+def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,
+                   per_test_s: float = 2.0) -> tuple[list[tuple[bool, str]], str, str]:
+    """Run `tests` (Python statements, e.g. asserts) against `code` in the sandbox.
+
+    Returns ([(passed, message)] per test, reason, status). Every test fails when the solution does not load
+    or the harness output is missing; after a test times out, the remaining ones are not run (a hanging
+    solution costs one timeout, not one per test); tests stop at 80% of the wall limit.
+    """
+    nonce = secrets.token_hex(16)
+    files = {"solution.py": code, "tests.json": json.dumps(tests),
+             "harness.py": _HARNESS.replace("PER_TEST_S", repr(float(per_test_s)))
+                                   .replace("TOTAL_S", repr(0.8 * (limits or Limits()).wall_s))}
+    res = sandbox.run(["python3", "harness.py"], files=files, limits=limits, stdin=(nonce + "\n").encode())
+    problem = sandbox_problem(res)
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith(nonce):
+            try:
+                got = json.loads(line[len(nonce):])
+            except ValueError:
+                break
+            try:
+                results = [(bool(p), str(m)) for p, m in got]
+            except (TypeError, ValueError):
+                break
+            if len(results) == len(tests):
+                return results, (problem or ("", "ok"))[0], "ok"
+            break
+    if problem:
+        return [(False, problem[0])] * len(tests), problem[0], problem[1]
+    return [(False, "no test result")] * len(tests), f"harness gave no result (exit {res.exit_code}): " \
+        f"{res.stderr[-200:]}", "ok"
+
+
+@reward("unit_tests", version="1")
+def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0) -> RewardOutput:
+    """Fraction of the payload's unit tests that pass against the code extracted from the response."""
+    tests = list(ctx.task.payload.get(tests_key, []))
+    code = ctx.state.get("code") if "code" in ctx.state else extract_code(ctx.response)
+    if not tests:
+        return RewardOutput(0.0, f"task has no {tests_key!r}", status="error")
+    if not code:
+        return RewardOutput(0.0, "no code found (put it in a ```python block)")
+    if ctx.sandbox is None:
+        return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
+    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s)
+    passed = sum(p for p, _ in results)
+    fails = "; ".join(dict.fromkeys(m for p, m in results if not p))[:300]
+    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"), "tests": len(tests)}
+    return RewardOutput(passed / len(tests), f"{passed}/{len(tests)} tests passed. {reason} {fails}".strip(),
+                        prov, status)
+
+
+# ------------------------------------------------------------------------------------ rule checks
+def parse_json_answer(text: str) -> dict | None:
+    """A JSON object from the <answer> tag, a ```json block, or the whole text; None if there is none."""
+    for cand in (extract_tag(text, "answer"), extract_code(text, "json"), text.strip()):
+        if not cand:
+            continue
+        try:
+            obj = json.loads(cand)
+        except (ValueError, RecursionError):
+            m = re.search(r"\{.*\}", cand, re.S)
+            try:
+                obj = json.loads(m.group(0)) if m else None
+            except (ValueError, RecursionError):
+                obj = None
+        if isinstance(obj, dict):
+            return obj
+    return None
+
+
+def _norm_unit(u) -> str:
+    return re.sub(r"[\s.]+", " ", str(u).lower()).strip()
+
+
+def check_rule(answer: dict, rule: dict) -> tuple[bool, str]:
+    """One rule: required (fields), number (field, expected, rel_tol/abs_tol), unit (field, allowed),
+    one_of (field, allowed), contains (field, text)."""
+    kind, fld = rule.get("type"), rule.get("field")
+    val = answer.get(fld) if fld else None
+    if kind == "required":
+        missing = [f for f in rule["fields"] if answer.get(f) in (None, "")]
+        return not missing, f"missing fields {missing}" if missing else "fields present"
+    if kind == "number":
+        got = parse_number(val)
+        ok = got is not None and numbers_close(got, float(rule["expected"]), rule.get("rel_tol", 1e-3),
+                                               rule.get("abs_tol", 1e-9))
+        return ok, f"{fld}={str(val)[:40]!r} vs {rule['expected']}"
+    if kind in ("unit", "one_of"):
+        ok = val is not None and _norm_unit(val) in {_norm_unit(a) for a in rule["allowed"]}
+        return ok, f"{fld}={str(val)[:40]!r} not in {rule['allowed']}" if not ok else f"{fld} ok"
+    if kind == "contains":
+        ok = isinstance(val, str) and rule["text"].lower() in val.lower()
+        return ok, f"{fld} {'contains' if ok else 'lacks'} {rule['text']!r}"
+    raise ValueError(f"unknown rule type {kind!r}; known: required, number, unit, one_of, contains")
+
+
+@reward("rule_checks", version="1")
+def rule_checks_reward(ctx: RewardContext, rules_key: str = "checks") -> RewardOutput:
+    """Fraction of the payload's rule checks that the response's JSON answer passes."""
+    rules = ctx.task.payload.get(rules_key) or []
+    if not rules:
+        return RewardOutput(0.0, f"task has no {rules_key!r}", status="error")
+    answer = parse_json_answer(ctx.response)
+    if answer is None:
+        return RewardOutput(0.0, "no JSON object answer found")
+    results = [check_rule(answer, r) for r in rules]
+    passed = sum(ok for ok, _ in results)
+    failed = "; ".join(m for ok, m in results if not ok)
+    return RewardOutput(passed / len(rules), f"{passed}/{len(rules)} checks passed. {failed}".strip(),
+                        {"rules": len(rules)})
+
+
+# ---------------------------------------------------------------------------------- verifier script
+@reward("verifier", version="1")
+def verifier_reward(ctx: RewardContext, verify_key: str = "verify") -> RewardOutput:
+    """1 if the task's verifier command exits 0 in the sandbox, run over the final workspace plus the
+    verifier's own (hidden) files."""
+    spec = ctx.task.payload.get(verify_key) or {}
+    ws = ctx.state.get("workspace")
+    if not spec.get("command") or ws is None:
+        return RewardOutput(0.0, "task has no verifier or no workspace", status="error")
+    if ctx.sandbox is None:
+        return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
+    files = dict(ws.files)
+    files.update(spec.get("files", {}))
+    res = ctx.sandbox.run(spec["command"], files=files, limits=ctx.state.get("limits"))
+    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"),
+            "verifier_sha256": _sha(json.dumps(spec, sort_keys=True))[:16]}
+    problem = sandbox_problem(res)
+    if problem and problem[1] != "ok":
+        return RewardOutput(0.0, problem[0], prov, problem[1])
+    tail = (res.stdout + res.stderr)[-300:]
+    return RewardOutput(float(res.exit_code == 0 and not res.violations),
+                        f"verifier exit {res.exit_code} {res.violations or ''}: {tail}", prov)
+
+
+# --------------------------------------------------------------------------------------- LLM judge
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()
+
+
+class JudgeError(RuntimeError):
+    """The judge endpoint failed (unreachable, bad status, malformed answer) after retries."""
+
+
+JUDGE_TEMPLATE = """You are grading a response against a rubric. Be strict and fair.
+
+Rubric: {rubric}
+
+Question:
+{question}
+
+Reference answer:
+{reference}
+
+Response to grade:
+{response}
+
+Think briefly, then end with a line "Score: N" where N is an integer from 0 (fails the rubric) to 10
+(fully meets it)."""
+
+_SCORE = re.compile(r"score\s*[:=]\s*(\d+(?:\.\d+)?)", re.I)
+
+
+def parse_judge_score(text: str, scale: float = 10.0) -> float | None:
+    found = _SCORE.findall(text or "")
+    if not found:
+        return None
+    return min(max(float(found[-1]) / scale, 0.0), 1.0)
+
+
+@dataclass
+class JudgeVerdict:
+    score: float | None
+    """Score in [0, 1]; None when the judge's text had no 'Score: N' line."""
+    text: str
+    """The judge's raw answer."""
+    cached: bool
+    """True when it came from the disk cache (no request sent)."""
+    model: str
+    """The model the endpoint reported (or the configured one)."""
+
+
+@dataclass
+class JudgeConfig:
+    """An OpenAI-compatible judge endpoint."""
+
+    base_url: str = ""
+    """Endpoint base URL including /v1, e.g. http://judge-host:8000/v1; empty: no judge."""
+    model: str = ""
+    """Judge model name sent in requests."""
+    model_version: str = ""
+    """Version recorded in provenance (e.g. a checkpoint hash); empty: the model name the server reports."""
+    api: str = "completions"
+    """completions (a list of prompts per request) or chat (one request per prompt, run concurrently)."""
+    api_key_env: str = ""
+    """Name of the environment variable that holds the API key (never the key itself); empty: none."""
+    cache_dir: str = "runs/judge_cache"
+    """Directory of the on-disk answer cache (keyed by content hash)."""
+    batch_size: int = 16
+    """Prompts per completions request, or concurrent chat requests."""
+    timeout_s: float = 60.0
+    """Timeout of one HTTP request in seconds."""
+    max_retries: int = 2
+    """Retries of a failed request (with exponential back-off)."""
+    retry_backoff_s: float = 1.0
+    """First back-off in seconds; it doubles with each retry (capped at 30 s)."""
+    max_tokens: int = 256
+    """Most tokens the judge may write per answer."""
+    temperature: float = 0.0
+    """Judge sampling temperature (0: greedy, cache-friendly)."""
+
+    def build(self) -> JudgeClient | None:
+        if not self.base_url:
+            return None
+        if self.api not in ("completions", "chat"):
+            raise ValueError(f"JudgeConfig.api must be 'completions' or 'chat', got {self.api!r}")
+        if not self.model:
+            raise ValueError("JudgeConfig.model is empty; set the judge model name")
+        return JudgeClient(self)
+
+
+class JudgeClient:
+    """Batched, disk-cached client of an OpenAI-compatible judge endpoint. Thread-safe."""
+
+    def __init__(self, config: JudgeConfig):
+        self.config = config
+        self.cache_dir = Path(config.cache_dir)
+        self.requests_sent = 0
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> str:
+        return self.config.model_version or self.config.model
+
+    def _key(self, prompt: str) -> str:
+        c = self.config
+        return _sha(json.dumps([c.model, c.model_version, c.api, c.max_tokens, c.temperature, prompt]))
+
+    def _cache_get(self, key: str) -> dict | None:
+        path = self.cache_dir / key[:2] / f"{key}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _cache_put(self, key: str, value: dict) -> None:
+        path = self.cache_dir / key[:2] / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+
+    def judge(self, prompts: list[str]) -> list[JudgeVerdict]:
+        """Judge each prompt (cache first, then batched requests); raises JudgeError when the endpoint fails."""
+        keys = [self._key(p) for p in prompts]
+        hits = [self._cache_get(k) for k in keys]
+        todo = [i for i, h in enumerate(hits) if h is None]
+        bs = max(1, self.config.batch_size)
+        for start in range(0, len(todo), bs):
+            idx = todo[start : start + bs]
+            for i, value in zip(idx, self._request([prompts[i] for i in idx])):
+                self._cache_put(keys[i], value)
+                hits[i] = dict(value, fresh=True)
+        return [JudgeVerdict(parse_judge_score(h["text"]), h["text"], not h.get("fresh"), h.get("model", ""))
+                for h in hits]
+
+    def _request(self, prompts: list[str]) -> list[dict]:
+        c = self.config
+        if c.api == "completions":
+            body = {"model": c.model, "prompt": prompts, "max_tokens": c.max_tokens, "temperature": c.temperature}
+            resp = self._post("/completions", body)
+            choices = sorted(resp.get("choices") or [], key=lambda ch: ch.get("index", 0))
+            if len(choices) != len(prompts):
+                raise JudgeError(f"judge returned {len(choices)} choices for {len(prompts)} prompts")
+            return [{"text": str(ch.get("text", "")), "model": resp.get("model", c.model)} for ch in choices]
+        with concurrent.futures.ThreadPoolExecutor(min(len(prompts), c.batch_size)) as pool:
+            return list(pool.map(self._chat_one, prompts))
+
+    def _chat_one(self, prompt: str) -> dict:
+        c = self.config
+        body = {"model": c.model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": c.max_tokens, "temperature": c.temperature}
+        resp = self._post("/chat/completions", body)
+        try:
+            text = resp["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise JudgeError(f"malformed chat response: {str(resp)[:200]}") from e
+        return {"text": str(text or ""), "model": resp.get("model", c.model)}
+
+    def _post(self, path: str, body: dict) -> dict:
+        c = self.config
+        headers = {"Content-Type": "application/json"}
+        if c.api_key_env and os.environ.get(c.api_key_env):
+            headers["Authorization"] = f"Bearer {os.environ[c.api_key_env]}"
+        req = urllib.request.Request(c.base_url.rstrip("/") + path, json.dumps(body).encode(), headers)
+        last: Exception | None = None
+        for attempt in range(c.max_retries + 1):
+            if attempt:
+                time.sleep(min(c.retry_backoff_s * 2 ** (attempt - 1), 30.0))
+            try:
+                with self._lock:
+                    self.requests_sent += 1
+                with urllib.request.urlopen(req, timeout=c.timeout_s) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                last = e
+                if e.code < 500 and e.code != 429:
+                    break
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                last = e
+        raise JudgeError(f"judge endpoint {c.base_url}{path} failed: {last}")
+
+
+@reward("llm_judge", version="1")
+def llm_judge_reward(ctx: RewardContext, rubric_key: str = "rubric", reference_key: str = "reference",
+                     template: str = JUDGE_TEMPLATE) -> RewardOutput:
+    """Mean judge score over the task's rubric criteria (a string or a list), each judged in one batch."""
+    rubric = ctx.task.payload.get(rubric_key)
+    criteria = [rubric] if isinstance(rubric, str) else list(rubric or [])
+    if ctx.judge is None or not criteria:
+        return RewardOutput(0.0, "no judge configured" if ctx.judge is None else "task has no rubric", status="error")
+    question = ctx.task.payload.get("question", ctx.task.prompt)
+    reference = str(ctx.task.payload.get(reference_key, "(none)"))
+    prompts = [template.format(rubric=c, question=question, reference=reference, response=ctx.response[-6000:])
+               for c in criteria]
+    prov = {"judge_model": ctx.judge.config.model, "judge_version": ctx.judge.version,
+            "rubric_sha256": _sha(json.dumps(criteria))[:16], "template_sha256": _sha(template)[:16]}
+    try:
+        verdicts = ctx.judge.judge(prompts)
+    except JudgeError as e:
+        return RewardOutput(0.0, str(e), prov, status="error")
+    prov["judge_reported_model"] = verdicts[0].model
+    prov["cached"] = sum(v.cached for v in verdicts)
+    if any(v.score is None for v in verdicts):
+        return RewardOutput(0.0, "judge answer had no 'Score: N' line", prov, status="error")
+    score = sum(v.score for v in verdicts) / len(verdicts)
+    return RewardOutput(score, f"judge mean {score:.2f} over {len(verdicts)} criteria", prov)
+

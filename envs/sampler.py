@@ -1,0 +1,144 @@
+"""Weighted, deterministic, resumable sampling of tasks across domains, and per-domain metrics.
+
+Draw k picks its domain with a random generator seeded by (seed, k), so the sequence depends only on the
+seed and the weights; within a domain, tasks come in a fresh seeded permutation per epoch. The state
+(draw count and each domain's epoch and position) is a small dict that goes into the driver checkpoint;
+after `load_state_dict` the sampler continues exactly where it stopped.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import defaultdict
+
+from envs.base import EnvError, RewardResult, Task
+
+
+def _fingerprint(tasks: list[Task]) -> str:
+    return hashlib.sha256("\n".join(t.id for t in tasks).encode()).hexdigest()[:16]
+
+
+class DomainMetrics:
+    """Accumulates reward statistics per domain between `summary(reset=True)` calls."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._n = defaultdict(int)
+        self._sum = defaultdict(float)
+        self._sq = defaultdict(float)
+        self._comp = defaultdict(lambda: defaultdict(float))
+        self._status = defaultdict(lambda: defaultdict(int))
+        self._invalid = defaultdict(int)
+
+    def record(self, domain: str, reward: RewardResult | float, status: str = "ok") -> None:
+        total = reward.total if isinstance(reward, RewardResult) else float(reward)
+        self._n[domain] += 1
+        self._sum[domain] += total
+        self._sq[domain] += total * total
+        self._status[domain][status] += 1
+        if isinstance(reward, RewardResult):
+            for name, v in reward.components.items():
+                self._comp[domain][name] += v
+            self._invalid[domain] += not reward.valid
+
+    def summary(self, reset: bool = False) -> dict[str, float]:
+        """Flat metrics: '<domain>/reward_mean', '/reward_std', '/count', '/<component>_mean',
+        '/status_<s>' (fraction), '/invalid_frac'."""
+        out = {}
+        for d, n in sorted(self._n.items()):
+            mean = self._sum[d] / n
+            out[f"{d}/count"] = float(n)
+            out[f"{d}/reward_mean"] = mean
+            out[f"{d}/reward_std"] = math.sqrt(max(self._sq[d] / n - mean * mean, 0.0))
+            out[f"{d}/invalid_frac"] = self._invalid[d] / n
+            out.update({f"{d}/{c}_mean": v / n for c, v in sorted(self._comp[d].items())})
+            out.update({f"{d}/status_{s}": c / n for s, c in sorted(self._status[d].items())})
+        if reset:
+            self.reset()
+        return out
+
+
+class DomainSampler:
+    """Samples tasks from several domains with weights; deterministic given the seed; resumable."""
+
+    def __init__(self, tasks: dict[str, list[Task]], weights: dict[str, float] | None = None, seed: int = 0):
+        weights = {d: 1.0 for d in tasks} if not weights else dict(weights)
+        unknown = sorted(set(weights) - set(tasks))
+        if unknown:
+            raise EnvError(f"sampler weights name unknown domain(s) {unknown}; domains: {sorted(tasks)}")
+        bad = {d: w for d, w in weights.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
+        if bad:
+            raise EnvError(f"sampler weights must be finite and >= 0, got {bad}")
+        self.domains = sorted(d for d, w in weights.items() if w > 0)
+        if not self.domains:
+            raise EnvError(f"no domain has a positive weight: {weights}")
+        empty = [d for d in self.domains if not tasks[d]]
+        if empty:
+            raise EnvError(f"domain(s) {empty} have weight > 0 but no tasks; check the task files and split")
+        self.tasks = {d: list(tasks[d]) for d in self.domains}
+        self.weights = [float(weights[d]) for d in self.domains]
+        self.seed = int(seed)
+        self.draws = 0
+        self.positions = {d: [0, 0] for d in self.domains}  # domain -> [epoch, index in the epoch's order]
+        self._perm: dict[str, tuple[int, list[int]]] = {}
+        self.metrics = DomainMetrics()
+        self.sampled = defaultdict(int)
+
+    def _order(self, domain: str, epoch: int) -> list[int]:
+        cached = self._perm.get(domain)
+        if cached is None or cached[0] != epoch:
+            idx = list(range(len(self.tasks[domain])))
+            random.Random(f"{self.seed}:{domain}:{epoch}").shuffle(idx)
+            cached = self._perm[domain] = (epoch, idx)
+        return cached[1]
+
+    def next_domain(self) -> str:
+        return random.Random(f"{self.seed}:draw:{self.draws}").choices(self.domains, self.weights)[0]
+
+    def next(self) -> Task:
+        domain = self.next_domain()
+        epoch, i = self.positions[domain]
+        task = self.tasks[domain][self._order(domain, epoch)[i]]
+        i += 1
+        self.positions[domain] = [epoch + 1, 0] if i == len(self.tasks[domain]) else [epoch, i]
+        self.draws += 1
+        self.sampled[domain] += 1
+        return task
+
+    def sample(self, n: int) -> list[Task]:
+        return [self.next() for _ in range(n)]
+
+    def __iter__(self):
+        while True:
+            yield self.next()
+
+    def record(self, task: Task, reward: RewardResult | float, status: str = "ok") -> None:
+        """Accumulate an episode's reward into the per-domain metrics."""
+        self.metrics.record(task.domain, reward, status)
+
+    def state_dict(self) -> dict:
+        return {"version": 1, "seed": self.seed, "draws": self.draws,
+                "positions": {d: {"epoch": e, "index": i, "num_tasks": len(self.tasks[d]),
+                                  "fingerprint": _fingerprint(self.tasks[d])}
+                              for d, (e, i) in self.positions.items()}}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue from `state`. A domain whose task list changed since is an error (strict) or restarts
+        from its beginning (strict=False); a new domain starts from its beginning."""
+        if state.get("version") != 1:
+            raise EnvError(f"unsupported sampler state version {state.get('version')!r} (expected 1)")
+        positions = {d: [0, 0] for d in self.domains}
+        for d, p in state["positions"].items():
+            if d not in self.positions:
+                continue
+            if p["fingerprint"] != _fingerprint(self.tasks[d]):
+                if strict:
+                    raise EnvError(f"task suite of domain {d!r} changed since the checkpoint ({p['num_tasks']} -> "
+                                   f"{len(self.tasks[d])} tasks); pass strict=False to restart it from its beginning")
+                continue
+            positions[d] = [int(p["epoch"]), int(p["index"])]
+        self.seed, self.draws, self.positions = int(state["seed"]), int(state["draws"]), positions
+        self._perm.clear()
