@@ -17,8 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
                        "the Slurm-native dispatch issue"),
     "convert": (None, "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard",
                 "the checkpoint-conversion tools issue"),
-    "plan": (None, "memory and parallel-layout planner for a config (up to 1T-parameter MoE)",
-             "the checkpoint-conversion tools issue"),
+    "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
     "eval": (None, "evaluate a checkpoint on held-out tasks (pass@k per domain)", "the RL loop issue"),
 }

@@ -1,0 +1,212 @@
+"""`megatron-rl plan`: parameter counts against published figures, memory terms, fit verdicts, search, errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, undocumented_fields
+from tools.plan import main
+from tools.plan.count import Arch
+from tools.plan.memory import plan_layout, rank_chunks, resolve_layout
+from tools.plan.search import search
+from tools.plan.spec import PlanConfig, load_plan_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _load(name: str, *overrides: str) -> tuple[PlanConfig, Arch]:
+    cfg = load_plan_config(CONFIGS / f"{name}.yaml", list(overrides))
+    return cfg, Arch(cfg.model, cfg.arch)
+
+
+def _plan(cfg: PlanConfig, arch: Arch, recompute: str | None = None):
+    return plan_layout(cfg, arch, resolve_layout(cfg, arch, cfg.parallel, recompute or cfg.train.recompute))
+
+
+# ------------------------------------------------------------------------------------------ counts
+@pytest.mark.parametrize("name, total, active, tol", [
+    ("llama3_8b", 8.03e9, None, 0.01),
+    ("llama3_70b", 70.6e9, None, 0.01),
+    ("deepseek_v3_671b", 671e9, 37e9, 0.01),
+    ("kimi_k2_1t", 1.04e12, 32e9, 0.02),
+])
+def test_parameter_counts_match_published(name, total, active, tol):
+    _, arch = _load(name)
+    assert abs(arch.total_params / total - 1) < tol, arch.total_params
+    if active is not None:
+        # active = matmul parameters per token (input-embedding lookup excluded); published figures are
+        # rounded to the nearest billion, so DeepSeek-V3's 36.6B reads "37B" (1.0% off, inside the rounding).
+        assert abs(arch.active_params / active - 1) < max(tol, 0.5e9 / active), arch.active_params
+
+
+def test_deepseek_v3_mtp_is_counted_separately():
+    _, arch = _load("deepseek_v3_671b")
+    # one MoE layer (11.5B) + the 2h->h projection; 671B + MTP + its HF copies of embedding/head ~ 685B
+    assert 11.5e9 < arch.mtp_params < 11.7e9
+    assert abs((arch.total_params + arch.mtp_params + 2 * arch.embedding) / 685e9 - 1) < 0.01
+
+
+def test_dense_active_equals_total_minus_embedding_lookup():
+    _, arch = _load("llama3_8b")
+    norms = arch.norm * (2 * arch.model.num_layers + 1)
+    assert arch.active_params == arch.total_params - arch.embedding - norms
+
+
+# --------------------------------------------------------------------------------------------- fit
+def test_deepseek_v3_fits_on_1024_h100_at_the_nemo_layout():
+    cfg, arch = _load("deepseek_v3_671b")
+    p = cfg.parallel
+    assert (cfg.cluster.gpus, cfg.cluster.gpu, p.tp, p.pp, p.vpp, p.ep) == (1024, "h100", 2, 8, 4, 64)
+    plan = _plan(cfg, arch)
+    assert plan.fits, plan.reason
+    assert plan.total_gb <= 80 * (1 - cfg.cluster.margin)
+    assert plan.layout.dp == 64 and plan.layout.expert_dp == 2
+
+
+def test_deepseek_v3_pipeline_split_is_megatrons_layout():
+    _, arch = _load("deepseek_v3_671b")
+    ranks = rank_chunks(arch.layer_kinds(), 8, 4)
+    sizes = [len(c) for r in range(4) for c in (ranks[i][r] for i in range(8))]
+    assert sizes == [1] + [2] * 30 + [1]                   # "Et|(tt|)*30mL"
+    assert ranks[7][3] == ("mtp",) and ranks[0][0] == ("dense",)
+
+
+def test_too_small_layout_does_not_fit_and_names_the_term():
+    cfg, arch = _load("deepseek_v3_671b", "parallel.pp=1", "parallel.vpp=null", "parallel.ep=8", "cluster.gpus=64",
+                      "train.global_batch_size=512")
+    plan = _plan(cfg, arch)
+    assert not plan.fits
+    assert "does not fit" in plan.reason and "largest term: gradients" in plan.reason
+    assert plan.memory_gb["gradients"] > plan.usable_gb
+
+
+def test_activations_too_big_is_the_reason():
+    cfg, arch = _load("llama3_8b", "train.seq_length=131072", "model.max_seq_length=131072")
+    plan = _plan(cfg, arch, "none")
+    assert not plan.fits and "largest term: activations" in plan.reason
+    assert _plan(cfg, arch, "full").memory_gb["activations"] < plan.memory_gb["activations"] / 4
+
+
+# ---------------------------------------------------------------------------------- memory scaling
+def test_doubling_tp_halves_dense_weights():
+    cfg, arch = _load("llama3_70b", "parallel.tp=4", "parallel.pp=1", "parallel.vpp=null", "cluster.gpus=64")
+    w4 = _plan(cfg, arch).memory_gb
+    cfg8, _ = _load("llama3_70b", "parallel.tp=8", "parallel.pp=1", "parallel.vpp=null", "cluster.gpus=64")
+    w8 = _plan(cfg8, arch).memory_gb
+    norms_gb = arch.norm * (2 * arch.model.num_layers + 1) * 2 / 1e9   # replicated over tp
+    assert (w8["weights"] - norms_gb) == pytest.approx((w4["weights"] - norms_gb) / 2, rel=1e-9)
+    assert w8["gradients"] == pytest.approx(w4["gradients"] * w8["weights"] / w4["weights"], rel=1e-9)
+
+
+def test_distributed_optimizer_divides_optimizer_state_by_dp():
+    cfg, arch = _load("llama3_8b", "cluster.gpus=8")     # tp 2 -> dp 4
+    sharded = _plan(cfg, arch)
+    cfg.train.distributed_optimizer = False
+    full = _plan(cfg, arch)
+    assert sharded.layout.dp == 4
+    assert sharded.memory_gb["optimizer"] == pytest.approx(full.memory_gb["optimizer"] / 4, rel=1e-9)
+    assert full.memory_gb["optimizer"] == pytest.approx(6 * full.memory_gb["weights"], rel=1e-9)  # 12 B vs 2 B
+
+
+def test_expert_optimizer_state_divided_by_expert_dp():
+    cfg, arch = _load("deepseek_v3_671b")
+    base = _plan(cfg, arch).memory_gb["optimizer"]
+    cfg2, _ = _load("deepseek_v3_671b", "cluster.gpus=2048", "train.global_batch_size=16384")
+    doubled = _plan(cfg2, arch)
+    assert doubled.layout.expert_dp == 4
+    assert doubled.memory_gb["optimizer"] < 0.55 * base      # experts dominate: ~halved
+
+
+def test_interleaving_adds_in_flight_activations():
+    cfg, arch = _load("llama3_70b")          # pp 4, vpp 5
+    inter = _plan(cfg, arch).memory_gb["activations"]
+    cfg1, _ = _load("llama3_70b", "parallel.vpp=null")
+    plain = _plan(cfg1, arch).memory_gb["activations"]
+    assert plain < inter < plain * (1 + 3 / 4 / 5 + 0.05)  # factor 1 + (pp-1)/(pp*vpp) on the first stage
+
+
+# ---------------------------------------------------------------------------------------- search
+def test_search_returns_only_fitting_layouts_sorted():
+    cfg, arch = _load("llama3_70b")
+    plans, tried = search(cfg, arch)
+    assert plans and tried > len(plans)
+    assert all(p.fits and p.total_gb <= p.usable_gb for p in plans)
+    times = [p.step["step_seconds"] for p in plans]
+    assert times == sorted(times)
+    assert {p.layout.recompute for p in plans} >= {"selective", "full"}
+
+
+def test_search_pins_recompute(capsys):
+    assert main([str(CONFIGS / "tiny_cpu.yaml"), "--search", "--recompute", "full", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plans"] and all(p["layout"]["recompute"] == "full" and p["fits"] for p in out["plans"])
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def test_cli_deepseek_text_and_json(capsys):
+    assert main([str(CONFIGS / "deepseek_v3_671b.yaml")]) == 0
+    text = capsys.readouterr().out
+    assert "671.03B params" in text and "fits:" in text and "weight sync" in text
+    assert main([str(CONFIGS / "deepseek_v3_671b.yaml"), "--gpus", "1024", "--gpu", "h100",
+                 "--layout", "tp=2,pp=8,vpp=4,ep=64,etp=1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["fits"] and out["plan"]["layout"]["dp"] == 64
+    assert set(out["plan"]["memory_gb"]) == {"weights", "gradients", "optimizer", "activations", "overhead"}
+    assert out["rollout"]["kv_bytes_per_token"] == (512 + 64) * 61 * 2           # MLA latent cache
+    assert out["rollout"]["weight_sync_gb"] == pytest.approx(2 * out["model"]["total_params"] / 1e9)
+
+
+def test_cli_not_fitting_exits_1(capsys):
+    code = main([str(CONFIGS / "deepseek_v3_671b.yaml"), "--gpus", "64", "--layout", "tp=1,pp=1,ep=8",
+                 "--global-batch-size", "512"])
+    assert code == 1 and "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--gpus", "1000"], "tp*cp*pp"),                     # 16 does not divide 1000
+    (["--layout", "tp=2,pp=8,ep=3"], "parallel.ep=3"),    # 3 does not divide 256 experts
+    (["--gpu", "a100"], "--gpu"),
+    (["--layout", "tp=2,xp=4"], "'xp'"),
+    (["--layout", "tp=3"], "parallel.tp=3"),
+])
+def test_bad_input_names_the_key(argv, key, capsys):
+    assert main([str(CONFIGS / "deepseek_v3_671b.yaml"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert key in err, err
+
+
+def test_unknown_config_key_rejected(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "kimi_k2_1t.yaml").read_text().replace("mtp_layers:", "mtp_layerz:"))
+    assert main([str(bad)]) == 2
+    assert "arch.mtp_layerz" in capsys.readouterr().err
+
+
+def test_run_config_is_accepted(capsys):
+    assert main([str(CONFIGS / "demo_cpu.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 2 and out["plan"]["layout"]["tp"] == 2 and out["plan"]["fits"]
+
+
+def test_plan_config_fields_documented():
+    assert undocumented_fields(PlanConfig) == []
+
+
+def test_cli_entry_wired(capsys):
+    from megatron_rl.cli import main as cli_main
+
+    assert cli_main(["plan", "--help"]) == 0
+    assert "--search" in capsys.readouterr().out
+
+
+def test_shipped_configs_fit():
+    for name in ("tiny_cpu", "llama3_8b", "llama3_70b", "deepseek_v3_671b", "kimi_k2_1t"):
+        cfg, arch = _load(name)
+        assert _plan(cfg, arch).fits, name
+
+
+def test_config_error_type():
+    with pytest.raises(ConfigError, match="cluster.gpu"):
+        _load("tiny_cpu", "cluster.gpu=v100")

@@ -1,0 +1,1 @@
+"""Operator tools of megatron-rl: checkpoint conversion, the parallel-layout planner, inspection."""
