@@ -67,8 +67,27 @@ class Policy:
         self.scheduler = self._build_scheduler(total_steps)
         self.step_count = 0
 
+    @property
+    def grad_scale(self) -> float:
+        """Factor a loss_fn multiplies a SUM-normalised loss by: Megatron's schedule divides each micro-batch
+        loss by num_microbatches and DDP averages gradients over dp; pass it num_microbatches * this."""
+        return float(self.ctx.parallel.dp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank computes the loss (last pipeline stage)."""
+        return torch.distributed.get_rank(self.ctx.pgs.pp) == self.ctx.parallel.pp - 1
+
+    def frozen_copy(self) -> FrozenModel:
+        """A frozen model of the same layout holding the current weights (the KL reference)."""
+        return FrozenModel(self)
+
     def _build_chunks(self, init) -> list[torch.nn.Module]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         par, pgs = self.ctx.parallel, self.ctx.pgs
         vpp = par.vpp if par.pp > 1 and par.vpp else 1
@@ -84,8 +103,11 @@ class Policy:
                               vp_stage=v if vpp > 1 else None)
             if init is not None:
                 init(model)
-            chunks.append(DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=model,
+            chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model,
                                                   pg_collection=pgs))
+        for chunk in chunks:
+            # without it the schedule never reduces gradients over dp, nor ties embeddings across stages
+            chunk.module.config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=pgs)
         return chunks
 
     def _build_optimizer(self):
@@ -123,6 +145,11 @@ class Policy:
         self.step_count += 1
         return _reduce_metrics(results, ok, grad_norm)
 
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+        """Forward+backward only (gradients reduced into each parameter's main_grad, no optimizer step);
+        summed metrics from the last pipeline stage. Zero the grad buffers first."""
+        return _reduce_metrics(self._forward_backward(microbatches, loss_fn, seq_length, False), None, None)
+
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
         """Forward only; summed metrics from the last pipeline stage."""
@@ -141,7 +168,8 @@ class Policy:
         vpp = len(self.chunks)
         iters = [iter(microbatches) for _ in range(vpp)] if vpp > 1 else iter(microbatches)
         fb = get_forward_backward_func(pp_size=self.ctx.parallel.pp, vp_size=vpp if vpp > 1 else None)
-        return fb(forward_step_func=partial(_forward_step, loss_fn), data_iterator=iters, model=self.chunks,
+        step = partial(_forward_step, loss_fn, self.cfg.transformer_impl)
+        return fb(forward_step_func=step, data_iterator=iters, model=self.chunks,
                   num_microbatches=len(microbatches), seq_length=seq_length,
                   micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
 
@@ -151,10 +179,14 @@ class Policy:
                 yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), p
 
 
-def _forward_step(loss_fn: LossFn, data_iterator, model):
+def _forward_step(loss_fn: LossFn, transformer_impl: str, data_iterator, model):
+    from megatron_rl.trainer.packing import attention_inputs
+
     batch = next(data_iterator)
+    # packed micro-batches: a block-causal mask (local spec) or THD PackedSeqParams (TE); else plain causal
+    mask, packed = attention_inputs(batch, transformer_impl)
     # output: [b, s, V/tp] logits on the last stage, hidden states [s, b, h] elsewhere
-    output = model(batch["tokens"], batch["position_ids"], None)
+    output = model(batch["tokens"], batch["position_ids"], mask, packed_seq_params=packed)
     return output, partial(_loss_wrapper, loss_fn, batch)
 
 
@@ -170,3 +202,29 @@ def _reduce_metrics(results: list[dict], ok: bool | None, grad_norm) -> dict:
         for k, v in rec.items():
             out[k] = out.get(k, 0.0) + float(v)
     return out
+
+
+class FrozenModel:
+    """Forward-only copy of a policy's chunks (same layout, no DDP, no optimizer): the KL reference model."""
+
+    def __init__(self, policy: Policy):
+        par, pgs = policy.ctx.parallel, policy.ctx.pgs
+        self.cfg, self.ctx = policy.cfg, policy.ctx
+        self.chunks = []
+        for v, src in enumerate(policy.chunks):
+            m = build_gpt(policy.cfg, par, pgs, pre_process=src.module.pre_process,
+                          post_process=src.module.post_process, vp_stage=v if len(policy.chunks) > 1 else None)
+            m.load_state_dict(src.module.state_dict())
+            m.requires_grad_(False)
+            m.eval()
+            self.chunks.append(m)
+
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+        """Forward+backward only (gradients reduced into each parameter's main_grad, no optimizer step);
+        summed metrics from the last pipeline stage. Zero the grad buffers first."""
+        return _reduce_metrics(self._forward_backward(microbatches, loss_fn, seq_length, False), None, None)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+        """Forward only through the pipeline; summed metrics from the last pipeline stage."""
+        return _reduce_metrics(Policy._forward_backward(self, microbatches, loss_fn, seq_length, True), None, None)

@@ -1,0 +1,124 @@
+"""Exact, reshardable checkpoints of the policy trainer with `megatron.core.dist_checkpointing`.
+
+One checkpoint directory holds the model (every virtual-pipeline chunk), the optimizer state (the
+DistributedOptimizer's as `fully_reshardable`, so it loads under another TP/PP/DP layout), the frozen
+reference model when there is one, and in the common part the LR scheduler, the step counter and rank 0's
+torch RNG state. Callers that save must run under `if __name__ == "__main__":` (the save starts a
+multiprocessing manager and hangs without the guard).
+
+Without TE/Apex the torch Adam path of Megatron's optimizers loads one `step` tensor SHARED by every
+parameter, so each optimizer step then increments it once per parameter and the bias correction goes wrong
+(silent divergence after resume). `load_checkpoint` un-shares it, and creates Adam's state before loading
+(without it building the load template fails: no `step` to read).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _model_state(chunks, prefix: str = "") -> dict:
+    """{model0: sharded dict, model1: ...} of raw GPTModel chunks (keys of the tensors are global)."""
+    return {f"{prefix}model{i}": m.sharded_state_dict(prefix=prefix) for i, m in enumerate(chunks)}
+
+
+def _state(policy, reference, is_loading: bool) -> dict:
+    model = _model_state([c.module for c in policy.chunks])
+    state = {**model, "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                                        metadata=SHARDING)}
+    if reference is not None:
+        state.update(_model_state(reference.chunks, prefix="reference."))
+    return state
+
+
+def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None = None) -> None:
+    """Save model, optimizer, scheduler, step (and `extra`, plain data from rank 0) to directory `path`."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if torch.distributed.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    state = _state(policy, reference, is_loading=False)
+    state["trainer"] = {"step": policy.step_count, "scheduler": policy.scheduler.state_dict(),
+                        "rng": torch.get_rng_state(), "extra": extra or {}}
+    dist_checkpointing.save(state, str(path))
+
+
+def load_checkpoint(policy, path: str | Path, reference=None) -> dict:
+    """Load a checkpoint saved under any layout into `policy` (and `reference`); returns `extra`."""
+    from megatron.core import dist_checkpointing
+
+    _prime_adam_state(policy.optimizer)
+    state = dist_checkpointing.load(_state(policy, reference, is_loading=True), str(path))
+    for i, chunk in enumerate(policy.chunks):
+        chunk.module.load_state_dict(state[f"model{i}"])
+    if reference is not None:
+        for i, m in enumerate(reference.chunks):
+            m.load_state_dict(_strip(state[f"reference.model{i}"], "reference."))
+    _load_optimizer(policy.optimizer, state["optimizer"])
+    _unshare_adam_step(policy.optimizer)
+    trainer = state["trainer"]
+    policy.scheduler.load_state_dict(trainer["scheduler"])
+    policy.step_count = int(trainer["step"])
+    torch.set_rng_state(trainer["rng"])
+    return trainer.get("extra", {})
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, with the DistributedOptimizer copying only the states the checkpoint has:
+    without TE/Apex its fully-reshardable load skips Adam's `step` in the source but not in the destination
+    (KeyError: 'step'); `step` itself comes from the param groups."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    patched = [s for s in subs if hasattr(s, "model_param_group_index_map")]
+    for sub in patched:
+        sub._set_main_param_and_optimizer_states = functools.partial(_set_present_states, sub)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states
+
+
+def _set_present_states(opt, model_param, tensors: dict) -> None:
+    """Copy `tensors` ({param, exp_avg, exp_avg_sq}, this rank's shard) into the main param and Adam state."""
+    group, order = opt.model_param_group_index_map[model_param]
+    main = opt.optimizer.param_groups[group]["params"][order]
+    dst = {"param": main, **opt.optimizer.state[main]}
+    for key, value in tensors.items():
+        dst[key].copy_(value)
+
+
+def _strip(sd: dict, prefix: str) -> dict:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron (chained) optimizer."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s.optimizer for s in subs]
+
+
+def _prime_adam_state(optimizer) -> None:
+    """Create Adam's lazily made state with a zero-gradient step (the load template needs it; the weights it
+    might touch through weight decay are overwritten by the load)."""
+    for inner in _inner_optimizers(optimizer):
+        if inner.state:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad()
+
+
+def _unshare_adam_step(optimizer) -> None:
+    """Give every parameter its own `step` tensor (loading shares one; torch Adam increments it in place)."""
+    for inner in _inner_optimizers(optimizer):
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].detach().clone()

@@ -1,0 +1,193 @@
+"""Sequence packing for the trainer: variable-length samples -> fixed token-budget micro-batches.
+
+A sample of L tokens occupies L - 1 slots: inputs tokens[:-1], labels tokens[1:] (position i predicts token
+i+1), and the per-token fields of the label side (loss mask, behaviour log-probs, advantages). Samples are
+packed whole (never split) by first-fit-decreasing into bins of `max_tokens` slots; the bins are dealt to the
+data-parallel ranks round-robin and every rank pads its list with empty micro-batches to the same count
+(MoE all-to-alls and pipeline schedules need equal counts). Each micro-batch is [1, max_tokens]:
+
+    tokens, labels, position_ids (restart at 0 per sample), sample_index (-1 on padding)   long  [1, S]
+    loss_mask, behaviour_logprobs, advantages                                              float [1, S]
+    cu_seqlens  int32 [n+1]: sample boundaries (the trailing padding is one more segment)
+
+Attention never crosses a boundary: `attention_inputs` gives a block-diagonal causal mask [1, 1, S, S]
+(True = masked) for the local layer spec (its DotProductAttention applies an explicit mask instead of the
+default causal one), or `PackedSeqParams` (THD, cu_seqlens) for Transformer Engine.
+
+Bad input: a sample longer than the budget raises naming it (or is skipped and counted with
+overlong='skip'); a sample without loss tokens is skipped and counted; a non-finite reward or a token id
+outside [0, vocab) raises naming the sample.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from megatron_rl.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PackingConfig:
+    """How samples are packed into micro-batches."""
+
+    max_tokens: int = 2048
+    """Token budget (padded sequence length) of one micro-batch; a sample of L tokens needs L - 1."""
+    overlong: Literal["error", "skip"] = "error"
+    """A sample longer than max_tokens + 1: raise naming it, or skip it (logged and counted)."""
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"packing.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.overlong not in ("error", "skip"):
+            raise ConfigError(f"packing.overlong={self.overlong!r} is not one of ['error', 'skip']")
+
+
+@dataclass
+class PackStats:
+    """What packing did with a global batch."""
+
+    samples: int = 0
+    """Samples packed (all DP ranks)."""
+    skipped_overlong: int = 0
+    """Samples skipped because they exceed the budget (overlong='skip')."""
+    skipped_empty: int = 0
+    """Samples skipped because they have no loss token."""
+    bins: int = 0
+    """Non-empty micro-batches over all DP ranks."""
+    microbatches_per_rank: int = 0
+    """Micro-batches of every DP rank (empty ones included)."""
+    fill: float = 0.0
+    """Used slots / (bins * max_tokens)."""
+    skipped_ids: list[str] = field(default_factory=list)
+    """Episode ids of the skipped samples."""
+
+
+def _name(cols, i: int) -> str:
+    return f"sample {i} (episode {cols.episode_id[i]!r})" if hasattr(cols, "episode_id") else f"sample {i}"
+
+
+def check_samples(cols, vocab_size: int, cfg: PackingConfig) -> tuple[np.ndarray, PackStats]:
+    """Validate the batch (raises naming the sample); returns keep [N] bool and the skip counts."""
+    stats, n = PackStats(), len(cols.offsets) - 1
+    keep = np.ones(n, dtype=bool)
+    bad = np.flatnonzero(~np.isfinite(np.asarray(cols.reward, dtype=np.float64)))  # [k]
+    if bad.size:
+        raise ValueError(f"{_name(cols, int(bad[0]))} has a non-finite reward {cols.reward[bad[0]]}; "
+                         "fix the reward function (the trainer cannot learn from NaN)")
+    for i in range(n):
+        s, e = int(cols.offsets[i]), int(cols.offsets[i + 1])
+        tok = cols.tokens[s:e]
+        if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
+            raise ValueError(f"{_name(cols, i)} has token ids in [{tok.min()}, {tok.max()}] outside the "
+                             f"vocabulary [0, {vocab_size}); check the tokenizer against model.vocab_size")
+        if e - s - 1 > cfg.max_tokens:
+            if cfg.overlong == "error":
+                raise ValueError(f"{_name(cols, i)} has {e - s} tokens, more than packing.max_tokens + 1 = "
+                                 f"{cfg.max_tokens + 1}; raise max_tokens or set packing.overlong='skip'")
+            keep[i], stats.skipped_overlong = False, stats.skipped_overlong + 1
+        elif not cols.loss_mask[s + 1:e].any():
+            keep[i], stats.skipped_empty = False, stats.skipped_empty + 1
+    stats.skipped_ids = [str(getattr(cols, "episode_id", np.arange(n))[i]) for i in np.flatnonzero(~keep)]
+    if stats.skipped_ids:
+        logger.warning("packing: skipped %d overlong and %d empty-loss samples: %s", stats.skipped_overlong,
+                       stats.skipped_empty, stats.skipped_ids[:8])
+    return keep, stats
+
+
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Indices of `lengths` [N] (each <= capacity) grouped into bins of total <= capacity (FFD, stable)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        j = next((k for k, f in enumerate(free) if f >= lengths[i]), None)
+        if j is None:
+            bins.append([]), free.append(capacity)
+            j = len(bins) - 1
+        bins[j].append(i)
+        free[j] -= int(lengths[i])
+    return bins
+
+
+def _segment_fields(cols, i: int, token_fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One sample's slots: inputs, labels and the label-side per-token fields (each [L-1])."""
+    s, e = int(cols.offsets[i]), int(cols.offsets[i + 1])
+    out = {"tokens": cols.tokens[s:e - 1], "labels": cols.tokens[s + 1:e], "loss_mask": cols.loss_mask[s + 1:e],
+           "behaviour_logprobs": cols.logprobs[s + 1:e]}
+    out.update({k: v[s + 1:e] for k, v in token_fields.items()})
+    return out
+
+
+def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
+                     token_fields: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """The [1, max_tokens] micro-batch holding samples `sample_ids` end to end (padding after them)."""
+    S, token_fields = max_tokens, token_fields or {}
+    names = ("tokens", "labels", "loss_mask", "behaviour_logprobs", *token_fields)
+    ints = {"tokens", "labels", "position_ids", "sample_index"}
+    mb = {k: torch.zeros(S, dtype=torch.long if k in ints else torch.float32) for k in names}  # each [S]
+    mb["position_ids"], mb["sample_index"] = torch.arange(S), torch.full((S,), -1, dtype=torch.long)
+    bounds, pos = [0], 0
+    for i in sample_ids:
+        seg = _segment_fields(cols, i, token_fields)
+        n = len(seg["tokens"])
+        for k in names:
+            mb[k][pos:pos + n] = torch.from_numpy(np.asarray(seg[k], dtype=np.int64 if k in ints else np.float64))
+        mb["position_ids"][pos:pos + n] = torch.arange(n)
+        mb["sample_index"][pos:pos + n] = i
+        pos += n
+        bounds.append(pos)
+    mb["position_ids"][pos:] = torch.arange(S - pos)
+    if pos < S:
+        bounds.append(S)  # trailing padding is its own segment
+    out = {k: v.unsqueeze(0) for k, v in mb.items()}  # each [1, S]
+    out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)  # [n+1]
+    return out
+
+
+def pack(cols, keep: np.ndarray, cfg: PackingConfig, dp_rank: int, dp_size: int,
+         token_fields: dict[str, np.ndarray] | None = None, stats: PackStats | None = None, multiple_of: int = 1
+         ) -> tuple[list[dict[str, torch.Tensor]], PackStats]:
+    """This DP rank's micro-batches of the kept samples (same count on every rank, a multiple of
+    `multiple_of`: the interleaved pipeline schedule needs a multiple of pp) and the packing stats."""
+    stats = stats or PackStats()
+    kept = np.flatnonzero(keep)  # [K] global sample ids
+    slots = np.diff(np.asarray(cols.offsets))[kept] - 1  # [K]
+    bins = [[int(kept[j]) for j in b] for b in first_fit_decreasing(slots, cfg.max_tokens)]
+    per_rank = max(1, -(-len(bins) // dp_size))
+    per_rank = -(-per_rank // multiple_of) * multiple_of
+    mine = bins[dp_rank::dp_size]
+    mine += [[] for _ in range(per_rank - len(mine))]
+    stats.samples, stats.bins, stats.microbatches_per_rank = len(kept), len(bins), per_rank
+    stats.fill = float(slots.sum()) / max(len(bins) * cfg.max_tokens, 1)
+    return [build_microbatch(cols, b, cfg.max_tokens, token_fields) for b in mine], stats
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[1, 1, S, S] bool, True = masked: causal inside each segment of cu_seqlens [n+1], nothing across."""
+    seg = torch.bucketize(torch.arange(seq_len), cu_seqlens[1:].long(), right=True)  # [S] segment of each slot
+    same = seg[:, None] == seg[None, :]  # [S, S]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()  # [S, S]
+    return ~(same & causal)[None, None]
+
+
+def attention_inputs(batch: dict, transformer_impl: str):
+    """(attention_mask, packed_seq_params) for a micro-batch: a block-causal mask for the local spec,
+    THD PackedSeqParams for Transformer Engine, (None, None) for an unpacked batch (plain causal)."""
+    cu = batch.get("cu_seqlens")
+    if cu is None:
+        return batch.get("attention_mask"), None
+    seq_len = batch["tokens"].shape[-1]
+    if transformer_impl != "transformer_engine":
+        return block_causal_mask(cu, seq_len).to(batch["tokens"].device), None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu.to(device=batch["tokens"].device, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return None, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)

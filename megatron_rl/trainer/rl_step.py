@@ -1,0 +1,199 @@
+"""One RL training step on Megatron-Core: trajectories -> advantages -> packed micro-batches -> policy update.
+
+    trainer = RLTrainer(policy, RLConfig(loss=LossConfig(name="grpo")))
+    metrics = trainer.step(read_arrays(shard))    # the same global batch on every rank
+
+Every rank receives the whole global batch (columns of a shard, `TrajectoryColumns`), computes the
+advantages over it (group statistics are global), validates and packs it, and keeps its data-parallel share
+of the micro-batches (`packing.pack`). The loss follows the normalisation contract of
+`megatron_rl.rl.losses`: the normaliser Z is summed over this rank's micro-batches and all-reduced (SUM) over
+the data-parallel group, each micro-batch back-propagates sum_t a_t l_t / Z, and the loss is multiplied by
+num_microbatches * dp against Megatron's per-micro-batch division and DDP's averaging, so gradients are the
+SUM over ranks, i.e. those of the whole global batch in one piece.
+
+Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
+forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).
+Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rl.advantages import AdvantageInputs
+from megatron_rl.rl.config import AdvantageConfig, LossConfig
+from megatron_rl.rl.losses import LossInputs, normaliser
+from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
+
+MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl")
+"""Per-micro-batch token means of the loss that are combined into global means (weighted by tokens)."""
+
+
+@dataclass
+class RLConfig:
+    """The RL update of the policy trainer."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss (LOSSES registry) and its normalisation."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """Advantage estimator (ADVANTAGES registry), run on the whole global batch."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Micro-batch token budget and overlong-sample policy."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: log-probs are those of softmax(logits / temperature)."""
+    logprob_chunk_size: int = 0
+    """Tokens per chunk of the log-prob/entropy computation (bounds fp32 vocabulary memory); 0 = whole micro-batch."""
+    old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
+    """PPO ratio denominator: the rollout's behaviour log-probs, or recomputed by a forward pass before the update."""
+    epochs: int = 1
+    """Optimizer steps over the same global batch (PPO epochs); > 1 needs old_logprobs='recompute'."""
+    reference: bool = False
+    """Keep a frozen copy of the initial policy for the KL term (required when loss.kl_coef > 0)."""
+
+    def validate(self) -> None:
+        self.loss.validate()
+        self.advantage.validate()
+        self.packing.validate()
+        if not self.temperature > 0:
+            raise ConfigError(f"rl.temperature must be > 0, got {self.temperature}")
+        if self.logprob_chunk_size < 0:
+            raise ConfigError(f"rl.logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
+        if self.epochs < 1:
+            raise ConfigError(f"rl.epochs must be >= 1, got {self.epochs}")
+        if self.epochs > 1 and self.old_logprobs != "recompute":
+            raise ConfigError("rl.epochs > 1 needs rl.old_logprobs='recompute' (the ratio must be taken against "
+                              "the policy before the first update, not the rollout engine)")
+        if self.loss.kl_coef > 0 and not self.reference:
+            raise ConfigError("loss.kl_coef > 0 needs rl.reference=true (a frozen reference model)")
+
+
+def token_advantages(cols, cfg: AdvantageConfig) -> np.ndarray:
+    """float32 [T] advantages aligned with cols.tokens (label side: token t's advantage sits at t)."""
+    lengths = np.diff(np.asarray(cols.offsets))  # [N]
+    sample_index = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))  # [T]
+    inputs = AdvantageInputs(rewards=torch.as_tensor(np.asarray(cols.reward, dtype=np.float64)),
+                             group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)),
+                             sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)))
+    return cfg.build()(inputs).advantages.float().numpy()
+
+
+class RLTrainer:
+    """Runs RL steps of one rank's `Policy` (and optional frozen reference) on global batches."""
+
+    def __init__(self, policy, cfg: RLConfig, reference=None):
+        cfg.validate()
+        if policy.ctx.parallel.cp > 1:
+            raise ConfigError("the RL trainer does not split packed sequences over context parallelism yet; "
+                              "set parallel.cp=1")
+        self.policy, self.cfg, self.loss = policy, cfg, cfg.loss.build()
+        self.reference = reference if reference is not None or not cfg.reference else policy.frozen_copy()
+
+    # ------------------------------------------------------------------------------------ the step
+    def step(self, cols) -> dict:
+        """One RL step on the global batch `cols` (identical on every rank); metrics known on every rank."""
+        mbs, stats = self.prepare(cols)
+        out = {"samples": stats.samples, "skipped_overlong": stats.skipped_overlong,
+               "skipped_empty": stats.skipped_empty, "microbatches": len(mbs), "pack_fill": stats.fill}
+        if stats.samples == 0:
+            return {**out, "update_skipped": True}
+        z = self._global_normaliser(mbs)
+        self._set_old_and_ref(mbs)
+        epochs = [self._update(mbs, z) for _ in range(self.cfg.epochs)]
+        return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs]}
+
+    def prepare(self, cols):
+        """Validate, compute advantages and pack: this rank's micro-batches and the packing stats."""
+        keep, stats = check_samples(cols, self.policy.cfg.vocab_size, self.cfg.packing)
+        adv = token_advantages(cols, self.cfg.advantage)  # [T]
+        dp_group, par = self.policy.ctx.pgs.dp, self.policy.ctx.parallel
+        interleaved = par.pp > 1 and (par.vpp or 1) > 1
+        return pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(dp_group),
+                    torch.distributed.get_world_size(dp_group), {"advantages": adv}, stats,
+                    multiple_of=par.pp if interleaved else 1)
+
+    def compute_gradients(self, cols) -> tuple[float, dict[str, torch.Tensor]]:
+        """Forward+backward of one step WITHOUT the optimizer update (tests, diagnostics): the global loss
+        and this rank's reduced gradients {parameter name: main_grad}."""
+        mbs, _ = self.prepare(cols)
+        z = self._global_normaliser(mbs)
+        self._set_old_and_ref(mbs)
+        for chunk in self.policy.chunks:
+            chunk.zero_grad_buffer()
+        raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
+                                           self.cfg.packing.max_tokens)
+        grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()}
+        return self._reduce(raw)["loss"], grads
+
+    def _set_old_and_ref(self, mbs: list[dict]) -> None:
+        if self.reference is not None:
+            self._store_logprobs(self.reference, mbs, "ref_logprobs")
+        if self.cfg.old_logprobs == "recompute":
+            self._store_logprobs(self.policy, mbs, "old_logprobs")
+        else:
+            for mb in mbs:
+                mb["old_logprobs"] = mb["behaviour_logprobs"]
+
+    def _update(self, mbs: list[dict], z: float) -> dict:
+        scale = len(mbs) * self.policy.grad_scale
+        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens)
+        m = self._reduce(raw)
+        tokens = max(m.pop("tokens"), 1.0)
+        means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
+        return {"loss": m["loss"], "tokens": tokens, **means, "grad_norm": raw.get("grad_norm"),
+                "update_ok": raw.get("update_ok"), "lr": self.policy.optimizer.param_groups[0]["lr"]}
+
+    # ------------------------------------------------------------------------------- loss callbacks
+    def _logprobs(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Current log-probs and entropy [T] of a micro-batch from its logits [1, S, V/tp]."""
+        lp, ent = token_logprobs_and_entropy(output, batch["labels"], self.policy.ctx.pgs.tp, self.cfg.temperature,
+                                             self.cfg.logprob_chunk_size or None)  # each [1, S]
+        return lp.reshape(-1), ent.reshape(-1)
+
+    def _loss_fn(self, z: float, scale: float):
+        def loss_fn(output: torch.Tensor, batch: dict):
+            lp, ent = self._logprobs(output, batch)  # each [T]
+            out = self.loss(_loss_inputs(batch, lp, ent if self.cfg.loss.entropy_coef > 0 else ent.detach(), z))
+            n = out.metrics["num_tokens"]
+            sums = {f"{k}_sum": out.metrics[k] * n for k in MEAN_METRICS if k in out.metrics}
+            return out.loss * scale, {"loss": out.loss.detach(), "tokens": n, **sums}
+        return loss_fn
+
+    def _store_logprobs(self, model, mbs: list[dict], key: str) -> None:
+        """Forward-only pass of `model`; the last stage stores log-probs [1, S] into each micro-batch."""
+        def store(output: torch.Tensor, batch: dict):
+            lp, _ = self._logprobs(output.detach(), batch)
+            batch[key] = lp.view_as(batch["labels"]).detach()
+            return lp.new_zeros(()), {}
+        model.evaluate(mbs, store, self.cfg.packing.max_tokens)
+
+    # ------------------------------------------------------------------------------ reductions
+    def _global_normaliser(self, mbs: list[dict]) -> float:
+        """Z of the global batch: this rank's micro-batches summed, all-reduced over data-parallel ranks."""
+        z = sum(normaliser(self.cfg.loss, mb["loss_mask"].view(-1), mb["sample_index"].view(-1)) for mb in mbs)
+        z = torch.as_tensor(z, dtype=torch.float64).reshape(1)
+        torch.distributed.all_reduce(z, group=self.policy.ctx.pgs.dp)
+        return float(z.item())
+
+    def _reduce(self, raw: dict) -> dict:
+        """Summed loss metrics of the last pipeline stage, summed over data-parallel ranks, on every rank."""
+        keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
+        t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64)  # [K]
+        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64)  # [K]
+        pgs = self.policy.ctx.pgs
+        for group in (pgs.pp, pgs.dp):
+            torch.distributed.all_reduce(t, group=group)
+        torch.distributed.all_reduce(present, group=pgs.pp)
+        return {k: v for k, v, p in zip(keys, t.tolist(), present.tolist()) if p or k in ("loss", "tokens")}
+
+
+def _loss_inputs(batch: dict, lp: torch.Tensor, ent: torch.Tensor, z: float) -> LossInputs:
+    """LossInputs [T] of a packed micro-batch (flattened from [1, S])."""
+    flat = {k: batch[k].reshape(-1) if batch.get(k) is not None else None
+            for k in ("old_logprobs", "advantages", "loss_mask", "sample_index", "behaviour_logprobs",
+                      "ref_logprobs")}
+    return LossInputs(logprobs=lp, entropy=ent, normaliser=z, **flat)

@@ -1,0 +1,210 @@
+"""Rank script: RL steps (GRPO) of the Megatron-Core policy in several layouts vs the one-process run.
+
+    torchrun --nproc_per_node W tests/mp/trainer_parity.py --layouts tp2,pp2,...
+
+Each layout: Policy + RLTrainer (KL reference, recomputed old log-probs, TIS, entropy bonus, chunked
+log-probs), STEPS RL steps on synthetic global batches, weights initialised from global parameter names.
+Afterwards rank 0 starts a one-rank world, runs the one-process reference of every model used, checks that
+the loss and gradients of the real model do not depend on the packing, and emits one record per layout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tests.mp.launch import emit, free_port
+
+SEED, STEPS, VOCAB = 1234, 3, 64
+LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe, distributed optimizer)
+    "tp2": (dict(tp=2), 2, False, False),
+    "pp2": (dict(pp=2), 2, False, False),
+    "pp2_vpp2": (dict(pp=2, vpp=2), 4, False, False),
+    "ep2_moe": (dict(ep=2), 2, True, False),
+    "dp2_distopt": (dict(), 2, False, True),
+    "tp2_pp2": (dict(tp=2, pp=2), 2, False, False),
+}
+
+
+def model_config(layers: int, moe: bool):
+    from megatron_rl.models.gpt import ModelConfig, MoEConfig
+
+    return ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                       vocab_size=VOCAB, max_seq_length=64,
+                       moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32) if moe else MoEConfig())
+
+
+def rl_config(max_tokens: int = 40):
+    from megatron_rl.rl.config import AdvantageConfig, LossConfig
+    from megatron_rl.trainer.packing import PackingConfig
+    from megatron_rl.trainer.rl_step import RLConfig
+
+    return RLConfig(loss=LossConfig(name="grpo", kl_coef=0.05, entropy_coef=0.01, is_correction="tis"),
+                    advantage=AdvantageConfig(name="grpo"), packing=PackingConfig(max_tokens=max_tokens),
+                    temperature=0.9, logprob_chunk_size=16, old_logprobs="recompute", reference=True)
+
+
+def batch(step: int):
+    """Global batch of step `step`: 12 samples in 3 groups, lengths 6..30 (same on every rank)."""
+    from megatron_rl.data.shards import Trajectory, TrajectoryColumns
+
+    gen = np.random.default_rng(SEED + step)
+    trajs = []
+    for i in range(12):
+        n, prompt = int(gen.integers(6, 31)), int(gen.integers(2, 5))
+        mask = (np.arange(n) >= prompt).astype(np.uint8)
+        trajs.append(Trajectory(
+            tokens=gen.integers(0, VOCAB, n).astype(np.int32), loss_mask=mask,
+            logprobs=np.where(mask, np.log(1.0 / VOCAB) + 0.3 * gen.normal(size=n), 0).astype(np.float32),
+            prompt_len=prompt, reward=float(gen.integers(0, 2)), group_id=i // 4, policy_version_first=0,
+            policy_version_last=0, env="synthetic", task_id=str(i // 4), episode_id=f"s{step}-{i}"))
+    return TrajectoryColumns.from_trajectories(trajs)
+
+
+def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None, max_tokens: int = 40):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.parallel import ParallelConfig
+    from megatron_rl.trainer.policy import OptimConfig, Policy
+    from megatron_rl.trainer.rl_step import RLTrainer
+
+    ctx = ctx or init_distributed(ParallelConfig(**parallel_kwargs))
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    policy = Policy(model_config(layers, moe), OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=distopt),
+                    ctx, total_steps=STEPS, init=lambda m: init_weights_by_name(m, SEED))
+    return RLTrainer(policy, rl_config(max_tokens))
+
+
+def _tp_gather(param: torch.Tensor, group) -> torch.Tensor:
+    """The unsharded tensor of a TP-sharded parameter (inverse of testing._local_slice)."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return param.detach().clone()
+    parts = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    return torch.cat([torch.cat([p.chunk(stride, dim)[j] for p in parts], dim) for j in range(stride)], dim)
+
+
+def full_weights(policy) -> dict[str, torch.Tensor]:
+    """{global name: unsharded weight} of the whole model, on every rank (copies of replicas compared)."""
+    from megatron_rl.compat.testing import _tp_group_of, global_param_names
+
+    mine = {}
+    for chunk in policy.chunks:
+        names, groups = global_param_names(chunk.module), _tp_group_of(chunk.module)
+        for local, p in chunk.module.named_parameters():
+            mine.setdefault(names[local], []).append(_tp_gather(p, groups.get(local)))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, list] = {}
+    for d in everyone:
+        for k, v in d.items():
+            merged.setdefault(k, []).extend(v)
+    return merged
+
+
+def run_layout(name: str) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    par, layers, moe, distopt = LAYOUTS[name]
+    start = time.perf_counter()
+    trainer = build(par, layers, moe, distopt)
+    metrics = [trainer.step(batch(s)) for s in range(STEPS)]
+    weights = full_weights(trainer.policy)
+    parallel_state.destroy_model_parallel()
+    get_cuda_rng_tracker().reset()
+    return {"layout": name, "model": (layers, moe), "metrics": metrics, "weights": weights,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def single_rank_world():
+    """Rank 0 alone: a fresh one-rank world and Megatron groups (for the one-process reference)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_rl.compat import cpu
+    from megatron_rl.distributed import DistContext, LaunchInfo
+    from megatron_rl.parallel import ParallelConfig
+
+    cpu.apply()
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # else the new rendezvous waits for torchrun's store
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    return DistContext(LaunchInfo(0, 1, 0, "127.0.0.1", port, "single"), ParallelConfig().resolve(1), "gloo",
+                       ProcessGroupCollection.use_mpu_process_groups())
+
+
+def reference(layers: int, moe: bool, ctx) -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().reset()
+    trainer = build({}, layers, moe, False, ctx=ctx)
+    metrics = [trainer.step(batch(s)) for s in range(STEPS)]
+    return {"metrics": metrics, "weights": full_weights(trainer.policy)}
+
+
+def compare(result: dict, ref: dict) -> dict:
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(result["metrics"], ref["metrics"]))
+    keys = ("clip_fraction", "ref_kl", "entropy_mean", "tokens", "samples")
+    metric_diff = max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for a, b in zip(result["metrics"], ref["metrics"])
+                      for k in keys)
+    missing = sorted(set(ref["weights"]) ^ set(result["weights"]))
+    weight_diff = max(float((c - ref["weights"][k][0]).abs().max()) for k, v in result["weights"].items()
+                      if k in ref["weights"] for c in v)
+    replica_diff = max(float((c - v[0]).abs().max()) for v in result["weights"].values() for c in v)
+    return {"layout": result["layout"], "loss_diff": loss_diff, "metric_diff": metric_diff,
+            "weight_diff": weight_diff, "names_differ": missing, "losses": [m["loss"] for m in result["metrics"]],
+            "ref_losses": [m["loss"] for m in ref["metrics"]], "seconds": result["seconds"],
+            "update_ok": all(m["update_ok"] for m in result["metrics"]), "replica_diff": replica_diff}
+
+
+def packing_invariance(ctx) -> dict:
+    """Loss and gradients of the real model under three token budgets (different packings)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    out = []
+    for budget in (30, 45, 120):
+        get_cuda_rng_tracker().reset()
+        trainer = build({}, 2, False, False, ctx=ctx, max_tokens=budget)
+        mbs, _ = trainer.prepare(batch(0))
+        loss, grads = trainer.compute_gradients(batch(0))
+        out.append((len(mbs), loss, grads))
+    grad_diff = max(float((g - out[0][2][n]).abs().max()) for _, _, gr in out[1:] for n, g in gr.items())
+    grad_max = max(float(g.abs().max()) for g in out[0][2].values())
+    return {"packing": True, "microbatches": [o[0] for o in out], "losses": [o[1] for o in out],
+            "grad_diff": grad_diff, "grad_max": grad_max}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", default="")
+    parser.add_argument("--packing", action="store_true", help="also check packing invariance (rank 0)")
+    args = parser.parse_args()
+    results = [run_layout(n) for n in args.layouts.split(",") if n]
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    ctx = single_rank_world()
+    refs = {}
+    for res in results:
+        key = tuple(res["model"])
+        if key not in refs:
+            refs[key] = reference(*key, ctx)
+        emit(compare(res, refs[key]))
+    if args.packing:
+        emit(packing_invariance(ctx))
+
+
+if __name__ == "__main__":
+    main()
