@@ -26,11 +26,16 @@ setup(
         "mpi4py>=3.1",
         "jsonschema>=4.18",  # tool-call arguments are validated against each tool's JSON schema
         "math-verify>=0.7",  # math answers (LaTeX and expression equivalence)
+        "aiohttp>=3.9",  # rollout server (megatron_rl.rollout.server); handler_cancellation needs 3.9
+        "safetensors>=0.4",  # HF checkpoint conversion (tools/convert)
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+        # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton>=3.0; platform_system == 'Linux'",
+                # conversion --verify and its tests build HF models (4.x model classes)
+                "transformers>=4.51,<5"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

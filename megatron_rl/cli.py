@@ -13,10 +13,9 @@ import sys
 # name -> (module with `main(argv) -> int`, or None when not built yet; one-line help; where it is planned)
 SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "train": ("megatron_rl.commands.train", "run RL post-training from a YAML config (the main job)", ""),
-    "rollout-worker": (None, "run a batch of environment episodes and write HDF5 shards",
-                       "the Slurm-native dispatch issue"),
-    "convert": (None, "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard",
-                "the checkpoint-conversion tools issue"),
+    "rollout-worker": ("megatron_rl.dispatch.worker", "run a batch of environment episodes and write HDF5 shards",
+                       ""),
+    "convert": ("tools.convert.cli", "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard", ""),
     "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
     "eval": (None, "evaluate a checkpoint on held-out tasks (pass@k per domain)", "the RL loop issue"),

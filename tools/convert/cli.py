@@ -1,0 +1,99 @@
+"""`megatron-rl convert`: HF <-> Megatron-Core dist_checkpointing, and resharding.
+
+hf-to-mcore and reshard run at the target layout: with --tp/--pp/--ep above 1 and no launcher around
+(torchrun, srun, mpirun), this command starts `torchrun` on this machine with tp*pp*ep ranks (CPU: gloo).
+The checkpoint itself is layout-independent (dist_checkpointing reshards on load).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.convert.arch import ARCHS
+from tools.convert.arch.base import ConvertError
+
+_LAUNCHED_ENV = ("RANK", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0].strip("`: "))
+    sub = p.add_subparsers(dest="op", required=True, metavar="OP")
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> dist_checkpointing checkpoint")
+    a.add_argument("--hf", required=True, help="HF folder: config.json, safetensors (+ index), tokenizer files")
+    a.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="parameter dtype (default: config's)")
+    b = sub.add_parser("mcore-to-hf", help="dist_checkpointing checkpoint -> HF safetensors folder")
+    b.add_argument("--hf-config", help=f"HF folder with config.json (+ tokenizer files) or an architecture "
+                                       f"({', '.join(ARCHS)}); default: the one stored at conversion")
+    b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
+    c = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/EP layout")
+    c.add_argument("--hf-config", help="as for mcore-to-hf (default: the one stored at conversion)")
+    for sp in (a, b, c):
+        if sp is not a:
+            sp.add_argument("--ckpt", required=True, help="dist_checkpointing checkpoint folder")
+        sp.add_argument("--out", required=True, help="output folder (must not exist; written atomically)")
+        sp.add_argument("--verify", action="store_true", help="compare logits with HF and account for every tensor")
+        sp.add_argument("--tol", type=float, help="largest logit difference for --verify (default by dtype)")
+    for sp in (a, c):
+        for dim in ("tp", "pp", "ep"):
+            sp.add_argument(f"--{dim}", type=int, default=1, help=f"{dim.upper()} size of the written layout")
+    return p
+
+
+def launched() -> bool:
+    return any(k in os.environ for k in _LAUNCHED_ENV)
+
+
+def spawn_torchrun(args, argv: list[str]) -> int:
+    """Re-run this command under torchrun with tp*pp*ep ranks; clean the temporary folder on failure."""
+    from megatron_rl.distributed import free_port
+    from tools.convert.runtime import TMP_TAG_ENV
+
+    n = args.tp * args.pp * args.ep
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--nnodes=1",
+           f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "tools.convert.cli", *argv]
+    env = {**os.environ, TMP_TAG_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    rc = subprocess.run(cmd, env=env).returncode
+    out = Path(args.out).absolute()
+    shutil.rmtree(out.with_name(f"{out.name}.tmp-{os.getpid()}"), ignore_errors=True)
+    if rc:
+        print(f"megatron-rl convert {args.op}: failed on {n} ranks (exit {rc}); nothing written to {out}",
+              file=sys.stderr)
+    return rc
+
+
+def run(args) -> dict:
+    from tools.convert import convert
+
+    if args.op == "hf-to-mcore":
+        return convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.dtype, args.verify, args.tol)
+    if args.op == "mcore-to-hf":
+        return convert.mcore_to_hf(args.ckpt, args.out, args.hf_config, args.verify,
+                                   int(args.max_shard_gb * 2**30), args.tol)
+    return convert.reshard(args.ckpt, args.out, args.tp, args.pp, args.ep, args.hf_config, args.verify, args.tol)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "tp", 1) * getattr(args, "pp", 1) * getattr(args, "ep", 1) > 1 and not launched():
+        return spawn_torchrun(args, argv)
+    try:
+        report = run(args)
+    except ConvertError as e:
+        print(f"megatron-rl convert {args.op}: error: {e}", file=sys.stderr)
+        return 1
+    from tools.convert.runtime import gather_report, is_rank0
+
+    report = gather_report(report)
+    if is_rank0():
+        print(json.dumps({"op": args.op, "out": str(args.out), **report}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

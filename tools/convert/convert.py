@@ -1,0 +1,198 @@
+"""The three conversions: hf-to-mcore, mcore-to-hf, reshard (each checked up front, written atomically)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tools.convert import checks, layout, runtime
+from tools.convert.arch import by_name, for_hf_config
+from tools.convert.arch.base import ConvertError, Rule, to_hf, to_mcore
+from tools.convert.hf_io import HFReader, HFWriter, copy_side_files, read_config
+
+META = "megatron_rl_convert.json"
+"""Side file of a converted Megatron checkpoint: architecture and HF config.json (for mcore-to-hf/reshard)."""
+SIDE_DIR = "hf_files"
+"""Tokenizer and other HF side files carried inside a Megatron checkpoint."""
+
+
+def all_rules(arch, hf: dict) -> dict[str, Rule]:
+    rules = dict(arch.global_rules(hf))
+    for layer in range(hf["num_hidden_layers"]):
+        rules.update(arch.layer_rules(hf, layer))
+    return rules
+
+
+def fill_rule(arch, hf: dict, rules: dict[str, Rule], name: str) -> Rule:
+    """The rule filling a model tensor (a tied output layer is filled from the embedding)."""
+    if name in rules:
+        return rules[name]
+    if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
+        return rules["embedding.word_embeddings.weight"]
+    raise ConvertError(f"Megatron tensor {name!r} has no mapping in the {arch.name} table")
+
+
+@torch.no_grad()
+def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool) -> list[str]:
+    """Copy HF tensors into this rank's shards, one canonical tensor at a time; returns dtype casts."""
+    hf, casts = reader.config, []
+    shards = layout.model_shards(model)
+    for name in runtime.progress(sorted(shards, key=_order), "hf -> mcore", show):
+        rule = fill_rule(arch, hf, rules, name)
+        parts = [reader.get(n) for n in rule.hf]
+        full = to_mcore(rule, parts, hf)
+        for sh in shards[name]:
+            checks.shape(name, sh.global_shape, tuple(full.shape), f"made from {', '.join(rule.hf)}")
+            if full.dtype != sh.data.dtype:
+                casts.append(f"{name}: {full.dtype} -> {sh.data.dtype}")
+            sh.data.copy_(full[sh.region])
+    return casts
+
+
+def _order(name: str):
+    layer = layout.layer_of(name)
+    return (-1 if name.startswith("embedding") else 1e9 if layer is None else layer, name)
+
+
+def write_meta(tmp: Path, arch, hf_cfg: dict, side_src: Path | None) -> None:
+    (tmp / META).write_text(json.dumps({"arch": arch.name, "hf_config": hf_cfg}, indent=2) + "\n")
+    if side_src is not None:
+        copy_side_files(side_src, tmp / SIDE_DIR)
+
+
+def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
+                verify: bool = False, tol: float | None = None) -> dict:
+    from megatron.core import dist_checkpointing
+
+    reader = HFReader(hf_dir)
+    arch = for_hf_config(reader.config)
+    cfg, extra = arch.model_config(reader.config, dtype)
+    rules = all_rules(arch, reader.config)
+    checks.hf_names(reader, arch, rules)
+    checks.hf_shapes(reader, arch, rules, cfg, extra)
+    ctx = runtime.start(tp, pp, ep)
+    model = layout.build_model(cfg, extra, ctx)
+    report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
+    report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0())
+    reader.close()
+    with runtime.atomic_dir(out) as tmp:
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        if runtime.is_rank0():
+            write_meta(tmp, arch, reader.config, Path(hf_dir))
+        runtime.barrier()
+        if verify:
+            from tools.convert import verify as V
+
+            report["verify"] = V.verify_mcore_against_hf(tmp, cfg, extra, ctx, hf_dir, tol)
+    return report
+
+
+def resolve_hf_config(ckpt: Path, hf_config: str | None) -> tuple[dict, Path | None]:
+    """(config.json dict, folder with tokenizer files) from --hf-config DIR / ARCH or the checkpoint's META."""
+    meta = json.loads((ckpt / META).read_text()) if (ckpt / META).is_file() else None
+    side = ckpt / SIDE_DIR if (ckpt / SIDE_DIR).is_dir() else None
+    if hf_config and Path(hf_config).is_dir():
+        return read_config(Path(hf_config)), Path(hf_config)
+    if hf_config:
+        arch = by_name(hf_config)
+        if meta is None:
+            raise ConvertError(f"--hf-config {hf_config}: an architecture name needs the model shape from "
+                               f"{ckpt / META}, which is missing; pass an HF folder with config.json instead")
+        src = for_hf_config(meta["hf_config"])
+        return arch.hf_config(*src.model_config(meta["hf_config"])), side
+    if meta is None:
+        raise ConvertError(f"{ckpt} has no {META}; pass --hf-config with an HF folder (config.json) or arch name")
+    return meta["hf_config"], side
+
+
+def ckpt_layout(ckpt: Path, arch, cfg, extra: dict) -> tuple[list, dict]:
+    """Checkpoint entries of this model (from a one-layer stand-in), checked against the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    ctx = runtime.start()
+    entries = layout.ckpt_entries(layout.build_model(cfg, extra, ctx, num_layers=1))
+    md = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    checks.ckpt_against_model(ckpt, md, entries, cfg)
+    return entries, {k: v.dtype for k, v in md.items()}
+
+
+def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
+    rules = {**arch.global_rules(hf), **_layer_rules_for(arch, hf, tensors)}
+    for name, t in tensors.items():
+        if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
+            continue
+        if name not in rules:
+            raise ConvertError(f"checkpoint tensor {name!r} has no mapping in the {arch.name} table")
+        for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
+            writer.add(hf_name, part)
+
+
+def _layer_rules_for(arch, hf, tensors):
+    layers = {layout.layer_of(n) for n in tensors} - {None}
+    return {k: v for layer in layers for k, v in arch.layer_rules(hf, layer).items()}
+
+
+def export_hf(ckpt: Path, entries, dtypes, arch, hf: dict, writer: HFWriter, show: bool) -> None:
+    """Stream a checkpoint into `writer`: embedding, layers one at a time, final norm and output layer."""
+    counts = (hf["num_hidden_layers"], hf.get(arch.moe.num_experts_key, 0) if arch.moe else 0)
+    glob = layout.load_canonical(str(ckpt), entries, None, counts, dtypes)
+    emit_hf({k: v for k, v in glob.items() if k.startswith("embedding.")}, arch, hf, writer)
+    for layer in runtime.progress(range(counts[0]), "mcore -> hf", show):
+        emit_hf(layout.load_canonical(str(ckpt), entries, layer, counts, dtypes), arch, hf, writer)
+    emit_hf({k: v for k, v in glob.items() if not k.startswith("embedding.")}, arch, hf, writer)
+
+
+def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool = False,
+                max_shard_bytes: int = 5 * 2**30, tol: float | None = None) -> dict:
+    ckpt_p = Path(ckpt)
+    if not (ckpt_p / "metadata.json").is_file():
+        raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
+    hf, side = resolve_hf_config(ckpt_p, hf_config)
+    arch = for_hf_config(hf)
+    cfg, extra = arch.model_config(hf)
+    entries, dtypes = ckpt_layout(ckpt_p, arch, cfg, extra)
+    hf = {**hf, "torch_dtype": str(next(iter(dtypes.values()))).removeprefix("torch.")}
+    report = {"arch": arch.name}
+    with runtime.atomic_dir(out) as tmp:
+        writer = HFWriter(tmp, max_shard_bytes)
+        export_hf(ckpt_p, entries, dtypes, arch, hf, writer, True)
+        report["tensors"] = len(writer.finish())
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        report["side_files"] = copy_side_files(side, tmp) if side else []
+        if verify:
+            from tools.convert import verify as V
+
+            report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol)
+    return report
+
+
+def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_config: str | None = None,
+            verify: bool = False, tol: float | None = None) -> dict:
+    from megatron.core import dist_checkpointing
+
+    ckpt_p = Path(ckpt)
+    hf, side = resolve_hf_config(ckpt_p, hf_config)
+    arch = for_hf_config(hf)
+    cfg, extra = arch.model_config(hf)
+    ctx = runtime.start(tp, pp, ep)
+    model = layout.build_model(cfg, extra, ctx)
+    checks.ckpt_against_shards(ckpt_p, model)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_p)))
+    report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
+    with runtime.atomic_dir(out) as tmp:
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        if runtime.is_rank0():
+            write_meta(tmp, arch, hf, None)
+            copy_side_files(side, tmp / SIDE_DIR) if side else None
+        runtime.barrier()
+        if verify:
+            from tools.convert import verify as V
+
+            report["verify"] = V.verify_mcore_against_ckpt(tmp, cfg, extra, ctx, ckpt_p, arch, hf, tol)
+    return report
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

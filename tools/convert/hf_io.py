@@ -1,0 +1,122 @@
+"""HF folders: read tensors lazily from (sharded) safetensors, write sharded safetensors with an index.
+
+Reading opens each shard with `safe_open` (memory-mapped) and loads only the tensors asked for, so a
+converter holds one layer's tensors at a time. Writing buffers tensors up to `max_shard_bytes`, then
+flushes a shard; shard names get their `-of-N` suffix and the index is written at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tools.convert.arch.base import ConvertError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def read_config(path: Path) -> dict:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise ConvertError(f"{cfg} not found: an HF model folder needs config.json")
+    return json.loads(cfg.read_text())
+
+
+class HFReader:
+    """Lazy access to the tensors of an HF folder (index + shards, or one model.safetensors)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config = read_config(self.path)
+        self.weight_map = self._weight_map()
+        self._open: dict[str, object] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        if (self.path / INDEX).is_file():
+            return json.loads((self.path / INDEX).read_text())["weight_map"]
+        if (self.path / SINGLE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.path / SINGLE, "pt") as f:
+                return {k: SINGLE for k in f.keys()}
+        raise ConvertError(f"{self.path} has neither {INDEX} nor {SINGLE} (only safetensors are read)")
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise ConvertError(f"tensor {name!r} is missing from {self.path} (checkpoint of another model?)")
+        shard = self.weight_map[name]
+        if shard not in self._open:
+            if not (self.path / shard).is_file():
+                raise ConvertError(f"shard {shard} (holding {name!r}, listed in {INDEX}) is missing from {self.path}")
+            self._open[shard] = safe_open(self.path / shard, "pt")
+        return self._open[shard]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+class HFWriter:
+    """Write tensors into `model-0000i-of-0000N.safetensors` shards and `model.safetensors.index.json`."""
+
+    def __init__(self, path: str | Path, max_shard_bytes: int = 5 * 2**30):
+        self.path, self.max_shard_bytes = Path(path), max_shard_bytes
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._buf: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buf[name] = tensor.detach().contiguous().clone()  # own storage: safetensors refuses shared ones
+        self._bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._buf, str(self.path / f"part-{len(self._shards):05d}.safetensors"), metadata={"format": "pt"})
+        self._shards.append(list(self._buf))
+        self._buf, self._bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Flush, name the shards -of-N, write the index; returns the tensor names written."""
+        if self._buf:
+            self._flush()
+        n, weight_map = len(self._shards), {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.path / f"part-{i:05d}.safetensors", self.path / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return list(weight_map)
+
+
+def side_files(path: Path) -> list[Path]:
+    """Files of an HF folder other than weights and config.json (tokenizer, generation config...)."""
+    return sorted(p for p in Path(path).iterdir() if p.is_file() and p.name not in ("config.json", INDEX)
+                  and not p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    dst.mkdir(parents=True, exist_ok=True)
+    files = side_files(src) if Path(src).is_dir() else []
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+    return [f.name for f in files]

@@ -1,0 +1,136 @@
+"""Process plumbing for the converters: distributed start-up, atomic output folders, progress, logits."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tools.convert.arch.base import ConvertError
+
+TMP_TAG_ENV = "MRL_CONVERT_TMP_TAG"
+"""Set by the launcher that spawns torchrun: the suffix of the temporary output folder (its pid)."""
+
+
+def start(tp: int = 1, pp: int = 1, ep: int = 1):
+    """DistContext for the layout; in a single process it reuses an already started one of the same layout."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.distributed import DistContext, LaunchInfo, init_distributed
+    from megatron_rl.parallel import ParallelConfig
+
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep)
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise ConvertError(f"this process already runs layout tp,pp,ep={have}; asked for {(tp, pp, ep)}")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        world = dist.get_world_size()
+        launch = LaunchInfo(dist.get_rank(), world, 0, "127.0.0.1", 0, "reuse")
+        return DistContext(launch, parallel.resolve(world), dist.get_backend(),
+                           ProcessGroupCollection.use_mpu_process_groups())
+    ctx = init_distributed(parallel, timeout_minutes=10)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)  # the attention RNG tracker must exist even without dropout
+    return ctx
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def gather_report(report: dict) -> dict:
+    """Rank 0's report, with the verify result of the rank that held the logits (last pipeline stage)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return report
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    held = [r["verify"] for r in reports if "max_abs_logit_diff" in r.get("verify", {})]
+    return {**reports[0], **({"verify": held[0]} if held else {})}
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def tmp_path(out: Path) -> Path:
+    """`<out>.tmp-<pid>`: the launcher's pid under torchrun (same on all ranks), else this process's."""
+    tag = os.environ.get(TMP_TAG_ENV)
+    if tag is None:
+        tag = str(os.getpid())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [tag]
+            dist.broadcast_object_list(box, src=0)
+            tag = box[0]
+    return out.with_name(f"{out.name}.tmp-{tag}")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path):
+    """Yield a temporary folder that becomes `out` on success and is removed on any error."""
+    out = Path(out).absolute()
+    if out.exists():
+        raise ConvertError(f"output {out} already exists; choose a new path or remove it")
+    tmp = tmp_path(out)
+    if is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    try:
+        yield tmp
+        barrier()
+        if is_rank0():
+            os.replace(tmp, out)
+        barrier()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress(items, desc: str, enabled: bool = True):
+    """tqdm when installed, else a one-line counter on stderr."""
+    items = list(items)
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr, leave=False)
+    except ImportError:
+        return _simple_progress(items, desc)
+
+
+def _simple_progress(items, desc):
+    for i, x in enumerate(items):
+        print(f"\r{desc}: {i + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
+        yield x
+    print(file=sys.stderr)
+
+
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor, ctx) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V] on the last pipeline stage (None elsewhere); TP slices gathered."""
+    pp, tp = ctx.pgs.pp, ctx.pgs.tp
+    stage, stages = dist.get_rank(pp), dist.get_world_size(pp)
+    b, s = tokens.shape
+    model.eval()
+    if stage > 0:
+        hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)  # [s, b, h]
+        dist.recv(hidden, dist.get_global_rank(pp, stage - 1))
+        model.set_input_tensor(hidden)
+    out = model(tokens, torch.arange(s).expand(b, s), None)
+    if stage < stages - 1:
+        dist.send(out.contiguous(), dist.get_global_rank(pp, stage + 1))
+        return None
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size(tp))]
+    dist.all_gather(parts, out.contiguous(), group=tp)
+    return torch.cat(parts, dim=-1).float()  # [b, s, V]

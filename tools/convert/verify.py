@@ -1,0 +1,117 @@
+"""--verify: logits of the HF model and of our Megatron model agree, and every tensor is accounted for.
+
+Meant for small models and tests: the HF reference model is materialised in full (on every rank for the
+checks that read a checkpoint, since dist_checkpointing loads are collective).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tools.convert import checks, layout, runtime
+from tools.convert.arch.base import ConvertError, to_hf
+
+DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(vocab, (2, 12), generator=torch.Generator().manual_seed(0))  # [b, s]
+
+
+def hf_logits(model, toks: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.float().eval()(toks).logits.float()  # [b, s, V]
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager",
+                                                output_loading_info=True)
+
+
+def compare(mc: torch.Tensor | None, ref_fn, tol: float | None, dtype) -> dict:
+    """Max |logits difference| on the rank holding the logits; raises above the tolerance."""
+    if mc is None:
+        return {"logits": "held by another rank"}
+    diff = (mc - ref_fn()).abs().max().item()
+    tol = DEFAULT_TOL.get(dtype, 5e-2) if tol is None else tol
+    if not diff <= tol:
+        raise ConvertError(f"verify: HF and Megatron logits differ by {diff:.3g} (tolerance {tol:g})")
+    return {"max_abs_logit_diff": diff, "tol": tol}
+
+
+def fresh_logits(ckpt: Path, cfg, extra: dict, ctx):
+    """Logits of a model built anew at this layout and loaded from `ckpt` (checks every key and shape)."""
+    from megatron.core import dist_checkpointing
+
+    model = layout.build_model(cfg, extra, ctx)
+    checks.ckpt_against_shards(ckpt, model)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt)))
+    return runtime.megatron_logits(model, tokens(cfg.vocab_size), ctx), model.config.params_dtype
+
+
+def verify_mcore_against_hf(ckpt: Path, cfg, extra: dict, ctx, hf_dir: str, tol: float | None) -> dict:
+    mc, dtype = fresh_logits(ckpt, cfg, extra, ctx)
+    return compare(mc, lambda: hf_logits(load_hf(Path(hf_dir))[0], tokens(cfg.vocab_size)), tol, dtype)
+
+
+def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: float | None) -> dict:
+    """The written folder loads with transformers with no missing/unexpected/mismatched tensors."""
+    from safetensors import safe_open
+
+    from tools.convert.hf_io import HFReader
+
+    model, info = load_hf(out)
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
+    if problems:
+        raise ConvertError(f"verify: transformers loads {out} with problems: {problems}")
+    reader = HFReader(out)
+    expected = {n for r in rules.values() for n in r.hf}
+    written = set(reader.weight_map)
+    if written != expected:
+        raise ConvertError(f"verify: written tensors differ from the table: missing "
+                           f"{sorted(expected - written)[:3]}, extra {sorted(written - expected)[:3]}")
+    dtypes = set()
+    for shard in set(reader.weight_map.values()):
+        with safe_open(out / shard, "pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    mc, dtype = fresh_logits(ckpt, cfg, extra, runtime.start())
+    return {"tensors": len(expected), "dtypes": sorted(dtypes),
+            **compare(mc, lambda: hf_logits(model, tokens(cfg.vocab_size)), tol, dtype)}
+
+
+def hf_reference(ckpt: Path, model, arch, hf: dict):
+    """An HF model (transformers, from config) holding the tensors of checkpoint `ckpt`; collective."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tools.convert.convert import all_rules
+
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, layout.ckpt_entries(model))
+    entries = list({e.template: e for p in parts for e in p}.values())
+    md_dtypes = {e.key: model.config.params_dtype for e in entries}
+    counts = (hf["num_hidden_layers"], hf.get(arch.moe.num_experts_key, 0) if arch.moe else 0)
+    rules, state = all_rules(arch, hf), {}
+    for layer in [None, *range(counts[0])]:
+        for name, t in layout.load_canonical(str(ckpt), entries, layer, counts, md_dtypes).items():
+            if name in rules:
+                state.update(zip(rules[name].hf, to_hf(rules[name], t, hf)))
+    config = AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    ref = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConvertError(f"verify: reference model missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return ref
+
+
+def verify_mcore_against_ckpt(out: Path, cfg, extra: dict, ctx, src: Path, arch, hf: dict,
+                              tol: float | None) -> dict:
+    """Logits of the resharded checkpoint at its layout vs an HF model holding the source checkpoint."""
+    mc, dtype = fresh_logits(out, cfg, extra, ctx)
+    ref = hf_reference(src, layout.build_model(cfg, extra, ctx), arch, hf)
+    return compare(mc, lambda: hf_logits(ref, tokens(cfg.vocab_size)), tol, dtype)
