@@ -38,6 +38,8 @@ class MoEConfig:
     """Router z-loss coefficient; None disables it."""
     grouped_gemm: bool = False
     """Use grouped GEMM experts (needs TE or grouped_gemm; GPU only)."""
+    router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (Mixtral-style False: top-k, then softmax; Qwen3-MoE True)."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
@@ -58,6 +60,10 @@ class ModelConfig:
     """Attention heads."""
     num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; None for plain multi-head attention."""
+    head_dim: int | None = None
+    """Size of each attention head; None means hidden_size / num_attention_heads (Qwen3 sets it)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalisation layers (Llama 3: 1e-5, Qwen: 1e-6)."""
     ffn_hidden_size: int | None = None
     """MLP hidden size; None means 4 * hidden_size."""
     vocab_size: int = 128
@@ -90,7 +96,7 @@ class ModelConfig:
     """Mixture-of-experts settings."""
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}")
@@ -113,6 +119,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
     kw = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        kv_channels=cfg.head_dim, layernorm_epsilon=cfg.norm_epsilon,
         normalization=cfg.normalization, gated_linear_unit=cfg.activation == "swiglu",
         activation_func=torch.nn.functional.silu if cfg.activation == "swiglu" else torch.nn.functional.gelu,
         add_bias_linear=False, add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_layernorm,
@@ -132,22 +139,33 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
                   moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
                   moe_token_dispatcher_type=moe.dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff,
                   moe_z_loss_coeff=moe.z_loss_coeff, moe_grouped_gemm=moe.grouped_gemm,
+                  moe_router_pre_softmax=moe.router_pre_softmax,
                   moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none")
     if cfg.fp8 != "none":
         kw.update(fp8="hybrid" if cfg.fp8 == "delayed" else "e4m3", fp8_recipe=cfg.fp8)
     return TransformerConfig(**kw)
 
 
-def layer_spec(cfg: ModelConfig):
-    """The per-layer module spec: local modules on CPU, Transformer Engine modules on GPU."""
+def layer_spec(cfg: ModelConfig, cp: int = 1):
+    """The per-layer module spec: local modules on CPU, Transformer Engine modules on GPU.
+
+    Context parallelism (cp > 1): TE's attention does it natively (THD + cu_seqlens); the local spec's
+    DotProductAttention refuses it, so its core attention is swapped for `CPDotProductAttention` (K/V
+    all-gathered in the CP group; no parameters, so weights and checkpoints are unchanged).
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     n_exp = cfg.moe.num_experts or None
     if cfg.transformer_impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm, qk_layernorm=cfg.qk_layernorm)
-    return specs.get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm,
+    spec = specs.get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm,
                                           qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    if cp > 1:
+        from megatron_rl.models.cp_attention import CPDotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
+    return spec
 
 
 def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_process: bool = True,
@@ -157,7 +175,7 @@ def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_proce
 
     cfg.check_parallel(parallel)
     return GPTModel(
-        config=transformer_config(cfg, parallel), transformer_layer_spec=layer_spec(cfg),
+        config=transformer_config(cfg, parallel), transformer_layer_spec=layer_spec(cfg, parallel.cp),
         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_length, pre_process=pre_process,
         post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding, rotary_base=cfg.rotary_base, pg_collection=pgs,
