@@ -1,0 +1,148 @@
+"""Rollout engine throughput vs Hugging Face `generate()` on the same tiny model and weights (CPU).
+
+Builds the policy with `build_gpt`, copies its weights into a `LlamaForCausalLM` built from a config (no
+download; Megatron's fused QKV [ng, q-per-group + 2, d, H] and GLU fc1 [gate; up] are split), checks that
+both generate the same greedy tokens, then times greedy generation of `--new-tokens` tokens for batches of
+1, 8 and 32 prompts of mixed lengths: our engine (paged KV cache, continuous batching) vs HF generate
+(contiguous cache, left padding). Also reports KV-cache bytes per generated-context token: the paged pool's
+peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON object.
+
+    .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 64] [--batches 1 8 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from megatron_rl.models.gpt import ModelConfig
+
+CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, vocab_size=384,
+                  max_seq_length=512)
+
+
+def build_ours():
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.models.gpt import build_gpt
+    from megatron_rl.parallel import ParallelConfig
+
+    ctx = init_distributed(ParallelConfig(), source="single")
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = build_gpt(CFG, ParallelConfig(), ctx.pgs)
+    init_weights_by_name(model, seed=0)
+    return model.eval(), ctx.pgs
+
+
+def to_hf(model):
+    """A LlamaForCausalLM holding `model`'s weights (name mapping + QKV/GLU reshapes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, nh, ng = CFG.hidden_size, CFG.num_attention_heads, CFG.num_query_groups
+    d, f = h // nh, 4 * h
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=CFG.vocab_size, hidden_size=h, intermediate_size=f, num_hidden_layers=CFG.num_layers,
+        num_attention_heads=nh, num_key_value_heads=ng, max_position_embeddings=CFG.max_seq_length,
+        rms_norm_eps=model.config.layernorm_epsilon, rope_theta=CFG.rotary_base, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, hidden_act="silu")).eval()
+    sd = dict(model.named_parameters())
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    for i in range(CFG.num_layers):
+        out.update(_layer_to_hf(sd, f"decoder.layers.{i}.", f"model.layers.{i}.", ng, nh // ng, d, f))
+    missing, unexpected = hf.load_state_dict(out, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    return hf
+
+
+def _layer_to_hf(sd: dict, src: str, dst: str, ng: int, r: int, d: int, f: int) -> dict:
+    qkv = sd[src + "self_attention.linear_qkv.weight"]  # [ng * (r + 2) * d, H]
+    qkv = qkv.view(ng, r + 2, d, -1)  # [ng, r + 2, d, H]
+    fc1 = sd[src + "mlp.linear_fc1.weight"]  # [2F, H] = [gate; up]
+    norm1 = sd.get(src + "input_layernorm.weight", sd.get(src + "self_attention.linear_qkv.layer_norm_weight"))
+    norm2 = sd.get(src + "pre_mlp_layernorm.weight", sd.get(src + "mlp.linear_fc1.layer_norm_weight"))
+    return {
+        dst + "self_attn.q_proj.weight": qkv[:, :r].reshape(ng * r * d, -1),
+        dst + "self_attn.k_proj.weight": qkv[:, r].reshape(ng * d, -1),
+        dst + "self_attn.v_proj.weight": qkv[:, r + 1].reshape(ng * d, -1),
+        dst + "self_attn.o_proj.weight": sd[src + "self_attention.linear_proj.weight"],
+        dst + "mlp.gate_proj.weight": fc1[:f], dst + "mlp.up_proj.weight": fc1[f:],
+        dst + "mlp.down_proj.weight": sd[src + "mlp.linear_fc2.weight"],
+        dst + "input_layernorm.weight": norm1, dst + "post_attention_layernorm.weight": norm2,
+    }
+
+
+def prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[257] + [rng.randrange(32, 127) for _ in range(rng.randrange(16, 48))] for _ in range(batch)]
+
+
+@torch.inference_mode()
+def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+    width = max(map(len, batch_prompts))
+    ids = torch.tensor([[256] * (width - len(p)) + p for p in batch_prompts])  # [B, W] left-padded
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch_prompts])[:, None]).long()
+    t0 = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                      do_sample=False, pad_token_id=256, eos_token_id=None)
+    return out[:, width:].tolist(), time.perf_counter() - t0
+
+
+def run_ours(model, pgs, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, int]:
+    from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
+                                            max_running=64), pgs.tp, pgs.cp)
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=new)) for p in batch_prompts]
+    outs, peak, t0 = [], 0, time.perf_counter()
+    while eng.has_work:
+        outs += eng.step()
+        peak = max(peak, eng.cache.num_blocks - eng.cache.num_free)
+    dt = time.perf_counter() - t0
+    order = {o.request_id: o.samples[0].token_ids for o in outs}
+    return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    args = p.parse_args()
+    model, pgs = build_ours()
+    hf = to_hf(model)
+    check = prompts(4, seed=99)
+    parity = run_ours(model, pgs, check, 16)[0] == run_hf(hf, check, 16)[0]
+    result = {"model": {"layers": CFG.num_layers, "hidden": CFG.hidden_size, "heads": CFG.num_attention_heads,
+                        "kv_heads": CFG.num_query_groups}, "new_tokens": args.new_tokens,
+              "greedy_parity_with_hf": parity, "threads": torch.get_num_threads(), "batches": {}}
+    for b in args.batches:
+        bp = prompts(b, seed=b)
+        _, t_ours, kv_paged = run_ours(model, pgs, bp, args.new_tokens)
+        _, t_hf = run_hf(hf, bp, args.new_tokens)
+        gen = b * args.new_tokens
+        ctx_tokens = sum(len(x) for x in bp) + gen
+        contiguous = b * (max(map(len, bp)) + args.new_tokens)
+        bpt = kv_paged / ctx_tokens
+        result["batches"][str(b)] = {
+            "ours_tokens_per_s": round(gen / t_ours, 1), "hf_tokens_per_s": round(gen / t_hf, 1),
+            "speedup": round(t_hf / t_ours, 2),
+            "kv_bytes_per_token_paged": round(bpt, 1),
+            "kv_bytes_per_token_contiguous": round(contiguous * _bytes_per_token() / ctx_tokens, 1)}
+    result["speedup_at_32"] = result["batches"].get("32", {}).get("speedup")
+    result["target_speedup_at_32"] = 3.0
+    print(json.dumps(result))
+
+
+def _bytes_per_token() -> int:
+    """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x 4 (fp32)."""
+    return 2 * CFG.num_layers * CFG.num_query_groups * (CFG.hidden_size // CFG.num_attention_heads) * 4
+
+
+if __name__ == "__main__":
+    main()

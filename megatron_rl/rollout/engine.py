@@ -1,0 +1,356 @@
+"""Rollout engine: token ids in, token ids + log-probs + policy versions out, from the trainer's own model.
+
+    engine = RolloutEngine.build(model_cfg, EngineConfig(num_blocks=256), parallel, pgs)
+    rid = engine.add_request([257, 72, 105], SamplingParams(temperature=1.0, max_new_tokens=64, n=4, seed=1))
+    while engine.has_work:
+        for out in engine.step():        # finished requests of this step
+            ...                           # out.samples[i].token_ids / .logprobs / .policy_versions
+    engine.update_weights(version=7, named_tensors=trainer_model.named_parameters(), policy="continue")
+
+Design: the `GPTModel` is built with `build_gpt` (same definition and parameter names as the trainer) and
+run by `ModelRunner` with a paged KV cache (`kv_cache.py`). Each `step()` is one forward over the mixed
+prefill/decode batch chosen by the `Scheduler` (continuous batching under `max_tokens_per_step`). The n
+samples of a prompt share its KV blocks (copy-on-write). Weight updates happen between steps; with
+policy 'continue' in-flight samples keep going and every token records the version that produced it
+(their cached K/V is recomputed under the new weights unless `kv_on_update='keep'`); with 'abort' they
+end with finish reason 'abort'.
+
+Tensor parallel: every TP rank runs the same engine with the same requests in the same order; the
+scheduler is deterministic, logits are gathered over TP, and the sampled tokens are broadcast from TP
+rank 0 so that all ranks continue identically.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rollout.model_runner import ModelRunner, build_batch
+from megatron_rl.rollout.sampling import SamplingParams, sample
+from megatron_rl.rollout.scheduler import Scheduler, Sequence
+
+UpdatePolicy = Literal["continue", "abort"]
+
+
+@dataclass
+class EngineConfig:
+    """Rollout engine settings."""
+
+    num_blocks: int = 256
+    """KV-cache blocks in the preallocated pool."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    max_tokens_per_step: int = 512
+    """Token budget of one engine step (decode tokens + prefill chunks)."""
+    max_running: int = 64
+    """Sequences decoding at the same time at most."""
+    update_policy: Literal["continue", "abort"] = "continue"
+    """Default for in-flight requests at a weight update: keep generating, or end them with 'abort'."""
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    """With 'continue': recompute in-flight K/V under the new weights, or keep the stale cache."""
+    seed: int = 0
+    """Seeds requests that bring no seed (same on every TP rank)."""
+
+    def validate(self) -> None:
+        for name in ("num_blocks", "block_size", "max_tokens_per_step", "max_running"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SampleOutput:
+    """One generated continuation."""
+
+    index: int
+    """Sample index within the request."""
+    token_ids: list[int]
+    """Generated token ids (a stop token or stop sequence included)."""
+    logprobs: list[float]
+    """Per-token log-probs under the sampling distribution used."""
+    policy_versions: list[int]
+    """Policy version that produced each token."""
+    finish_reason: str | None
+    """'stop', 'length' or 'abort'."""
+
+
+@dataclass
+class RequestOutput:
+    """A finished request."""
+
+    request_id: str
+    """Id given to or returned by add_request."""
+    prompt_token_ids: list[int]
+    """The prompt."""
+    samples: list[SampleOutput] = field(default_factory=list)
+    """n continuations, by index."""
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    open: int
+
+
+class RolloutEngine:
+    """Paged, continuously batched generation from a Megatron GPTModel (see module docstring)."""
+
+    def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0):
+        self.cfg = cfg or EngineConfig()
+        self.cfg.validate()
+        self.runner = ModelRunner(model, tp_group, cp_group)
+        self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
+        self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running)
+        self.version = version
+        self.lock = threading.RLock()
+        self._requests: dict[str, _Request] = {}
+        self._done: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._seed_gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.counters = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "forward_s": 0.0}
+
+    @classmethod
+    def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0):
+        """Build the policy with `build_gpt` (the trainer's definition) and wrap it."""
+        from megatron_rl.models.gpt import build_gpt
+        from megatron_rl.parallel import ParallelConfig
+
+        model = build_gpt(model_cfg, parallel or ParallelConfig(), pgs)
+        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version)
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    # ------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError naming the problem for bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        self._check_prompt(prompt, params)
+        with self.lock:
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,), generator=self._seed_gen))
+            seqs = [self._new_seq(rid, i, prompt, params, seed) for i in range(params.n)]
+            seqs[0].pending_forks = params.n - 1
+            self._requests[rid] = _Request(prompt, params, seqs, params.n)
+            self.scheduler.add(seqs[0])
+            self.counters["prompt_tokens"] += len(prompt)
+        return rid
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        vocab, max_len = self.model.vocab_size, self.model.max_sequence_length
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; send at least one token id")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) + params.max_new_tokens > max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds the "
+                             f"model's max_seq_length {max_len}; shorten the prompt or lower max_tokens")
+        need = -(-(len(prompt) + params.max_new_tokens) // self.cfg.block_size)
+        if need > self.cfg.num_blocks:
+            raise ValueError(f"a sequence of {len(prompt)} + {params.max_new_tokens} tokens needs {need} KV blocks; "
+                             f"the pool has {self.cfg.num_blocks} (raise rollout.num_blocks or lower max_new_tokens)")
+
+    def _new_seq(self, rid: str, index: int, prompt: list[int], params: SamplingParams, seed: int) -> Sequence:
+        gen = torch.Generator().manual_seed(seed + index)
+        return Sequence(next(self._ids), rid, index, list(prompt), len(prompt), params, gen)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now (finish reason 'abort'), freeing its blocks; False if unknown or finished."""
+        with self.lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return False
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    self._finish(seq, "abort")
+            return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._done)
+
+    # ---------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled mixed batch; returns the requests that finished."""
+        with self.lock:
+            plan = self.scheduler.schedule()
+            if plan:
+                t0 = time.perf_counter()
+                logits = self.runner.forward(build_batch(plan, self.cache), self.cache)  # [R, V]
+                self.counters["forward_s"] += time.perf_counter() - t0
+                self.counters["steps"] += 1
+                self._advance(plan, logits)
+            return self.pop_finished()
+
+    def pop_finished(self) -> list[RequestOutput]:
+        """Requests finished (or aborted) since the last call."""
+        with self.lock:
+            done, self._done = self._done, []
+            return done
+
+    def _advance(self, plan: list, logits: torch.Tensor) -> None:
+        """Mark the chunks computed, fork pending siblings, sample, append and check stops."""
+        samplers, rows, row = [], [], 0
+        for seq, chunk in plan:
+            seq.num_computed += chunk
+            if seq.num_computed == len(seq.tokens):  # its last token ran: logits row `row` is its next token's
+                for s in [seq, *self._fork(seq)]:
+                    samplers.append(s)
+                    rows.append(row)
+                row += 1
+        if not samplers:
+            return
+        tokens, logps = sample(logits[rows], [s.params for s in samplers], [s.generator for s in samplers])
+        tokens, logps = self._tp_broadcast(tokens, logps)
+        for seq, tok, lp in zip(samplers, tokens.tolist(), logps.tolist()):
+            self._append(seq, tok, lp)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Siblings of a prompt just prefilled, sharing its blocks."""
+        if not seq.pending_forks:
+            return []
+        req = self._requests[seq.request_id]
+        sibs = req.seqs[1:1 + seq.pending_forks]
+        seq.pending_forks = 0
+        for sib in sibs:
+            sib.table = self.cache.fork(seq.table)
+            sib.num_computed = seq.num_computed
+            self.scheduler.add_running(sib)
+        return sibs
+
+    def _tp_broadcast(self, tokens: torch.Tensor, logps: torch.Tensor):
+        """TP rank 0's sampled tokens and log-probs on every TP rank."""
+        group = self.runner.tp_group
+        if group is None:
+            return tokens, logps
+        both = torch.stack([tokens.double(), logps.double()])  # [2, R]
+        dist.broadcast(both, src=dist.get_global_rank(group, 0), group=group)
+        return both[0].long(), both[1].float()
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        self.counters["generated_tokens"] += 1
+        reason = self._stop_reason(seq)
+        if reason:
+            self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p, gen = seq.params, seq.generated
+        if gen[-1] in p.stop_token_ids or any(gen[-len(s):] == list(s) for s in p.stop if len(gen) >= len(s)):
+            return "stop"
+        if len(gen) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_sequence_length:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        req = self._requests[seq.request_id]
+        if seq.pending_forks:  # aborted before its prompt was prefilled: the siblings end too
+            for sib in req.seqs[1:1 + seq.pending_forks]:
+                sib.finish_reason = reason
+                req.open -= 1
+            seq.pending_forks = 0
+        req.open -= 1
+        if req.open == 0:
+            self._done.append(self._output(seq.request_id, self._requests.pop(seq.request_id)))
+
+    @staticmethod
+    def _output(rid: str, req: _Request) -> RequestOutput:
+        samples = [SampleOutput(s.index, s.generated, s.logprobs, s.versions, s.finish_reason) for s in req.seqs]
+        return RequestOutput(rid, req.prompt, samples)
+
+    # ------------------------------------------------------------------------------------- helpers
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       policy: UpdatePolicy | None = None) -> int:
+        """Copy tensors into the parameters of the same names (between steps); returns how many."""
+        policy = policy or self.cfg.update_policy
+        if policy not in ("continue", "abort"):
+            raise ValueError(f"update policy {policy!r}: use 'continue' or 'abort'")
+        with self.lock:
+            n = load_named_tensors(self.model, named_tensors)
+            self.version = version
+            self._after_update(policy)
+            return n
+
+    def update_weights_from_broadcast(self, version: int, src: int, group=None, named_tensors=None,
+                                      policy: UpdatePolicy | None = None, full_tensors: bool = True,
+                                      bucket_bytes: int = 64 << 20) -> int:
+        """Receive (name, tensor) pairs broadcast in buckets from global rank `src` over `group` and load them.
+
+        The source passes `named_tensors` (it may be an engine rank itself); full (unsharded) tensors are
+        cut to this rank's TP slice when `full_tensors`, otherwise they must already be this rank's shard.
+        """
+        from megatron_rl.rollout.weights import broadcast_named_tensors, shard_for_tp
+
+        tp = self.runner.tp_group
+        rank, size = (tp.rank(), tp.size()) if tp is not None else (0, 1)
+        params = dict(self.model.named_parameters())
+
+        def received():
+            for name, t in broadcast_named_tensors(named_tensors, src, group, bucket_bytes):
+                p = params.get(name)
+                yield name, shard_for_tp(t, p, rank, size) if full_tensors and p is not None else t
+
+        return self.update_weights(version, received(), policy)
+
+    def _after_update(self, policy: UpdatePolicy) -> None:
+        if policy == "abort":
+            for rid in list(self._requests):
+                self.abort(rid)
+        elif self.cfg.kv_on_update == "recompute":
+            self.scheduler.preempt_all()
+
+    def stats(self) -> dict:
+        """Queue, KV-cache and throughput figures (for /metrics)."""
+        with self.lock:
+            s = self.scheduler
+            return {"queue_length": len(s.waiting), "running": len(s.running),
+                    "kv_blocks_total": self.cache.num_blocks,
+                    "kv_blocks_used": self.cache.num_blocks - self.cache.num_free,
+                    "preemptions": s.num_preemptions, "requests_in_flight": len(self._requests),
+                    "policy_version": self.version, **self.counters}
+
+
+@torch.no_grad()
+def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy each (name, tensor) into `model`'s parameter of that name; errors name the parameter."""
+    params = dict(model.named_parameters())
+    n = 0
+    for name, tensor in named_tensors:
+        if name not in params:
+            raise KeyError(f"update_weights: the model has no parameter {name!r} (names must match the trainer's)")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                             f"the model's is {tuple(params[name].shape)} (same TP layout needed)")
+        params[name].copy_(tensor.detach())
+        n += 1
+    return n

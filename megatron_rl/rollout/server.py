@@ -1,0 +1,372 @@
+"""HTTP API of the rollout engine (aiohttp): OpenAI-compatible completions with token-id extensions.
+
+    POST /v1/completions        {"prompt": "text" | [ids], "prompt_token_ids": [ids], "max_tokens": 16,
+                                 "temperature", "top_p", "top_k", "n", "seed", "stop": ["text" | [ids]],
+                                 "stop_token_ids": [ids], "logprobs": true, "return_token_ids": true}
+    POST /v1/chat/completions   {"messages": [{"role", "content"}], ... same sampling fields ...}
+    GET  /health                {"status": "ok", "policy_version": v}
+    GET  /metrics               Prometheus text: queue length, running, KV blocks used/total, tokens/s, ...
+    POST /update_weights        {"version": v, "path": "state_dict.pt", "policy": "continue" | "abort"}
+
+Extensions: each choice carries `token_ids`, `policy_versions` and (with "logprobs") `logprobs` with
+`token_logprobs` (completions) or `content` (chat); the response carries `prompt_token_ids`. Text is
+encoded with the server's tokenizer (ByteTokenizer by default); token ids always win when given.
+Malformed requests get 400 with {"error": {"message": reason}}. A client that disconnects aborts its
+request, which frees its KV blocks (handler cancellation is on).
+
+The engine runs in one background thread (`EngineLoop`); handlers submit requests under the engine's
+lock and await a future resolved by that thread.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rollout.engine import RequestOutput, RolloutEngine
+from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class BadRequest(ValueError):
+    """A client error: answered with 400 and this message."""
+
+
+class EngineLoop:
+    """Steps the engine in a background thread and hands finished requests to awaiting handlers."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.aborted = 0
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout=10)
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self.engine.lock:
+            rid = self.engine.add_request(prompt, params)
+            self._futures[rid] = (loop, fut)
+        self._wake.set()
+        return rid, fut
+
+    def abort(self, rid: str) -> None:
+        with self.engine.lock:
+            self._futures.pop(rid, None)
+            if self.engine.abort(rid):
+                self.aborted += 1
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, never the server
+                log.exception("rollout engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outs:
+                self._resolve(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self.engine.lock:
+            for rid in list(self._futures):
+                self.engine.abort(rid)
+                loop, fut = self._futures.pop(rid)
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(RuntimeError(str(error))))
+            self.engine.pop_finished()  # drop the aborted outputs: their futures already failed
+
+    def _resolve(self, out: RequestOutput) -> None:
+        entry = self._futures.pop(out.request_id, None)
+        if entry is not None:
+            loop, fut = entry
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
+
+
+# ------------------------------------------------------------------------------------ request parsing
+_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
+
+
+def _token_list(value, what: str, tokenizer) -> list[int]:
+    """A list of token ids, or text encoded with the tokenizer."""
+    if isinstance(value, str):
+        return tokenizer.encode(value)
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    raise BadRequest(f"{what} must be a string or a list of integer token ids")
+
+
+def sampling_from(body: dict, tokenizer) -> SamplingParams:
+    """SamplingParams from an OpenAI-style body; BadRequest names the bad field."""
+    kw = {}
+    for name, typ in _SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            value = body[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and value != int(value)):
+                raise BadRequest(f"field {name!r} must be a number of type {typ.__name__}, got {value!r}")
+            kw[name] = typ(value)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise BadRequest(f"field 'max_tokens' must be an integer, got {max_tokens!r}")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list):
+        raise BadRequest("field 'stop' must be a string or a list of strings / token-id lists")
+    stop_ids = body.get("stop_token_ids") or []
+    stop = [_token_list(s, "each stop entry", tokenizer) for s in stop]
+    params = SamplingParams(max_new_tokens=max_tokens, stop=stop,
+                            stop_token_ids=_token_list(stop_ids, "stop_token_ids", tokenizer), **kw)
+    try:
+        params.validate()
+    except ConfigError as e:
+        raise BadRequest(str(e)) from e
+    return params
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    if body.get("prompt_token_ids") is not None:
+        return _token_list(body["prompt_token_ids"], "prompt_token_ids", tokenizer)
+    if "prompt" not in body:
+        raise BadRequest("missing 'prompt' (text or token ids) or 'prompt_token_ids'")
+    return _token_list(body["prompt"], "prompt", tokenizer)
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    """Token ids of a chat: '<role>: content' lines after BOS, then 'assistant: ' (a minimal template)."""
+    if body.get("prompt_token_ids") is not None:
+        return _token_list(body["prompt_token_ids"], "prompt_token_ids", tokenizer)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("missing 'messages': a non-empty list of {role, content}")
+    ids = [tokenizer.bos_id]
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}] must be an object with string 'role' and 'content'")
+        ids += tokenizer.encode(f"{m['role']}: {m['content']}\n")
+    return ids + tokenizer.encode("assistant: ")
+
+
+# ------------------------------------------------------------------------------------ responses
+def _choice(s, chat: bool, body: dict, tokenizer) -> dict:
+    text = tokenizer.decode(s.token_ids)
+    c = {"index": s.index, "finish_reason": s.finish_reason, "token_ids": s.token_ids,
+         "policy_versions": s.policy_versions}
+    if chat:
+        c["message"] = {"role": "assistant", "content": text}
+    else:
+        c["text"] = text
+    if body.get("logprobs"):
+        if chat:
+            c["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(s.token_ids, s.logprobs)]}
+        else:
+            c["logprobs"] = {"token_ids": s.token_ids, "token_logprobs": s.logprobs}
+    return c
+
+
+def render(out: RequestOutput, chat: bool, body: dict, tokenizer, model_name: str) -> dict:
+    gen = sum(len(s.token_ids) for s in out.samples)
+    return {"id": out.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model_name, "prompt_token_ids": out.prompt_token_ids,
+            "choices": [_choice(s, chat, body, tokenizer) for s in out.samples],
+            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": gen,
+                      "total_tokens": len(out.prompt_token_ids) + gen}}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+# ------------------------------------------------------------------------------------ the app
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    """The engine thread."""
+    tokenizer: object
+    """Text <-> ids for text prompts and the 'text' field of responses."""
+    model_name: str
+    """Reported in responses."""
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+async def _generate(request: web.Request, chat: bool) -> web.Response:
+    st: ServerState = request.app["state"]
+    try:
+        body = await _json_body(request)
+        prompt = (chat_prompt if chat else completion_prompt)(body, st.tokenizer)
+        params = sampling_from(body, st.tokenizer)
+        rid, fut = st.loop.submit(prompt, params)
+    except ValueError as e:  # BadRequest, or the engine's checks (vocabulary, length, pool size)
+        return _error(400, str(e))
+    try:
+        out = await fut
+    except asyncio.CancelledError:  # the client went away: free its blocks now
+        st.loop.abort(rid)
+        raise
+    return web.json_response(render(out, chat, body, st.tokenizer, st.model_name))
+
+
+async def completions(request: web.Request) -> web.Response:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    return await _generate(request, chat=True)
+
+
+async def health(request: web.Request) -> web.Response:
+    st: ServerState = request.app["state"]
+    return web.json_response({"status": "ok", "policy_version": st.loop.engine.version})
+
+
+def metrics_text(loop: EngineLoop) -> str:
+    s = loop.engine.stats()
+    elapsed = max(time.monotonic() - loop.started, 1e-9)
+    rows = {"queue_length": s["queue_length"], "running_sequences": s["running"],
+            "requests_in_flight": s["requests_in_flight"], "kv_cache_blocks_used": s["kv_blocks_used"],
+            "kv_cache_blocks_total": s["kv_blocks_total"], "generated_tokens_total": s["generated_tokens"],
+            "prompt_tokens_total": s["prompt_tokens"], "generation_tokens_per_second": s["generated_tokens"] / elapsed,
+            "preemptions_total": s["preemptions"], "aborted_requests_total": loop.aborted,
+            "policy_version": s["policy_version"]}
+    return "".join(f"# TYPE rollout_{k} {'counter' if k.endswith('_total') and 'blocks' not in k else 'gauge'}\n"
+                   f"rollout_{k} {v}\n" for k, v in rows.items())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=metrics_text(request.app["state"].loop), content_type="text/plain")
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    import torch
+
+    st: ServerState = request.app["state"]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body.get("version"), int) or not isinstance(body.get("path"), str):
+            raise BadRequest("update_weights needs integer 'version' and string 'path' (a torch.save'd state dict)")
+        state = await asyncio.to_thread(torch.load, body["path"], map_location="cpu", weights_only=True)
+        n = await asyncio.to_thread(st.loop.engine.update_weights, body["version"], state.items(), body.get("policy"))
+    except FileNotFoundError as e:
+        return _error(400, f"update_weights: {e}")
+    except (ValueError, KeyError) as e:
+        return _error(400, str(e))
+    return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
+
+
+def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy") -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    loop = EngineLoop(engine)
+    app["state"] = ServerState(loop, tokenizer or ByteTokenizer(engine.model.vocab_size), model_name)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/update_weights", update_weights)
+
+    async def on_startup(app):
+        loop.start()
+
+    async def on_cleanup(app):
+        loop.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class ServerThread:
+    """Runs the app on host:port in a background thread (for tests and for in-process embedding)."""
+
+    def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, **app_kw):
+        self.app = create_app(engine, **app_kw)
+        self.host, self.port = host, port
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._serve, name="rollout-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        if not self._ready.wait(timeout=30):
+            raise RuntimeError("rollout server did not start within 30 s")
+        return self
+
+    def _serve(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        runner = web.AppRunner(self.app, handler_cancellation=True)
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, self.host, self.port)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(runner.cleanup())
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self.thread.join(timeout=15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve a policy built from ModelConfig defaults (tiny, random weights unless --weights)."""
+    import torch
+
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.parallel import ParallelConfig
+    from megatron_rl.rollout.engine import EngineConfig
+
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.rollout.server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--weights", help="torch.save'd state dict with the trainer's parameter names")
+    p.add_argument("--vocab-size", type=int, default=384)
+    args = p.parse_args(argv)
+    ctx = init_distributed(ParallelConfig(), source="single")
+    engine = RolloutEngine.build(ModelConfig(vocab_size=args.vocab_size), EngineConfig(), ParallelConfig(), ctx.pgs)
+    if args.weights:
+        engine.update_weights(0, torch.load(args.weights, map_location="cpu", weights_only=True).items())
+    web.run_app(create_app(engine), host=args.host, port=args.port, handler_cancellation=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

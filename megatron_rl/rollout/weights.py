@@ -1,0 +1,76 @@
+"""Moving weights from the trainer to rollout engines with torch.distributed, in buckets.
+
+    # on every rank of `group` (the source passes its tensors, the others None):
+    for name, tensor in broadcast_named_tensors(named if rank == src else None, src, group):
+        ...
+
+The source first broadcasts the metadata (names, shapes, dtypes), then the tensors packed into flat
+buckets of at most `bucket_bytes` (one dtype per bucket), so that a large model moves in a few large
+collectives with bounded extra memory. `shard_for_tp` cuts a full (unsharded) tensor down to this rank's
+tensor-parallel slice using the parameter's Megatron attributes, so a source with a different TP layout
+(or a gathered checkpoint) can feed an engine with TP > 1.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def broadcast_named_tensors(named: Iterable[tuple[str, Tensor]] | None, src: int, group=None,
+                            bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, Tensor]]:
+    """Yield every (name, tensor) of the source rank `src` (global rank) on all ranks of `group`."""
+    is_src = named is not None
+    tensors = dict(named) if is_src else {}
+    box = [[(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()] if is_src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    for bucket in _buckets(box[0], bucket_bytes):
+        dtype = _DTYPES[bucket[0][2]]
+        if is_src:
+            flat = torch.cat([tensors[n].detach().reshape(-1).to(dtype) for n, _, _ in bucket])  # [sum numel]
+        else:
+            flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype)
+        dist.broadcast(flat, src=src, group=group)
+        yield from _unpack(flat, bucket)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _buckets(meta: list, bucket_bytes: int) -> list[list]:
+    """Consecutive runs of metadata entries of one dtype, each under bucket_bytes (or one tensor)."""
+    out: list[list] = []
+    size = 0
+    for entry in meta:
+        nbytes = _numel(entry[1]) * _DTYPES[entry[2]].itemsize
+        if not out or out[-1][0][2] != entry[2] or size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(entry)
+        size += nbytes
+    return out
+
+
+def _unpack(flat: Tensor, bucket: list) -> Iterator[tuple[str, Tensor]]:
+    offset = 0
+    for name, shape, _ in bucket:
+        n = _numel(shape)
+        yield name, flat[offset:offset + n].view(shape)
+        offset += n
+
+
+def shard_for_tp(full: Tensor, param: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This rank's slice of the unsharded `full` for Megatron parameter `param` (honours partition_stride)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False) or full.shape == param.shape:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    parts = full.chunk(stride, dim=dim)  # stride x [..., full_dim / stride, ...]
+    return torch.cat([p.chunk(tp_size, dim=dim)[tp_rank] for p in parts], dim=dim)

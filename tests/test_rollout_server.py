@@ -1,0 +1,141 @@
+"""The rollout HTTP server on 127.0.0.1 (a real aiohttp server in a thread, real sockets, the real engine)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from megatron_rl.models.gpt import ModelConfig, build_gpt
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from megatron_rl.rollout.client import RolloutClient, RolloutError
+from megatron_rl.rollout.server import ServerThread
+from tests.test_rollout_engine import _init_single
+
+pytestmark = pytest.mark.slow
+MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=384, max_seq_length=1024)
+
+
+def _model(pgs, seed: int):
+    from megatron_rl.compat.testing import init_weights_by_name
+
+    model = build_gpt(MODEL, ParallelConfig(), pgs)
+    init_weights_by_name(model, seed=seed)
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight.mul_(3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pgs():
+    return _init_single()
+
+
+@pytest.fixture(scope="module")
+def model(pgs):
+    return _model(pgs, 3)
+
+
+@pytest.fixture()
+def server(pgs):
+    engine = RolloutEngine(_model(pgs, 3), EngineConfig(num_blocks=256, block_size=16), pgs.tp, pgs.cp)
+    srv = ServerThread(engine).start()
+    yield srv, RolloutClient(srv.url, timeout=60, retries=1, backoff=0.1)
+    srv.stop()
+
+
+def _wait_for(cond, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_concurrent_clients_get_the_engines_tokens_and_logprobs(server, model, pgs):
+    srv, client = server
+    prompts = [[257, *range(30 + i, 34 + 2 * i)] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.complete(p, max_tokens=12, temperature=0), prompts))
+    ref = RolloutEngine(model, EngineConfig(num_blocks=64), pgs.tp, pgs.cp).generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    for out, r in zip(outs, ref):
+        (choice,) = out["choices"]
+        assert choice["token_ids"] == r.samples[0].token_ids and choice["finish_reason"] == "length"
+        torch.testing.assert_close(choice["logprobs"]["token_logprobs"], r.samples[0].logprobs, atol=1e-5, rtol=0)
+        assert choice["policy_versions"] == [0] * 12 and out["usage"]["completion_tokens"] == 12
+    m = client.metrics()
+    assert m["rollout_generated_tokens_total"] == 96 and m["rollout_kv_cache_blocks_used"] == 0
+    assert m["rollout_kv_cache_blocks_total"] == 256 and m["rollout_generation_tokens_per_second"] > 0
+
+
+def test_chat_and_text_prompts_and_n_samples(server):
+    _, client = server
+    out = client.chat([{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, n=3, seed=4)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 5 and isinstance(c["message"]["content"], str) for c in out["choices"])
+    assert out["prompt_token_ids"][0] == 257 and len(out["choices"][0]["logprobs"]["content"]) == 5
+    text = client._json("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 3})
+    assert text["prompt_token_ids"] == [97, 98] and "text" in text["choices"][0]
+    assert client.health() == {"status": "ok", "policy_version": 0}
+
+
+@pytest.mark.parametrize("body,reason", [
+    ({"max_tokens": 3}, "missing 'prompt'"),
+    ({"prompt_token_ids": [1, 2], "temperature": "hot"}, "'temperature'"),
+    ({"prompt_token_ids": [1, 999]}, "outside the vocabulary"),
+    ({"prompt_token_ids": [1, 2], "top_p": 0}, "top_p"),
+    ({"prompt_token_ids": [1, "x"]}, "prompt_token_ids must be"),
+    ({"prompt_token_ids": [1], "max_tokens": 5000}, "max_seq_length"),
+    ({"messages": "hello"}, "messages"),
+])
+def test_malformed_requests_get_400_with_a_reason(server, body, reason):
+    _, client = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with pytest.raises(RolloutError, match=reason) as err:
+        client._json("POST", path, body)
+    assert err.value.status == 400
+
+
+def test_invalid_json_gets_400(server):
+    srv, _ = server
+    req = urllib.request.Request(srv.url + "/v1/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and "not valid JSON" in json.loads(err.value.read())["error"]["message"]
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    srv, client = server
+    body = json.dumps({"prompt_token_ids": [257, 5, 6], "max_tokens": 1000, "temperature": 1.0}).encode()
+    sock = socket.create_connection((srv.host, srv.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert _wait_for(lambda: client.metrics()["rollout_kv_cache_blocks_used"] > 0)
+    sock.close()
+    assert _wait_for(lambda: client.metrics()["rollout_kv_cache_blocks_used"] == 0, timeout=10)
+    m = client.metrics()
+    assert m["rollout_aborted_requests_total"] == 1 and m["rollout_requests_in_flight"] == 0
+    assert m["rollout_generated_tokens_total"] < 1000  # it was stopped, not run to the end
+
+
+def test_update_weights_endpoint(server, pgs, tmp_path):
+    _, client = server
+    new = _model(pgs, 4)
+    state = {k: v.detach() for k, v in new.state_dict().items() if not k.endswith("_extra_state")}
+    torch.save(state, tmp_path / "w.pt")
+    assert client.update_weights(1, str(tmp_path / "w.pt"))["policy_version"] == 1
+    out = client.complete([257, 40, 41], max_tokens=4, temperature=0)
+    assert out["choices"][0]["policy_versions"] == [1] * 4 and client.health()["policy_version"] == 1
+    ref = RolloutEngine(new, EngineConfig(num_blocks=16)).generate(
+        [[257, 40, 41]], SamplingParams(temperature=0, max_new_tokens=4))
+    assert out["choices"][0]["token_ids"] == ref[0].samples[0].token_ids
+    with pytest.raises(RolloutError, match="update_weights") as err:
+        client.update_weights(2, str(tmp_path / "missing.pt"))
+    assert err.value.status == 400
