@@ -104,6 +104,12 @@ class SlurmEnv:
         if "SLURM_JOB_ID" not in env:
             return None
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        # A heterogeneous step lists the sorted union of its components' nodes, but rank 0 runs in component 0:
+        # its nodes come first (HET_GROUP in newer Slurm, PACK_GROUP in 22.05 and in `srun ... : ...` steps).
+        het0 = env.get("SLURM_JOB_NODELIST_HET_GROUP_0") or env.get("SLURM_JOB_NODELIST_PACK_GROUP_0")
+        if het0:
+            first = expand_hostlist(het0)
+            nodes = ",".join(first + [h for h in expand_hostlist(nodes) if h not in first]) if nodes else het0
         array_task = _int(env, "SLURM_ARRAY_TASK_ID")
         return cls(
             job_id=env["SLURM_JOB_ID"],

@@ -66,3 +66,11 @@ def test_backend_choice_on_cpu():
     assert pick_backend("auto") == "gloo"
     with pytest.raises(RuntimeError, match="backend 'nccl' needs CUDA"):
         pick_backend("nccl")
+
+
+def test_het_step_rendezvous_is_component_0():
+    env = {**SLURM_STEP, "SLURM_STEP_NODELIST": "cpunode,gpunode", "SLURM_JOB_NODELIST_PACK_GROUP_0": "gpunode"}
+    s = SlurmEnv.from_environ(env)
+    assert s.master_addr == "gpunode" and s.nodelist == ["gpunode", "cpunode"]
+    env = {**SLURM_STEP, "SLURM_STEP_NODELIST": "a[1-3]", "SLURM_JOB_NODELIST_HET_GROUP_0": "a[2-3]"}
+    assert SlurmEnv.from_environ(env).nodelist == ["a2", "a3", "a1"]
