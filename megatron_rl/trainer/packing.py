@@ -10,9 +10,21 @@ data-parallel ranks round-robin and every rank pads its list with empty micro-ba
     loss_mask, behaviour_logprobs, advantages                                              float [1, S]
     cu_seqlens  int32 [n+1]: sample boundaries (the trailing padding is one more segment)
 
+    sample_num_tokens                                                                      float [1, S]
+        loss tokens of each slot's WHOLE sample (0 on padding): seq-mean aggregation stays exact when a
+        sample is split over context-parallel ranks
+
 Attention never crosses a boundary: `attention_inputs` gives a block-diagonal causal mask [1, 1, S, S]
 (True = masked) for the local layer spec (its DotProductAttention applies an explicit mask instead of the
 default causal one), or `PackedSeqParams` (THD, cu_seqlens) for Transformer Engine.
+
+Context parallelism (cp > 1): every sample's slots are padded to a multiple of 2*cp (pads: loss_mask 0,
+sample_index -1, inside the sample's segment, after its last token, so causal attention never lets a real
+token see them; max_tokens must be a multiple of 2*cp) and each micro-batch is split by
+`models.cp_attention.cp_split`: CP rank r keeps chunks r and 2cp-1-r of every segment, [1, S/cp] per field;
+`cu_seqlens` stays GLOBAL (the full segment boundaries, as TE's THD CP expects) and `cp_size` records the
+split. Such a micro-batch always runs as THD (`PackedSeqParams`): TE's attention on GPU, the local spec's
+`CPDotProductAttention` on CPU; Megatron's THD RoPE gives each local chunk its position within its sample.
 
 Bad input: a sample longer than the budget raises naming it (or is skipped and counted with
 overlong='skip'); a sample without loss tokens is skipped and counted; a non-finite reward or a token id
@@ -124,23 +136,30 @@ def _segment_fields(cols, i: int, token_fields: dict[str, np.ndarray]) -> dict[s
     return out
 
 
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
-                     token_fields: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
-    """The [1, max_tokens] micro-batch holding samples `sample_ids` end to end (padding after them)."""
+                     token_fields: dict[str, np.ndarray] | None = None, pad_to: int = 1) -> dict[str, torch.Tensor]:
+    """The [1, max_tokens] micro-batch holding samples `sample_ids` end to end (padding after them); each
+    sample's segment is padded to a multiple of `pad_to` (2*cp under context parallelism)."""
     S, token_fields = max_tokens, token_fields or {}
     names = ("tokens", "labels", "loss_mask", "behaviour_logprobs", *token_fields)
     ints = {"tokens", "labels", "position_ids", "sample_index"}
     mb = {k: torch.zeros(S, dtype=torch.long if k in ints else torch.float32) for k in names}  # each [S]
     mb["position_ids"], mb["sample_index"] = torch.arange(S), torch.full((S,), -1, dtype=torch.long)
+    mb["sample_num_tokens"] = torch.zeros(S)
     bounds, pos = [0], 0
     for i in sample_ids:
         seg = _segment_fields(cols, i, token_fields)
-        n = len(seg["tokens"])
+        n, padded = len(seg["tokens"]), _padded(len(seg["tokens"]), pad_to)
         for k in names:
             mb[k][pos:pos + n] = torch.from_numpy(np.asarray(seg[k], dtype=np.int64 if k in ints else np.float64))
-        mb["position_ids"][pos:pos + n] = torch.arange(n)
+        mb["position_ids"][pos:pos + padded] = torch.arange(padded)
         mb["sample_index"][pos:pos + n] = i
-        pos += n
+        mb["sample_num_tokens"][pos:pos + n] = float(np.count_nonzero(seg["loss_mask"]))
+        pos += padded
         bounds.append(pos)
     mb["position_ids"][pos:] = torch.arange(S - pos)
     if pos < S:
@@ -150,22 +169,44 @@ def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
     return out
 
 
+def check_cp(max_tokens: int, cp_size: int) -> None:
+    """Raise unless a micro-batch of `max_tokens` slots splits evenly into 2*cp chunks per sample."""
+    if cp_size > 1 and max_tokens % (2 * cp_size):
+        raise ConfigError(f"packing.max_tokens={max_tokens} must be a multiple of 2*parallel.cp = {2 * cp_size} "
+                          f"(context parallelism splits every sample into 2*cp chunks); round it up")
+
+
 def pack(cols, keep: np.ndarray, cfg: PackingConfig, dp_rank: int, dp_size: int,
-         token_fields: dict[str, np.ndarray] | None = None, stats: PackStats | None = None, multiple_of: int = 1
-         ) -> tuple[list[dict[str, torch.Tensor]], PackStats]:
+         token_fields: dict[str, np.ndarray] | None = None, stats: PackStats | None = None, multiple_of: int = 1,
+         cp_rank: int = 0, cp_size: int = 1) -> tuple[list[dict[str, torch.Tensor]], PackStats]:
     """This DP rank's micro-batches of the kept samples (same count on every rank, a multiple of
-    `multiple_of`: the interleaved pipeline schedule needs a multiple of pp) and the packing stats."""
-    stats = stats or PackStats()
+    `multiple_of`: the interleaved pipeline schedule needs a multiple of pp) and the packing stats.
+    With cp_size > 1 each micro-batch is this CP rank's share [1, max_tokens / cp] (module docstring)."""
+    check_cp(cfg.max_tokens, cp_size)
+    stats, pad_to = stats or PackStats(), 2 * cp_size if cp_size > 1 else 1
     kept = np.flatnonzero(keep)  # [K] global sample ids
     slots = np.diff(np.asarray(cols.offsets))[kept] - 1  # [K]
-    bins = [[int(kept[j]) for j in b] for b in first_fit_decreasing(slots, cfg.max_tokens)]
+    padded = -(-slots // pad_to) * pad_to  # [K] <= max_tokens when max_tokens is a multiple of pad_to
+    bins = [[int(kept[j]) for j in b] for b in first_fit_decreasing(padded, cfg.max_tokens)]
     per_rank = max(1, -(-len(bins) // dp_size))
     per_rank = -(-per_rank // multiple_of) * multiple_of
     mine = bins[dp_rank::dp_size]
     mine += [[] for _ in range(per_rank - len(mine))]
     stats.samples, stats.bins, stats.microbatches_per_rank = len(kept), len(bins), per_rank
     stats.fill = float(slots.sum()) / max(len(bins) * cfg.max_tokens, 1)
-    return [build_microbatch(cols, b, cfg.max_tokens, token_fields) for b in mine], stats
+    mbs = [build_microbatch(cols, b, cfg.max_tokens, token_fields, pad_to) for b in mine]
+    return ([split_microbatch(mb, cp_rank, cp_size) for mb in mbs] if cp_size > 1 else mbs), stats
+
+
+def split_microbatch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict:
+    """CP rank `cp_rank`'s share of a full micro-batch: every [1, S] field -> [1, S/cp]; cu_seqlens stays
+    global (segments must be multiples of 2*cp); adds 'cp_size'."""
+    from megatron_rl.models.cp_attention import cp_split
+
+    cu = mb["cu_seqlens"]
+    out = {k: (v if k == "cu_seqlens" else cp_split(v, cu, cp_size, cp_rank, dim=-1)) for k, v in mb.items()}
+    out["cp_size"] = cp_size
+    return out
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -178,12 +219,13 @@ def block_causal_mask(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 def attention_inputs(batch: dict, transformer_impl: str):
     """(attention_mask, packed_seq_params) for a micro-batch: a block-causal mask for the local spec,
-    THD PackedSeqParams for Transformer Engine, (None, None) for an unpacked batch (plain causal)."""
+    THD PackedSeqParams for Transformer Engine or for a context-parallel split (both specs), (None, None)
+    for an unpacked batch (plain causal)."""
     cu = batch.get("cu_seqlens")
     if cu is None:
         return batch.get("attention_mask"), None
     seq_len = batch["tokens"].shape[-1]
-    if transformer_impl != "transformer_engine":
+    if transformer_impl != "transformer_engine" and batch.get("cp_size", 1) == 1:
         return block_causal_mask(cu, seq_len).to(batch["tokens"].device), None
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -11,6 +11,18 @@ the data-parallel group, each micro-batch back-propagates sum_t a_t l_t / Z, and
 num_microbatches * dp against Megatron's per-micro-batch division and DDP's averaging, so gradients are the
 SUM over ranks, i.e. those of the whole global batch in one piece.
 
+Context parallelism (cp > 1): `pack` pads every sample to a multiple of 2*cp and gives each CP rank its
+load-balanced share of every micro-batch (chunks r and 2cp-1-r of each sample, [1, max_tokens/cp]). Each CP
+rank computes the log-probs and the loss of its own tokens only; Z is summed over the dp x cp ranks
+(`pgs.dp_cp`), and so are the reported loss and token counts. The gradient factor is unchanged (dp):
+Megatron's `schedules.forward_step` multiplies a 2-output loss by cp_group_size and divides it by
+num_microbatches, and DDP averages over dp_cp (divides by dp*cp), so loss * num_microbatches * dp yields
+cp * (nmb * dp) / (nmb * dp * cp) = 1, the SUM over all dp x cp ranks (the K/V all-gather's backward
+reduce-scatter carries the cross-rank attention gradients). Seq-mean aggregation stays exact through each
+token's `sample_num_tokens` (counted on the whole sample before the split). Quantities that need a
+differentiable per-sample reduction across CP ranks (GSPO's sequence ratio, sequence-level IS weights) are
+refused with cp > 1.
+
 Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
 forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).
 Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`).
@@ -87,9 +99,7 @@ class RLTrainer:
 
     def __init__(self, policy, cfg: RLConfig, reference=None):
         cfg.validate()
-        if policy.ctx.parallel.cp > 1:
-            raise ConfigError("the RL trainer does not split packed sequences over context parallelism yet; "
-                              "set parallel.cp=1")
+        check_cp_support(cfg, policy.ctx.parallel.cp)
         self.policy, self.cfg, self.loss = policy, cfg, cfg.loss.build()
         self.reference = reference if reference is not None or not cfg.reference else policy.frozen_copy()
 
@@ -110,11 +120,12 @@ class RLTrainer:
         """Validate, compute advantages and pack: this rank's micro-batches and the packing stats."""
         keep, stats = check_samples(cols, self.policy.cfg.vocab_size, self.cfg.packing)
         adv = token_advantages(cols, self.cfg.advantage)  # [T]
-        dp_group, par = self.policy.ctx.pgs.dp, self.policy.ctx.parallel
+        pgs, par = self.policy.ctx.pgs, self.policy.ctx.parallel
         interleaved = par.pp > 1 and (par.vpp or 1) > 1
-        return pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(dp_group),
-                    torch.distributed.get_world_size(dp_group), {"advantages": adv}, stats,
-                    multiple_of=par.pp if interleaved else 1)
+        return pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(pgs.dp),
+                    torch.distributed.get_world_size(pgs.dp), {"advantages": adv}, stats,
+                    multiple_of=par.pp if interleaved else 1, cp_rank=torch.distributed.get_rank(pgs.cp),
+                    cp_size=par.cp)
 
     def compute_gradients(self, cols) -> tuple[float, dict[str, torch.Tensor]]:
         """Forward+backward of one step WITHOUT the optimizer update (tests, diagnostics): the global loss
@@ -173,27 +184,45 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------ reductions
     def _global_normaliser(self, mbs: list[dict]) -> float:
-        """Z of the global batch: this rank's micro-batches summed, all-reduced over data-parallel ranks."""
-        z = sum(normaliser(self.cfg.loss, mb["loss_mask"].view(-1), mb["sample_index"].view(-1)) for mb in mbs)
+        """Z of the global batch: this rank's micro-batches summed, all-reduced over data- x context-parallel ranks."""
+        z = sum(normaliser(self.cfg.loss, mb["loss_mask"].view(-1), mb["sample_index"].view(-1),
+                           mb["sample_num_tokens"].view(-1)) for mb in mbs)
         z = torch.as_tensor(z, dtype=torch.float64).reshape(1)
-        torch.distributed.all_reduce(z, group=self.policy.ctx.pgs.dp)
+        torch.distributed.all_reduce(z, group=self.policy.ctx.pgs.dp_cp)
         return float(z.item())
 
     def _reduce(self, raw: dict) -> dict:
-        """Summed loss metrics of the last pipeline stage, summed over data-parallel ranks, on every rank."""
+        """Summed loss metrics of the last pipeline stage, summed over data- x context-parallel ranks, on every
+        rank."""
         keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
         t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64)  # [K]
         present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64)  # [K]
         pgs = self.policy.ctx.pgs
-        for group in (pgs.pp, pgs.dp):
+        for group in (pgs.pp, pgs.dp_cp):
             torch.distributed.all_reduce(t, group=group)
         torch.distributed.all_reduce(present, group=pgs.pp)
         return {k: v for k, v, p in zip(keys, t.tolist(), present.tolist()) if p or k in ("loss", "tokens")}
+
+
+def check_cp_support(cfg: RLConfig, cp: int) -> None:
+    """Refuse what context parallelism cannot do exactly (see the module docstring)."""
+    if cp <= 1:
+        return
+    from megatron_rl.trainer.packing import check_cp
+
+    check_cp(cfg.packing.max_tokens, cp)
+    loss = cfg.loss.resolved()
+    if cfg.loss.name == "gspo":
+        raise ConfigError("loss.name='gspo' needs each sample's whole sequence ratio, but parallel.cp > 1 splits "
+                          "samples over CP ranks; use parallel.cp=1 or a token-level loss (grpo, ppo, dapo, ...)")
+    if loss.is_correction != "none" and loss.is_level == "sequence":
+        raise ConfigError("loss.is_level='sequence' multiplies ratios over the whole sample, but parallel.cp > 1 "
+                          "splits samples over CP ranks; use loss.is_level='token' or parallel.cp=1")
 
 
 def _loss_inputs(batch: dict, lp: torch.Tensor, ent: torch.Tensor, z: float) -> LossInputs:
     """LossInputs [T] of a packed micro-batch (flattened from [1, S])."""
     flat = {k: batch[k].reshape(-1) if batch.get(k) is not None else None
             for k in ("old_logprobs", "advantages", "loss_mask", "sample_index", "behaviour_logprobs",
-                      "ref_logprobs")}
+                      "ref_logprobs", "sample_num_tokens")}
     return LossInputs(logprobs=lp, entropy=ent, normaliser=z, **flat)
