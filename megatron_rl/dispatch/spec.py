@@ -1,0 +1,133 @@
+"""What a rollout worker task runs: episodes, the generator, the sandbox, and where shards go.
+
+Everything here is plain data (dataclasses of str/int/float/list/dict) so a spec pickles for submitit and
+round-trips through YAML/JSON for `megatron-rl rollout-worker --spec FILE` (`megatron_rl.config`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from envs.sandbox import SandboxConfig
+from megatron_rl.config import ConfigError, from_dict, to_dict
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to run: which environment, which task, how to sample."""
+
+    episode_id: str
+    """Globally unique id; a trajectory with this id is written exactly once to the consumer."""
+    env: str
+    """Environment registry name (e.g. countdown)."""
+    task: dict = field(default_factory=dict)
+    """The task as `Task.to_dict()`: id, domain, prompt, payload, split."""
+    sampling: dict = field(default_factory=dict)
+    """Sampling parameters for the generator (temperature, max_new_tokens, ...)."""
+    group_id: int = 0
+    """Group for group-normalised advantages (all samples of one prompt share it)."""
+    seed: int = 0
+    """Per-episode seed (sampling; the scripted test policy picks right/wrong answers by it)."""
+
+
+@dataclass
+class GeneratorConfig:
+    """Where model tokens come from: the rollout engine over HTTP, or the scripted TEST policy."""
+
+    kind: str = "scripted"
+    """http (the rollout engine's client; needs url) or scripted (a test policy answering from the task)."""
+    url: str = ""
+    """Rollout engine base URL (kind=http), e.g. http://gpunode:8000."""
+    timeout_s: float = 120.0
+    """HTTP request timeout (kind=http)."""
+    wrong_fraction: float = 0.0
+    """Scripted test policy: fraction of episodes (chosen by episode seed) answered wrongly."""
+    policy_version: int = 0
+    """Scripted test policy: the policy version it reports."""
+
+    def validate(self) -> None:
+        if self.kind not in ("http", "scripted"):
+            raise ConfigError(f"generator.kind must be http or scripted, got {self.kind!r}")
+        if self.kind == "http" and not self.url:
+            raise ConfigError("generator.url is required with kind=http (the rollout engine's base URL)")
+        if not 0.0 <= self.wrong_fraction <= 1.0:
+            raise ConfigError(f"generator.wrong_fraction must be in [0, 1], got {self.wrong_fraction}")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection FOR TESTS ONLY (retry, kill and straggler paths); all off by default."""
+
+    raise_in_rounds: list[int] = field(default_factory=list)
+    """Dispatch rounds (0 = first attempt) in which a worker raises RuntimeError after `raise_after` episodes."""
+    raise_after: int = 0
+    """Episodes a faulty worker finishes (and publishes) before raising."""
+    delay_s: float = 0.0
+    """Sleep this long before each episode (makes tasks slow enough to kill, cancel or time out)."""
+    delay_in_rounds: list[int] = field(default_factory=list)
+    """Rounds the delay applies to; empty = every round."""
+
+
+@dataclass
+class WorkerConfig:
+    """How a rollout worker runs its episodes (shared by every task of a dispatch)."""
+
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """Where model tokens come from."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Sandbox backend; the pool gets max(sandbox.workers, threads) slots."""
+    threads: int = 0
+    """Episodes run concurrently per task; 0 = the CPUs Slurm gave the task (else os.cpu_count(), max 8)."""
+    episodes_per_shard: int = 0
+    """Publish a shard every this many finished episodes (0 = one shard at the end of the task attempt)."""
+    max_turns: int = 8
+    """Most model actions per episode."""
+    max_tokens: int = 4096
+    """Most tokens per episode (model plus observations)."""
+    vocab_size: int = 384
+    """ByteTokenizer vocabulary (must match the policy's)."""
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    """Test-only fault injection."""
+
+    def validate(self) -> None:
+        if self.threads < 0 or self.episodes_per_shard < 0:
+            raise ConfigError("worker.threads and worker.episodes_per_shard must be >= 0")
+
+
+@dataclass
+class WorkerSpec:
+    """One task's work: a batch of episodes and where its shards go (`--spec FILE` of rollout-worker)."""
+
+    episodes: list[EpisodeSpec] = field(default_factory=list)
+    """The episodes of this task."""
+    shard_dir: str = "runs/shards"
+    """Folder shards are published into (shared filesystem)."""
+    shard_prefix: str = "rollout"
+    """Shard file name prefix (the dispatch run's id)."""
+    round: int = 0
+    """Dispatch attempt this task belongs to (0 = first)."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    """How to run the episodes."""
+
+    def validate(self) -> None:
+        ids = [e.episode_id for e in self.episodes]
+        if len(ids) != len(set(ids)):
+            raise ConfigError("worker spec: episode ids are not unique")
+
+    @classmethod
+    def load(cls, path: str | Path) -> WorkerSpec:
+        """Read a spec from a JSON or YAML file."""
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = yaml.safe_load(text)
+        return from_dict(cls, data)
+
+    def dump(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(to_dict(self)))
+        return path

@@ -1,0 +1,233 @@
+"""Dispatch on the real dev Slurm cluster: job arrays, scancel of a task, time-limit checkpoint + requeue,
+mpi4py work sharing under `srun --mpi=pmix`, and every sbatch script in slurm/ run as-is (small settings).
+
+Time limits: Slurm's own warning signal fires on a coarse timer, so these tests send the same signal the
+time limit would (`scancel --signal=USR2` for submitit tasks, `scancel --signal=USR1 --batch` for the sbatch
+scripts' trap) instead of waiting minutes for it; everything after the signal (checkpoint, requeue,
+resume, finish) is the real path."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from envs.tasks import load_domain
+from megatron_rl.data.shards import ShardDirectory
+from megatron_rl.dispatch import (
+    DispatchConfig,
+    Dispatcher,
+    FaultConfig,
+    GeneratorConfig,
+    WorkerConfig,
+    WorkerSpec,
+    episodes_from_tasks,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+TASKS = load_domain("countdown", split="train")
+PY = sys.executable
+
+
+def worker(**faults) -> WorkerConfig:
+    """Scripted TEST policy, 90% wrong answers (no sandbox run needed) -> trivial episodes."""
+    return WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), faults=FaultConfig(**faults))
+
+
+def slurm_cfg(tmp_path: Path, **kw) -> DispatchConfig:
+    return DispatchConfig(executor="slurm", partition="cpu", folder=str(tmp_path / "submitit"), time_min=5,
+                          mem_gb=0.5, poll_s=0.5, **kw)
+
+
+def consume_all(shard_dir: Path) -> tuple[list[str], ShardDirectory]:
+    reader = ShardDirectory(shard_dir, prefetch=False)
+    ids: list[str] = []
+    while (batch := reader.next_batch(0)) is not None:
+        ids += list(batch.columns.episode_id)
+    return ids, reader
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run_in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # surfaced by the test
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_200_episodes_as_a_job_array(slurm_cluster, monkeypatch, tmp_path):
+    slurm_cluster.patch_env(monkeypatch)
+    eps = episodes_from_tasks(TASKS[:200])
+    report = Dispatcher(slurm_cfg(tmp_path, episodes_per_task=25), worker(), tmp_path / "shards").run(eps)
+    assert report.ok and report.duplicates == 0 and not report.failures, report.failures
+    assert report.rounds[0]["tasks"] == 8 and len(report.shards) == 8
+    assert all("_" in s.split("-j")[1].split("-q")[0] for s in report.shards)   # array ids: <job>_<index>
+    ids, reader = consume_all(tmp_path / "shards")
+    assert sorted(ids) == report.finished == sorted(e.episode_id for e in eps)
+    assert reader.stats.dropped_duplicate == 0 and reader.stats.quarantined == 0
+
+
+def test_scancel_of_one_array_task_loses_and_duplicates_nothing(slurm_cluster, monkeypatch, tmp_path):
+    slurm_cluster.patch_env(monkeypatch)
+    eps = episodes_from_tasks(TASKS[:24])
+    w = worker(delay_s=1.5, delay_in_rounds=[0])
+    w.episodes_per_shard = 2
+    d = Dispatcher(slurm_cfg(tmp_path, episodes_per_task=8), w, tmp_path / "shards")
+    t, out = run_in_thread(lambda: d.run(eps))
+    wait_for(lambda: len(d.jobs) == 3, 60, "the array to be submitted")
+    victim = d.jobs[1].job_id
+    wait_for(lambda: list((tmp_path / "shards").glob(f"*-j{victim}-*.h5")), 90, "the victim's first shard")
+    slurm_cluster.run(["scancel", victim])  # submitit's worker ignores SIGTERM; SIGKILL follows KillWait (3 s)
+    t.join(180)
+    assert "error" not in out, out.get("error")
+    report = out["value"]
+    assert report.ok and report.duplicates == 0, report.rounds
+    assert any(f["job_id"] == victim for f in report.failures), (victim, report.failures, report.rounds)
+    assert report.rounds[1]["episodes"] < 8                 # only the cancelled task's unfinished episodes
+    ids, reader = consume_all(tmp_path / "shards")
+    assert sorted(ids) == sorted(e.episode_id for e in eps) and reader.stats.dropped_duplicate == 0
+
+
+def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, monkeypatch, tmp_path):
+    """submitit Checkpointable path: USR2 (what Slurm sends signal_delay_s before the limit) -> the task
+    publishes what it finished, requeues itself with the rest, and the requeued run finishes them."""
+    slurm_cluster.patch_env(monkeypatch)
+    eps = episodes_from_tasks(TASKS[:10])
+    w = worker(delay_s=0.5)
+    w.episodes_per_shard = 1
+    d = Dispatcher(slurm_cfg(tmp_path, episodes_per_task=10, max_num_timeout=2), w, tmp_path / "shards")
+    t, out = run_in_thread(lambda: d.run(eps))
+    wait_for(lambda: len(list((tmp_path / "shards").glob("*.h5"))) >= 3, 90, "first shards")
+    slurm_cluster.run(["scancel", "--signal=USR2", d.jobs[0].job_id])
+    t.join(180)
+    assert "error" not in out, out.get("error")
+    report = out["value"]
+    assert report.ok and report.duplicates == 0 and not report.failures, report.failures
+    assert len(report.rounds) == 1                           # no dispatcher retry: the task requeued itself
+    attempts = {s.split("-q")[1].split("-")[0] for s in report.shards}
+    assert attempts == {"0", "1"}, report.shards            # shards from before and after the requeue
+    log = Path(d.jobs[0].paths.stderr).read_text()
+    assert "checkpoint:" in log and "requeue" in log.lower()
+    ids, _ = consume_all(tmp_path / "shards")
+    assert sorted(ids) == sorted(e.episode_id for e in eps)
+
+
+def test_two_task_worker_job_shares_work_through_mpi(slurm_cluster, tmp_path):
+    eps = episodes_from_tasks(TASKS[:12])
+    spec = WorkerSpec(episodes=eps, shard_dir=str(tmp_path / "shards"), worker=worker(delay_s=0.3)).dump(
+        tmp_path / "spec.json")
+    res = slurm_cluster.run(["srun", "--mpi=pmix", "-p", "cpu", "-n", "2", "--time=3", PY, "-m",
+                             "megatron_rl.dispatch.worker", "--spec", str(spec), "--mpi", "--report",
+                             str(tmp_path / "r.json")], timeout=180)
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["ranks"] == 2, res.stdout
+    per_rank = {r["rank"]: r["episodes"] for r in summary["per_rank"]}
+    assert per_rank[0] > 0 and per_rank[1] > 0 and sum(per_rank.values()) == 12, summary
+    ids, _ = consume_all(tmp_path / "shards")
+    assert sorted(ids) == sorted(e.episode_id for e in eps)
+
+
+# ------------------------------------------------------------------------------------------ sbatch scripts
+def sbatch(cluster, args: list[str], env: str = "", wait: bool = True, timeout: float = 180) -> str:
+    cmd = f"MRL_PYTHON={shlex.quote(PY)} {env} sbatch --parsable {'-W ' if wait else ''}{shlex.join(args)}"
+    return cluster.run(cmd, timeout=timeout).stdout.strip().split(";")[0]
+
+
+def sacct(cluster, job: str) -> list[str]:
+    return cluster.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"]).stdout.split()
+
+
+def test_train_multinode_sbatch_runs_probe(slurm_cluster, tmp_path):
+    log = tmp_path / "train.out"
+    sbatch(slurm_cluster, ["-o", str(log), "slurm/train_multinode.sbatch"],
+           env=f"MRL_TRAIN_CMD={shlex.quote(f'{PY} -m megatron_rl.distributed probe')}")
+    probes = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert sorted(p["rank"] for p in probes) == [0, 1]
+    assert all(p["world_size"] == 2 and p["source"] == "slurm" and p["allreduce"] == 3.0 for p in probes)
+
+
+STEPPER = """
+import json, os, signal, sys, time
+from megatron_rl.slurm_env import SlurmEnv
+ckpt, steps = sys.argv[1], int(sys.argv[2])
+env = SlurmEnv.from_environ()
+state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"step": 0, "restarts": []}
+state["restarts"].append(env.restart_count)
+stop = []
+signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+open(ckpt + ".running", "w").close()
+while state["step"] < steps and not stop:
+    time.sleep(0.25)
+    state["step"] += 1
+json.dump(state, open(ckpt, "w"))
+print("saved", state, flush=True)
+"""
+
+
+def test_usr1_checkpoints_and_requeues_the_sbatch_job(slurm_cluster, tmp_path):
+    prog, ckpt, log = tmp_path / "stepper.py", tmp_path / "ckpt.json", tmp_path / "train.out"
+    prog.write_text(STEPPER)
+    cmd = shlex.quote(f"{PY} {prog} {ckpt} 60")
+    job = sbatch(slurm_cluster, ["-o", str(log), "--ntasks-per-node=1", "--gres=gpu:1",
+                                 "slurm/train_multinode.sbatch"], env=f"MRL_TRAIN_CMD={cmd}", wait=False)
+    wait_for(lambda: Path(f"{ckpt}.running").exists(), 60, "the training step to start")
+    time.sleep(1.0)
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    wait_for(lambda: sacct(slurm_cluster, job) == ["COMPLETED"] and ckpt.exists()
+             and json.loads(ckpt.read_text())["step"] == 60, 120, "the requeued job to finish")
+    state = json.loads(ckpt.read_text())
+    assert state["restarts"] == [0, 1]                     # resumed once, from the saved step
+    text = log.read_text()
+    assert "USR1: checkpoint requested" in text and "scontrol requeue" in text and "restart 1" in text
+
+
+def test_rl_hetjob_sbatch(slurm_cluster, tmp_path):
+    eps = episodes_from_tasks(TASKS[:8])
+    spec = WorkerSpec(episodes=eps, shard_dir=str(tmp_path / "shards"), worker=worker(delay_s=0.2)).dump(
+        tmp_path / "spec.json")
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", str(spec),
+                           str(tmp_path / "out")])
+    trainer = json.loads((tmp_path / "out" / "trainer.out").read_text().splitlines()[0])
+    assert trainer["source"] == "slurm" and trainer["master_addr"] == "gpunode"
+    workers = json.loads((tmp_path / "out" / "workers.json").read_text())
+    assert workers["ranks"] == 2 and sorted(workers["finished"]) == sorted(e.episode_id for e in eps)
+
+
+def test_rl_submitit_sbatch(slurm_cluster, tmp_path):
+    out = tmp_path / "fleet"
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "drv.out"), "slurm/rl_submitit.sbatch", str(out), "--num", "16",
+                           "--episodes-per-task", "4", "--wrong-fraction", "0.9", "--time-min", "5"])
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["finished"]) == 16 and not report["missing"] and report["duplicates"] == 0
+    assert report["rounds"][0]["tasks"] == 4
+    ids, _ = consume_all(out / "shards")
+    assert len(ids) == 16
+
+
+def test_eval_array_sbatch(slurm_cluster, tmp_path):
+    out = tmp_path / "eval"
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "eval-%a.out"), "slurm/eval_array.sbatch", str(out), "--num", "8"])
+    shards = sorted(p.name for p in (out / "shards").glob("*.h5"))
+    assert [s.split("-")[1] for s in shards] == ["s0", "s1", "s2", "s3"]
+    ids, _ = consume_all(out / "shards")
+    assert len(ids) == len(set(ids)) == 8
