@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "convert": ("tools.convert.cli", "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard", ""),
     "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
+    "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths and time split to PNG", ""),
     "eval": (None, "evaluate a checkpoint on held-out tasks (pass@k per domain)", "the RL loop issue"),
 }
 
@@ -56,12 +57,14 @@ def run_subcommand(name: str, argv: list[str], show_help: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    if not argv or argv[0] not in SUBCOMMANDS:  # top-level --help/--version, or an unknown command
+        parser.parse_args(argv)
         parser.print_help()
         return NOT_BUILT_EXIT
+    name, rest = argv[0], argv[1:]  # everything after the command goes to it untouched (options first too)
+    show_help = rest[:1] in (["-h"], ["--help"])
     try:
-        return run_subcommand(args.command, args.args, args.help)
+        return run_subcommand(name, rest[1:] if show_help else rest, show_help)
     except SystemExit as e:  # argparse inside a subcommand (--help, usage errors)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 

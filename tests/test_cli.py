@@ -40,3 +40,16 @@ def test_unbuilt_subcommands_exit_2_and_say_so(name, capsys):
 def test_no_command_prints_help(capsys):
     assert main([]) == NOT_BUILT_EXIT
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_options_before_positionals_reach_the_subcommand(capsys):
+    # `megatron-rl rollout-worker --spec FILE`: an option first must not be swallowed by the top-level parser
+    code = main(["rollout-worker", "--spec", "/nonexistent/spec.json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "worker spec '/nonexistent/spec.json' does not exist" in err
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

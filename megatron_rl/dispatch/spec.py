@@ -120,11 +120,16 @@ class WorkerSpec:
         """Read a spec from a JSON or YAML file."""
         import yaml
 
+        if not Path(path).is_file():
+            raise ConfigError(f"worker spec {str(path)!r} does not exist")
         text = Path(path).read_text()
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
-            data = yaml.safe_load(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"worker spec {str(path)!r} is neither JSON nor YAML: {e}") from None
         return from_dict(cls, data)
 
     def dump(self, path: str | Path) -> Path:

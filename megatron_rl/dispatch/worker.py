@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
+from megatron_rl.config import ConfigError
 from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
 from megatron_rl.tokenizer import ByteTokenizer
@@ -434,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.spec or args.spec_file):
         p.error("give the worker spec: --spec FILE (JSON or YAML WorkerSpec)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = WorkerSpec.load(args.spec or args.spec_file)
+    try:
+        spec = WorkerSpec.load(args.spec or args.spec_file)
+    except ConfigError as e:
+        print(f"megatron-rl rollout-worker: {e}", file=sys.stderr)
+        return 2
     if args.mpi:
         summary = run_mpi(spec, args.chunk)
     else:
