@@ -1,0 +1,127 @@
+"""Sandboxed executions per second of a small unit-test program, and per-run latency against bare python3.
+
+The program is what the code environment runs: a function and five asserts. Measured in one process:
+- bare: `python3 main.py` as a plain subprocess (pipes captured), the baseline;
+- sandbox latency: back-to-back `BwrapSandbox.run` calls (default prespawn on; and cold, prespawn off),
+  interleaved in blocks with the bare runs so that all three see the same background load;
+- throughput: a `SandboxPool` of 1..4 workers fed all jobs at once.
+Targets (from the issue): latency <= 1.5x bare, >= 45 runs/s on 2 cores. Prints ONE JSON object. The load
+average before and after is included: other work on the machine slows every figure.
+
+    .venv/bin/python benchmarks/sandbox_throughput.py [--runs 300] [--blocks 15] [--python-args "-I -S"]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from envs.sandbox import SandboxJob, SandboxPool  # noqa: E402
+from envs.sandbox.bwrap import BwrapSandbox  # noqa: E402
+
+PROGRAM = """\
+def fizzbuzz(n):
+    return "FizzBuzz" if n % 15 == 0 else "Fizz" if n % 3 == 0 else "Buzz" if n % 5 == 0 else str(n)
+
+
+assert fizzbuzz(1) == "1"
+assert fizzbuzz(3) == "Fizz"
+assert fizzbuzz(10) == "Buzz"
+assert fizzbuzz(30) == "FizzBuzz"
+assert [fizzbuzz(i) for i in range(1, 6)] == ["1", "2", "Fizz", "4", "Buzz"]
+"""
+PYTHON = "/usr/bin/python3"  # the interpreter the sandbox sees (host /usr), so both sides run the same one
+
+
+class Bare:
+    """The baseline: `python3 main.py` as a plain subprocess in a directory holding the program."""
+
+    def __init__(self, py_args: list[str]):
+        self.dir = tempfile.TemporaryDirectory()
+        Path(self.dir.name, "main.py").write_text(PROGRAM)
+        self.argv = [PYTHON, *py_args, "main.py"]
+
+    def run(self) -> None:
+        r = subprocess.run(self.argv, cwd=self.dir.name, capture_output=True)
+        assert r.returncode == 0, r.stderr
+
+
+def timed(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def latencies(blocks: int, block: int, py_args: list[str]) -> dict[str, list[float]]:
+    """Interleaved blocks of back-to-back runs (bare, sandbox with prespawn, sandbox cold), so that the
+    three see the same background load; within a block runs follow each other without pause."""
+    bare = Bare(py_args)
+    out: dict[str, list[float]] = {"bare": [], "warm": [], "cold": []}
+    with BwrapSandbox(prespawn=True) as warm, BwrapSandbox(prespawn=False) as cold:
+        def sandboxed(sb):
+            def run() -> None:
+                r = sb.run_python(PROGRAM, python=PYTHON, python_args=tuple(py_args))
+                assert r.ok, r
+            return run
+        runs = {"bare": bare.run, "warm": sandboxed(warm), "cold": sandboxed(cold)}
+        for fn in runs.values():
+            timed(fn, 3)  # warm-up: page cache, first mounts
+        for _ in range(blocks):
+            for name, fn in runs.items():
+                out[name] += timed(fn, block)
+    bare.dir.cleanup()
+    return out
+
+
+def pool_throughput(workers: int, runs: int, py_args: list[str]) -> float:
+    job = SandboxJob(command=[PYTHON, *py_args, "main.py"], files={"main.py": PROGRAM})
+    with SandboxPool(lambda i: BwrapSandbox(), workers) as pool:
+        pool.map([job] * (2 * workers))  # warm-up
+        t0 = time.perf_counter()
+        results = pool.map([job] * runs)
+        dt = time.perf_counter() - t0
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:1]
+    return runs / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=300, help="jobs per throughput measurement")
+    ap.add_argument("--blocks", type=int, default=15, help="interleaved latency blocks")
+    ap.add_argument("--block", type=int, default=10, help="back-to-back runs per latency block")
+    ap.add_argument("--python-args", default="", help="interpreter options for both sides, e.g. '-I -S'")
+    ap.add_argument("--max-workers", type=int, default=4)
+    args = ap.parse_args()
+    py_args = shlex.split(args.python_args)
+    load_before = os.getloadavg()
+    lat = latencies(args.blocks, args.block, py_args)
+    bare, warm, cold = (statistics.median(lat[k]) for k in ("bare", "warm", "cold"))
+    tput = {str(w): round(pool_throughput(w, args.runs, py_args), 1) for w in range(1, args.max_workers + 1)}
+    best = max(tput.values())
+    ratio = warm / bare
+    print(json.dumps({
+        "program": "function + 5 asserts", "python": PYTHON, "python_args": py_args, "cpus": os.cpu_count(),
+        "latency_runs_each": len(lat["bare"]), "bare_median_ms": round(bare * 1e3, 2),
+        "sandbox_median_ms": round(warm * 1e3, 2), "sandbox_cold_median_ms": round(cold * 1e3, 2),
+        "overhead_ratio": round(ratio, 3), "overhead_ratio_cold": round(cold / bare, 3),
+        "runs_per_s_by_workers": tput, "best_runs_per_s": best,
+        "targets": {"overhead_ratio_max": 1.5, "runs_per_s_min": 45},
+        "meets_targets": {"overhead": ratio <= 1.5, "throughput": best >= 45},
+        "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Sandboxes: run untrusted code with limits (`Sandbox.run`), backends in a registry, a concurrent pool.
+
+THREAT MODEL: see `envs.sandbox.base` (shared contract) and each backend module: `bwrap` (default; the
+only one for untrusted model output on the dev machines), `apptainer` (clusters that provide it),
+`subprocess` (trusted code only: isolates nothing). `build_sandbox` never silently downgrades: an
+unavailable backend raises `SandboxUnavailable` with the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from envs.sandbox import apptainer, bwrap, subprocess_backend  # noqa: F401  (register the backends)
+from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from envs.sandbox.pool import SandboxJob, SandboxPool
+from megatron_rl.config import ConfigError
+
+__all__ = ["SANDBOXES", "Limits", "Sandbox", "SandboxConfig", "SandboxJob", "SandboxPool", "SandboxResult",
+           "SandboxUnavailable", "build_sandbox"]
+
+
+@dataclass
+class SandboxConfig:
+    """Which sandbox backend to build, and how."""
+
+    backend: str = "bwrap"
+    """Registered backend name: bwrap (default), apptainer (clusters), subprocess (trusted code only)."""
+    rootfs: str | None = None
+    """bwrap: a root filesystem directory mounted read-only instead of the host's /usr; None = host."""
+    image: str | None = None
+    """apptainer: the .sif image (or unpacked image directory) to run in."""
+    workers: int = 1
+    """Concurrent sandbox slots; above 1 a SandboxPool of that many slots (threads) is built."""
+    limits: Limits = field(default_factory=Limits)
+    """Default limits of a run (a run may pass its own)."""
+    prespawn: bool = True
+    """bwrap: set up the next run's sandbox while the current one runs (hides setup latency)."""
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"sandbox.workers must be >= 1, got {self.workers}")
+        if self.backend == "apptainer" and not self.image:
+            raise ConfigError("sandbox.image is required with backend 'apptainer' (a .sif file)")
+        if self.rootfs is not None and self.backend != "bwrap":
+            raise ConfigError(f"sandbox.rootfs applies to backend 'bwrap' only, not {self.backend!r}; "
+                              "use sandbox.image for apptainer")
+        self.limits.validate()
+
+    def build(self) -> Sandbox:
+        """The configured backend (a SandboxPool when workers > 1)."""
+        self.validate()
+        cls = SANDBOXES.get(self.backend)
+        kwargs: dict = {"limits": self.limits}
+        if self.backend == "bwrap":
+            kwargs.update(rootfs=self.rootfs, prespawn=self.prespawn)
+        elif self.backend == "apptainer":
+            kwargs.update(image=self.image)
+
+        def factory(_slot: int) -> Sandbox:
+            return cls(**kwargs)
+
+        return factory(0) if self.workers == 1 else SandboxPool(factory, self.workers)
+
+
+def build_sandbox(cfg: SandboxConfig) -> Sandbox:
+    """Build the sandbox a config describes."""
+    return cfg.build()

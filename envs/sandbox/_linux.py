@@ -1,0 +1,130 @@
+"""Small Linux helpers for the sandbox backends: child subreaper, tmpfs mounts, per-slot uids, pidfds.
+
+THREAT MODEL. Covered: slot uids are unique among all processes on the host that use this module (an
+flock per uid in a root-owned directory), so two concurrent sandboxes never share a uid and cannot signal
+each other or count against each other's RLIMIT_NPROC; scratch tmpfs mounts are `nosuid,nodev` with a
+size and inode cap; orphaned sandbox processes are reaped through pidfds checked against the slot uid, so
+the worker never reaps (and steals the exit status of) a process it does not own.
+Not covered: uids are not reserved in /etc/passwd - a host account with a uid in the sandbox range
+(default 2,000,000-2,065,535) would share it; choose `uid_base` accordingly.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import select
+import tempfile
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_PR_SET_CHILD_SUBREAPER = 36
+MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
+MNT_DETACH = 2
+
+UID_BASE = 2_000_000
+UID_COUNT = 65_536
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt orphaned descendants (bwrap's inner pid 1 can outlive the outer bwrap); they
+    are then reaped by the backend instead of piling up as zombies under an init that may never reap."""
+    return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def mount_tmpfs(target: str, size_mb: int, inodes: int, remount: bool = False, mode: str = "0711") -> None:
+    flags = MS_NOSUID | MS_NODEV | (MS_REMOUNT if remount else 0)
+    data = f"size={size_mb}m,nr_inodes={inodes},mode={mode}".encode()
+    if _libc.mount(b"tmpfs", target.encode(), b"tmpfs", flags, data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount tmpfs on {target}: {os.strerror(e)}")
+
+
+def umount(target: str) -> None:
+    if _libc.umount2(target.encode(), MNT_DETACH) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EINVAL, errno.ENOENT):
+            raise OSError(e, f"umount {target}: {os.strerror(e)}")
+
+
+class UidLease:
+    """A uid no other process on this host holds while the lease lives (flock on a per-uid file)."""
+
+    def __init__(self, base: int = UID_BASE, count: int = UID_COUNT):
+        lock_dir = os.path.join(tempfile.gettempdir(), "megatron-rl-sandbox-uids")
+        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+        start = (os.getpid() * 7) % count  # spread processes over the range to make collisions rare
+        for i in range(count):
+            uid = base + (start + i) % count
+            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if _uid_has_processes(uid):  # a leftover of a crashed worker: not ours to reuse yet
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise RuntimeError(f"no free sandbox uid in [{base}, {base + count})")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _uid_has_processes(uid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and process_uid(int(pid)) == uid:
+            return True
+    return False
+
+
+def process_uid(pid: int) -> int | None:
+    """Real uid of `pid` (as seen from this namespace), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and process_uid(int(p)) == uid]
+
+
+def open_owned_pidfd(pid: int, uid: int) -> int | None:
+    """A pidfd for `pid` if it is alive and runs as `uid` (checked while it is alive, so pid reuse cannot
+    fool the check); None otherwise."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if process_uid(pid) == uid and not exited(fd):
+        return fd
+    os.close(fd)
+    return None
+
+
+def exited(pidfd: int, timeout_s: float = 0.0) -> bool:
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(int(timeout_s * 1000)))
+
+
+def reap_pidfd(pidfd: int, timeout_s: float) -> bool:
+    """Wait for the process behind `pidfd` to exit and reap it if it is our child (it is when it was
+    reparented to us, the subreaper). True when it exited."""
+    if not exited(pidfd, timeout_s):
+        return False
+    try:
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:  # reaped by its own parent, or not our child: nothing to do
+        pass
+    return True

@@ -1,0 +1,725 @@
+"""Bubblewrap backend (default): untrusted programs in fresh namespaces, as a per-slot uid, under cgroups.
+
+THREAT MODEL
+Assumes: an untrusted program (model output) and its files; a Linux host with unprivileged user namespaces
+and bubblewrap >= 0.8 (Debian `bubblewrap`); the worker runs as root (for per-slot uids, cgroups and a
+size-capped scratch tmpfs; without root it degrades and says so in every result's `notes`).
+Covered, per run:
+- Filesystem: a fresh root (bwrap tmpfs, remounted read-only) holding only /usr (read-only) with its /bin,
+  /lib symlinks and /etc: a private copy, taken when the sandbox is built, of a whitelist of host /etc
+  entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
+  or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
+  user - or a domain-provided root directory
+  mounted read-only. The only writable places are /work (scratch) and /tmp, both directories on the slot's
+  own tmpfs (capped at `scratch_mb`, `nosuid`, `nodev`, inode-capped), emptied after the run. Host /root,
+  /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are read without
+  following symlinks.
+- Network: a new network namespace (only its own loopback): host ports, abstract unix sockets and the
+  internet are unreachable. `Limits.network=True` shares the host network (trusted domains only).
+- Processes: new pid, ipc, uts, user and cgroup namespaces; `--die-with-parent`; `--new-session` (no
+  TIOCSTI into the worker's terminal); no capabilities; `--disable-userns` (no nested user namespaces);
+  the program runs as uid 1000 inside, mapped to a host uid of its own slot, so concurrent sandboxes
+  cannot signal each other even outside their pid namespaces. When the run ends its pid namespace dies,
+  killing every descendant, `setsid` daemons included; the slot cgroup is then checked empty (and
+  SIGKILLed until it is) and orphans are reaped (the worker is a child subreaper).
+- Resources: cgroup v1 memory+swap, pids and CPU quota for the whole process tree (when the hierarchies
+  are writable; else RLIMIT_AS / RLIMIT_NPROC, noted in the result); RLIMIT_CPU/FSIZE/NOFILE/CORE per
+  process; total CPU time of the tree polled from cpuacct; wall timeout; stdout/stderr capped (the run is
+  killed at the cap). Scratch files live in RAM and count toward the memory limit. Violations are named:
+  wall, cpu, memory, pids, file_size, output, setup.
+Not covered:
+- Kernel attack surface: no seccomp filter is installed; a kernel exploit reachable through ordinary
+  syscalls (in a user namespace) escapes. Use a VM/gVisor boundary for adversarial red-teaming.
+- /proc inside shows host-wide information (CPU, memory, uptime, kernel version, and pid 1's command
+  line with the host scratch path); /usr is readable (installed software is visible, as it is meant to
+  be used).
+- Side channels (timing, cache), CPU frequency and memory bandwidth contention between slots.
+- I/O bandwidth is not limited. Without cgroups, the memory and pid limits are per-process rlimits and
+  a program can exceed them in aggregate with many processes.
+- With prespawn (default) the next run's sandbox is set up (namespaces, mounts; no untrusted code yet)
+  while the current one runs, in a second slot with its own uid, cgroups and tmpfs; it is used only if
+  the next run asks for the same rlimits and network setting, else discarded and the run starts cold.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import glob
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from envs.sandbox import _linux
+from envs.sandbox._cgroup import SlotCgroups, remove_stale_groups
+from envs.sandbox._common import (
+    apply_rlimits,
+    check_relpath,
+    collect_files,
+    decode,
+    exit_code_from_status,
+    largest_file,
+    pump,
+    rlimits_for,
+    write_files,
+)
+from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+
+log = logging.getLogger(__name__)
+
+INNER_UID = 1000
+_ETC = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf",
+        "protocols", "services", "mime.types", "os-release", "debian_version", "inputrc", "terminfo",
+        "locale.alias", "magic", "magic.mime")
+_ETC_GLOBS = ("python3*", "java-*", "perl")
+_ETC_NET = ("resolv.conf", "ssl", "ca-certificates", "ca-certificates.conf", "host.conf", "gai.conf")
+_SKIP_ROOT = {"proc", "dev", "sys", "tmp", "work", ".sandbox", "run", "boot", "home", "media", "mnt", "root", "srv",
+              "lost+found"}
+_TRAMPOLINE = ". /.sandbox/cmd"
+_SCRATCH_INODES = 16384
+_BWRAP_TASKS = 2  # outer bwrap + its pid 1 in the sandbox's pid namespace
+_PREFIX = "megatron-rl-sandbox-"
+_stale_lock = threading.Lock()
+_stale_done = False
+
+
+@dataclass
+class _Launch:
+    """A started bwrap, blocked before exec until `block_w` is written."""
+
+    cell: _Cell
+    proc: subprocess.Popen
+    pidfd: int
+    block_w: int
+    stdin_w: int
+    stdout_r: int
+    stderr_r: int
+    status_r: int
+    key: tuple
+    status: dict = field(default_factory=dict)
+    pid1fd: int | None = None
+    _buf: bytes = b""
+
+    def feed_status(self, data: bytes) -> None:
+        """Parse bwrap's JSON status documents (one per line) as they arrive."""
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            self.status.update(doc)
+            if "child-pid" in doc and self.pid1fd is None:
+                self.pid1fd = _linux.open_owned_pidfd(int(doc["child-pid"]), self.cell.uid)
+
+    def kill(self) -> None:
+        if self.pid1fd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pid1fd, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+
+    def close_fds(self) -> None:
+        for fd in (self.pidfd, self.block_w, self.stdin_w, self.stdout_r, self.stderr_r, self.status_r,
+                   self.pid1fd):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.pidfd = self.block_w = self.stdin_w = self.stdout_r = self.stderr_r = self.status_r = -1
+        self.pid1fd = None
+
+
+class _Cell:
+    """One slot: a uid of its own, cgroups, a scratch tmpfs with /work and /tmp; one run at a time."""
+
+    def __init__(self, base: str, index: int, group: str, uid_base: int, scratch_mb: int):
+        self.root = os.geteuid() == 0
+        self.notes: list[str] = []
+        self.lease = _linux.UidLease(uid_base) if self.root else None
+        self.uid = self.lease.uid if self.lease else os.getuid()
+        self.gid = self.uid if self.lease else os.getgid()
+        self.dir = os.path.join(base, f"cell{index}")
+        self.fs = os.path.join(self.dir, "fs")
+        self.work, self.tmp, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
+                                         os.path.join(self.dir, "ctl"))
+        for d in (self.dir, self.fs, self.ctl):
+            os.makedirs(d, exist_ok=True)
+            os.chmod(d, 0o711 if d != self.ctl else 0o755)
+        self.scratch_mb = 0
+        self.tmpfs = self.root
+        if not self.root:
+            self.notes.append("not root: one uid for all slots, scratch size checked after the run only")
+        self.cg, cg_notes = SlotCgroups.create(group, f"cell{index}-uid{self.uid}")
+        if self.cg is None:
+            self.notes.append("no writable cgroup v1 memory/pids: memory and pid limits are per-process "
+                              "rlimits (" + "; ".join(cg_notes) + ")")
+        else:
+            self.notes += [n for n in cg_notes if "cpuacct" in n or "memory" in n or "pids" in n]
+            self.cg.set_limits(Limits(), _BWRAP_TASKS)
+        self.mount(scratch_mb)  # before any bwrap binds /work: later size changes are remounts
+        self.fresh_dirs()
+
+    def mount(self, scratch_mb: int) -> None:
+        """Size the scratch tmpfs (mount once, remount when the size changes)."""
+        if not self.tmpfs or scratch_mb == self.scratch_mb:
+            return
+        try:
+            _linux.mount_tmpfs(self.fs, scratch_mb, _SCRATCH_INODES, remount=self.scratch_mb > 0)
+        except OSError as e:
+            self.tmpfs = False
+            self.notes.append(f"scratch is a plain directory (size checked after the run only): {e}")
+            return
+        os.chmod(self.fs, 0o711)
+        self.scratch_mb = scratch_mb
+
+    def fresh_dirs(self) -> None:
+        """Empty /work and /tmp (recreated: the program may have changed their modes)."""
+        self.dirty = False
+        for d in (self.work, self.tmp):
+            shutil.rmtree(d, ignore_errors=True)
+            os.mkdir(d, 0o700 if d == self.work else 0o1777)
+            os.chmod(d, 0o700 if d == self.work else 0o1777)
+            if self.root:
+                os.chown(d, self.uid, self.gid)
+
+    def scratch_full(self, scratch_mb: int) -> bool:
+        if self.tmpfs:
+            st = os.statvfs(self.fs)
+            return st.f_bavail == 0 or st.f_favail == 0
+        used = 0
+        for d in (self.work, self.tmp):
+            for dirpath, _, names in os.walk(d):
+                for n in names:
+                    with contextlib.suppress(OSError):
+                        used += os.lstat(os.path.join(dirpath, n)).st_size
+        return used > scratch_mb << 20
+
+    def preexec(self, rlimits):
+        attach = self.cg.attach_files if self.cg else ()
+        uid, gid, drop = self.uid, self.gid, self.root
+
+        def fn() -> None:  # runs in the forked child before exec: keep it to plain syscalls
+            for path in attach:
+                fd = os.open(path, os.O_WRONLY)
+                os.write(fd, b"0")
+                os.close(fd)
+            apply_rlimits(rlimits)
+            if drop:
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+        return fn
+
+    def close(self) -> list[str]:
+        problems = self.cg.remove() if self.cg else []
+        if self.tmpfs and self.scratch_mb:
+            try:
+                _linux.umount(self.fs)
+            except OSError as e:
+                problems.append(str(e))
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.lease:
+            self.lease.release()
+        return problems
+
+
+class _State:
+    """Everything a BwrapSandbox holds, separate from it so a finalizer can release it."""
+
+    def __init__(self):
+        self.cells: list[_Cell] = []
+        self.base: str | None = None
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.next: concurrent.futures.Future | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.next is not None:
+            with contextlib.suppress(Exception):
+                _dispose(self.next.result(timeout=30))
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+        for c in self.cells:
+            for p in c.close():
+                log.warning("bwrap sandbox cleanup: %s", p)
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _dispose(launch: _Launch) -> list[str]:
+    """Kill and reap a launch (used or not); returns cleanup problems."""
+    problems = []
+    if launch.pid1fd is None and launch.status_r >= 0:  # learn pid 1 if the status was never read
+        with contextlib.suppress(OSError):
+            os.set_blocking(launch.status_r, False)
+            launch.feed_status(os.read(launch.status_r, 1 << 16) + b"\n")
+    launch.kill()
+    try:
+        launch.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        problems.append(f"bwrap {launch.proc.pid} did not exit after SIGKILL")
+    if launch.pid1fd is not None and not _linux.reap_pidfd(launch.pid1fd, 5.0):
+        problems.append("sandbox pid 1 did not exit after SIGKILL")
+    cell = launch.cell
+    if cell.cg is not None:
+        left = cell.cg.procs()
+        if left:
+            problems.append(f"{len(left)} processes left in the slot cgroup after the run; killed")
+            if cell.cg.kill_all():
+                problems.append("processes survived SIGKILL in the slot cgroup")
+    if launch.pid1fd is None or cell.cg is None or not cell.cg.has("pids") or cell.cg.tasks_alive_or_zombie():
+        _reap_orphans(cell.uid)  # the kernel still counts tasks (zombies) of this slot: reap them
+    launch.close_fds()
+    return problems
+
+
+def _reap_orphans(uid: int) -> None:
+    """Reap zombie children of this process running as `uid` (orphans adopted as subreaper)."""
+    if uid == os.getuid():
+        return  # not root: cannot tell our sandboxes' orphans from other children; leave them
+    for path in glob.glob("/proc/self/task/*/children"):
+        try:
+            with open(path) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            if _linux.process_uid(pid) != uid:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if _linux.process_uid(pid) == uid:
+                    os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                pass
+            finally:
+                os.close(fd)
+
+
+_etc_lock = threading.Lock()
+_etc_dirs: dict[bool, str] = {}
+
+
+def _shared_etc(network: bool) -> str:
+    """This process's private copy of the whitelisted /etc entries plus a generated passwd/group/hosts, shared
+    by its sandboxes and mounted as /etc with ONE bind (bwrap re-reads the mount table after every bind, so
+    each extra mount costs setup time). Lives on a tmpfs when possible; removed at exit."""
+    with _etc_lock:
+        if network in _etc_dirs:
+            return _etc_dirs[network]
+        base = os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}-shared")
+        if not _etc_dirs:
+            os.makedirs(base, mode=0o755, exist_ok=True)
+            os.chmod(base, 0o755)
+            with contextlib.suppress(OSError):
+                _linux.mount_tmpfs(base, 16, 4096, mode="0755")
+            atexit.register(_remove_shared, base)
+        d = os.path.join(base, "etc-net" if network else "etc")
+        shutil.rmtree(d, ignore_errors=True)
+        os.mkdir(d, 0o755)
+        names = list(_ETC) + [os.path.basename(g) for pat in _ETC_GLOBS for g in glob.glob("/etc/" + pat)]
+        for name in dict.fromkeys(names + (list(_ETC_NET) if network else [])):
+            src, dst = "/etc/" + name, os.path.join(d, name)
+            try:
+                if os.path.isdir(src) and not os.path.islink(src):
+                    shutil.copytree(src, dst, symlinks=True)
+                elif os.path.lexists(src):
+                    shutil.copy2(src, dst, follow_symlinks=False)
+            except OSError as e:  # unreadable entry: the sandbox goes without it
+                log.warning("bwrap sandbox: not copying %s into the sandbox /etc: %s", src, e)
+        files = {"passwd": "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                           f"sandbox:x:{INNER_UID}:{INNER_UID}::/work:/bin/sh\n"
+                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+                 "group": f"root:x:0:\nsandbox:x:{INNER_UID}:\nnogroup:x:65534:\n",
+                 "hosts": "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost ip6-loopback\n"}
+        for name, text in files.items():
+            with open(os.path.join(d, name), "w") as f:
+                f.write(text)
+            os.chmod(os.path.join(d, name), 0o644)
+        _etc_dirs[network] = d
+        return d
+
+
+def _remove_shared(base: str) -> None:
+    with contextlib.suppress(OSError):
+        _linux.umount(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _remove_stale_once() -> None:
+    """Remove what workers that died without closing left behind: scratch tmpfs mounts and their
+    directories, and empty slot cgroups (their processes died with them: --die-with-parent)."""
+    global _stale_done
+    with _stale_lock:
+        if _stale_done:
+            return
+        _stale_done = True
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), _PREFIX + "*")):
+        pid = os.path.basename(d)[len(_PREFIX):].split("-")[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        for fs in glob.glob(os.path.join(d, "cell*", "fs")) + [d]:
+            with contextlib.suppress(OSError):
+                _linux.umount(fs)
+        shutil.rmtree(d, ignore_errors=True)
+    remove_stale_groups(_PREFIX, _pid_alive)
+
+
+def _bwrap_version(path: str) -> tuple[int, ...]:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        return tuple(int(x) for x in out.split()[-1].split("."))
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return (0,)
+
+
+@SANDBOXES.register("bwrap")
+class BwrapSandbox(Sandbox):
+    """Bubblewrap sandbox; one run at a time per instance (use `SandboxPool` for concurrency).
+
+    rootfs: a directory to use read-only as the sandbox's root filesystem instead of the host's /usr and
+    /etc whitelist (e.g. an unpacked image); it needs /bin/sh for prespawn. prespawn: set the next run's
+    sandbox up while the current one runs (hides bwrap's setup latency). env: extra environment variables.
+    """
+
+    name = "bwrap"
+
+    def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
+                 env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None):
+        self.default_limits = limits or Limits()
+        self.default_limits.validate()
+        path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
+        if not path:
+            raise SandboxUnavailable("bubblewrap ('bwrap') is not installed: `apt-get install bubblewrap` "
+                                     "(Debian/Ubuntu), or pick backend 'apptainer' on a cluster that has it")
+        if rootfs is not None and not os.path.isdir(rootfs):
+            raise ValueError(f"sandbox rootfs {rootfs!r} is not a directory; pass an unpacked root filesystem")
+        self.bwrap, self.rootfs = path, rootfs
+        self._version = _bwrap_version(path)
+        self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
+                     "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(env or {})}
+        self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
+        self._prespawn = prespawn and self._has_sh
+        self._lock = threading.Lock()
+        self.counts = {"prespawned": 0, "cold": 0}
+        """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run)."""
+        self._s = _State()
+        self._finalizer = weakref.finalize(self, self._s.close)
+        self.subreaper = _linux.set_child_subreaper()
+        try:
+            _remove_stale_once()
+            self._s.base = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+            os.chmod(self._s.base, 0o711)
+            group = f"{_PREFIX}{os.getpid()}-{id(self):x}"
+            for i in range(2 if self._prespawn else 1):
+                self._s.cells.append(_Cell(self._s.base, i, group, uid_base, self.default_limits.scratch_mb))
+            self._root: dict[bool, list[str]] = {}  # mount arguments per network setting, built once
+            self._turn = 0
+            if self._prespawn:
+                self._s.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bwrap-prespawn")
+            self._probe()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------------------------------- public
+    @property
+    def uids(self) -> list[int]:
+        """Host uids of this sandbox's slots (no other process on the host runs as them)."""
+        return [c.uid for c in self._s.cells]
+
+    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
+        limits = limits or self.default_limits
+        limits.validate()
+        script = _script(command)
+        for name, content in (files or {}).items():
+            check_relpath(name)
+            if not isinstance(content, (str, bytes, bytearray, memoryview)):
+                raise ValueError(f"sandbox file {name!r}: content must be str or bytes, got {type(content).__name__}")
+        with self._lock:
+            if self._s.closed:
+                raise RuntimeError("this BwrapSandbox is closed")
+            return self._run(script, command, files, limits, stdin, collect)
+
+    def close(self) -> None:
+        with self._lock:
+            self._finalizer()
+
+    # -------------------------------------------------------------------------------------- the run
+    def _run(self, script, command, files, limits, stdin, collect) -> SandboxResult:
+        launch = self._take_prespawned(limits)
+        cell = launch.cell if launch else self._s.cells[self._turn]
+        try:
+            if launch is None and cell.dirty:
+                self._reset_cell(cell)
+            cell.mount(limits.scratch_mb)
+            write_files(cell.work, files, cell.uid if cell.root else None)
+            if self._has_sh:
+                with open(os.path.join(cell.ctl, "cmd"), "w") as f:
+                    f.write(script)
+            if launch is None:
+                launch = self._spawn(cell, limits, command)
+                self.counts["cold"] += 1
+            else:
+                self.counts["prespawned"] += 1
+            if cell.cg is not None:
+                cell.cg.set_limits(limits, _BWRAP_TASKS)
+                cell.cg.begin()
+        except BaseException as e:
+            problems = _dispose(launch) if launch else []
+            if not isinstance(e, OSError):
+                raise
+            self._reset_cell(cell)
+            return SandboxResult(exit_code=1, stdout="", stderr=f"sandbox setup failed: {e}", wall_s=0.0,
+                                 violations=["setup"], notes=cell.notes + problems)
+        try:
+            os.write(launch.block_w, b"1")  # go: bwrap execs the program now
+        except OSError:
+            pass  # bwrap died during setup: the run reports "setup" with its stderr
+        os.close(launch.block_w)
+        launch.block_w = -1
+        try:
+            self._prespawn_next(cell, limits)
+            return self._finish(launch, limits, stdin, collect)
+        except BaseException:  # a bug or KeyboardInterrupt: still leave nothing running
+            _dispose(launch)
+            raise
+
+    def _finish(self, launch: _Launch, limits: Limits, stdin, collect) -> SandboxResult:
+        cell = launch.cell
+        cg = cell.cg
+        on_tick = None
+        if cg is not None and cg.has("cpuacct"):
+            def on_tick():
+                used = cg.cpu_s()
+                return "cpu" if used is not None and used > limits.cpu_s else None
+
+        p = pump(stdout_fd=launch.stdout_r, stderr_fd=launch.stderr_r, stdin_fd=launch.stdin_w, stdin_data=stdin,
+                 exit_fd=launch.pidfd, deadline=time.monotonic() + limits.wall_s, cap=limits.output_bytes,
+                 kill=launch.kill, status_fd=launch.status_r, on_status=launch.feed_status, on_tick=on_tick)
+        launch.stdout_r = launch.stderr_r = launch.stdin_w = launch.status_r = -1
+        launch.feed_status(b"\n")
+        problems = _dispose(launch)
+        stats = cg.end() if cg is not None else {}
+        result = self._result(launch, limits, p, stats)
+        result.files = collect_files(cell.work, collect, limits.file_size_mb << 20)
+        result.notes = cell.notes + p.notes + problems
+        if cell.cg is not None and cell.cg.tasks_alive_or_zombie() > 0:
+            result.notes.append("tasks still charged to the slot cgroup after cleanup")
+        cell.dirty = True
+        if not self._prespawn:
+            self._reset_cell(cell)  # with prespawn the reset runs off the critical path, before the next spawn
+        return result
+
+    def _result(self, launch: _Launch, limits: Limits, p, stats: dict) -> SandboxResult:
+        cell, v = launch.cell, []
+        if p.reason:
+            v.append(p.reason)
+        if "exit-code" in launch.status:
+            code = exit_code_from_status(int(launch.status["exit-code"]))
+        elif p.reason:
+            code = -signal.SIGKILL
+        else:  # bwrap failed before the program started (mount, namespace or exec failure)
+            code = launch.proc.returncode if launch.proc.returncode else 1
+            v.append("setup")
+        stderr = decode(p.stderr)
+        cpu_s = stats.get("cpu_s")
+        if code == -signal.SIGXCPU or (cpu_s is not None and cpu_s > limits.cpu_s):
+            v.append("cpu")
+        if stats.get("oom_kills", 0) > 0 or (not _has(cell, "memory") and _memory_error(stderr)):
+            v.append("memory")
+        if stats.get("refused_forks", 0) > 0 or (not _has(cell, "pids") and _fork_error(stderr)):
+            v.append("pids")
+        limit = limits.file_size_mb << 20
+        if (code == -signal.SIGXFSZ or cell.scratch_full(limits.scratch_mb)
+                or max(largest_file(cell.work), largest_file(cell.tmp)) >= limit):
+            v.append("file_size")
+        return SandboxResult(exit_code=code, stdout=decode(p.stdout), stderr=stderr, wall_s=p.wall_s,
+                             cpu_s=cpu_s or 0.0, violations=list(dict.fromkeys(v)),
+                             peak_memory_mb=stats.get("peak_mb", 0.0))
+
+    def _reset_cell(self, cell: _Cell) -> None:
+        try:
+            cell.fresh_dirs()
+        except OSError as e:
+            log.warning("bwrap sandbox: could not reset scratch of %s: %s", cell.dir, e)
+
+    # ----------------------------------------------------------------------------------- launching
+    def _key(self, limits: Limits, cell: _Cell) -> tuple:
+        """What a prespawned sandbox was started for and must match: its rlimits (set before exec; a worker
+        without CAP_SYS_RESOURCE cannot change them on another uid's process later) and network."""
+        return (rlimits_for(limits, nproc=self._nproc(cell, limits), address_space=not _has(cell, "memory")),
+                limits.network)
+
+    def _nproc(self, cell: _Cell, limits: Limits) -> int | None:
+        if not cell.root:
+            return None  # RLIMIT_NPROC counts every process of the uid: the worker's own too
+        return limits.pids + _BWRAP_TASKS + (16 if _has(cell, "pids") else 0)
+
+    def _spawn(self, cell: _Cell, limits: Limits, command=None) -> _Launch:
+        key = self._key(limits, cell)
+        fds = []
+        try:
+            block_r, block_w = os.pipe2(os.O_CLOEXEC)
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            in_r, in_w = os.pipe2(os.O_CLOEXEC)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            fds = [block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w]
+            argv = self._argv(cell, limits.network, block_r, status_w, command)
+            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(block_r, status_w),
+                                    preexec_fn=cell.preexec(key[0]), env={"PATH": "/usr/bin:/bin"}, cwd="/")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        for fd in (block_r, status_w, in_r, out_w, err_w):
+            os.close(fd)
+        return _Launch(cell=cell, proc=proc, pidfd=os.pidfd_open(proc.pid), block_w=block_w, stdin_w=in_w,
+                       stdout_r=out_r, stderr_r=err_r, status_r=status_r, key=key)
+
+    def _take_prespawned(self, limits: Limits) -> _Launch | None:
+        fut, self._s.next = self._s.next, None
+        if fut is None:
+            return None
+        try:
+            launch = fut.result()
+        except Exception as e:  # the next run starts cold and reports its own failure
+            log.warning("bwrap prespawn failed: %s", e)
+            return None
+        if launch.key != self._key(limits, launch.cell) or launch.proc.poll() is not None:
+            _dispose(launch)  # prespawned for other rlimits or network, or it died: start cold
+            self._reset_cell(launch.cell)
+            return None
+        return launch
+
+    def _prespawn_next(self, current: _Cell, limits: Limits) -> None:
+        if not self._prespawn:
+            return
+        idx = 1 - self._s.cells.index(current)
+        self._turn = idx
+        self._s.next = self._s.executor.submit(self._reset_and_spawn, self._s.cells[idx], limits)
+
+    def _reset_and_spawn(self, cell: _Cell, limits: Limits) -> _Launch:
+        if cell.dirty:
+            self._reset_cell(cell)
+        return self._spawn(cell, limits)
+
+    def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command) -> list[str]:
+        a = [self.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
+             "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+             "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox"]
+        if not network:
+            a.append("--unshare-net")
+        if self._version >= (0, 8):
+            a.append("--disable-userns")
+        if network not in self._root:
+            self._root[network] = self._root_args(network)
+        a += self._root[network]
+        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.work, "/work", "--bind", cell.tmp, "/tmp",
+              "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
+        for k, v in self._env.items():
+            a += ["--setenv", k, v]
+        a += ["--json-status-fd", str(status_fd), "--block-fd", str(block_fd), "--"]
+        if self._has_sh:
+            return a + ["/bin/sh", "-c", _TRAMPOLINE]
+        if command is None:
+            raise RuntimeError("internal: a sandbox without /bin/sh cannot be prespawned")
+        return a + (["/bin/sh", "-c", command] if isinstance(command, str) else list(command))
+
+    def _root_args(self, network: bool) -> list[str]:
+        a: list[str] = []
+        if self.rootfs is not None:
+            for name in sorted(os.listdir(self.rootfs)):
+                if name in _SKIP_ROOT:
+                    continue
+                p = os.path.join(self.rootfs, name)
+                a += ["--symlink", os.readlink(p), "/" + name] if os.path.islink(p) else ["--ro-bind", p, "/" + name]
+            return a
+        a += ["--ro-bind", "/usr", "/usr"]
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            p = "/" + name
+            if os.path.islink(p):
+                a += ["--symlink", os.readlink(p), p]
+            elif os.path.isdir(p):
+                a += ["--ro-bind", p, p]
+        return a + ["--ro-bind", _shared_etc(network), "/etc"]
+
+    def _probe(self) -> None:
+        r = self.run(["/bin/sh", "-c", "exit 0"] if self._has_sh else ["true"], limits=Limits(wall_s=30))
+        if "setup" in r.violations or r.exit_code != 0:
+            if self.rootfs is not None:
+                fix = (f"the rootfs {self.rootfs!r} must hold a runnable /bin/sh or `true` and be readable by the "
+                       "sandbox uids (every parent directory world-traversable, e.g. not under a 0700 tmp dir)")
+            else:
+                fix = ("enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                       "user.max_user_namespaces > 0), or use backend 'apptainer' / 'subprocess' (trusted code only)")
+            raise SandboxUnavailable(f"bubblewrap cannot start a sandbox on this machine (exit {r.exit_code}): "
+                                     f"{r.stderr.strip()}. Fix: {fix}")
+
+
+def _script(command) -> str:
+    """The trampoline script for a command: `exec` of the argv, or the shell string itself."""
+    if isinstance(command, str):
+        return command
+    if isinstance(command, (list, tuple)) and command and all(isinstance(c, str) for c in command):
+        return "exec " + shlex.join(command)
+    raise ValueError(f"sandbox command must be a non-empty list of strings or a shell string, got {command!r}")
+
+
+def _has(cell: _Cell, controller: str) -> bool:
+    return cell.cg is not None and cell.cg.has(controller)
+
+
+def _memory_error(stderr: str) -> bool:
+    return any(s in stderr for s in ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory"))
+
+
+def _fork_error(stderr: str) -> bool:
+    return "fork" in stderr.lower() and ("Resource temporarily unavailable" in stderr or "retry" in stderr)
+
+
+def _exists_in_root(root: str, rel: str, depth: int = 0) -> bool:
+    """Whether `rel` exists inside the tree `root`, resolving symlinks relative to `root` (not the host)."""
+    cur = root
+    parts = [p for p in rel.split("/") if p]
+    for i, name in enumerate(parts):
+        p = os.path.join(cur, name)
+        if os.path.islink(p):
+            if depth > 20:
+                return False
+            target = os.readlink(p)
+            rest = "/".join(parts[i + 1:])
+            base = target.lstrip("/") if target.startswith("/") else os.path.relpath(
+                os.path.normpath(os.path.join(cur, target)), root)
+            return _exists_in_root(root, os.path.join(base, rest) if rest else base, depth + 1)
+        if not os.path.lexists(p):
+            return False
+        cur = p
+    return True

@@ -1,0 +1,474 @@
+"""Sandbox backends. The attack suite runs against real bubblewrap (installed on the dev machines): each attack
+must be contained, reported as a violation by name, and leave the sandbox serving normal programs."""
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+from envs.sandbox import SANDBOXES, Limits, Sandbox, SandboxConfig, SandboxUnavailable, build_sandbox
+from envs.sandbox._linux import pids_of_uid
+from envs.sandbox.apptainer import ApptainerSandbox
+from envs.sandbox.bwrap import BwrapSandbox
+from envs.sandbox.pool import SandboxPool
+from envs.sandbox.subprocess_backend import SubprocessSandbox
+
+TIGHT = Limits(wall_s=10, cpu_s=2, memory_mb=96, pids=32, file_size_mb=2, scratch_mb=8, output_bytes=64 << 10)
+
+
+@pytest.fixture(scope="module")
+def sb():
+    with BwrapSandbox() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = SandboxPool(lambda i: BwrapSandbox(), workers=2)
+    yield p
+    uids = [u for s in p.slots for u in s.uids]
+    p.close()
+    assert not [pid for u in uids for pid in pids_of_uid(u)], "processes of a closed pool's uids remain"
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _leftovers(uids, ignore_bwrap: bool = True) -> list[str]:
+    """Processes running as the sandbox uids other than the blocked prespawned bwrap (which runs no program)."""
+    out = []
+    for u in uids:
+        for pid in pids_of_uid(u):
+            try:
+                comm = open(f"/proc/{pid}/comm").read().strip()
+            except OSError:
+                continue
+            if ignore_bwrap and comm == "bwrap" and _proc_state(pid) == "S":
+                continue
+            out.append(f"{pid}:{comm}:{_proc_state(pid)}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ basics
+def test_runs_a_program_with_files_in_and_out(sb):
+    r = sb.run_python(
+        "import os, sys\n"
+        "data = open('in/data.bin', 'rb').read()\n"
+        "open('out.txt', 'w').write(open('msg.txt').read().upper() + str(len(data)))\n"
+        "print(os.getcwd(), os.getuid(), sys.stdin.read().strip())\n",
+        files={"msg.txt": "hello", "in/data.bin": b"\x00\x01\x02"},
+        stdin=b"from-stdin\n", collect=["out.txt", "missing.txt", "main.py"])
+    assert r.ok, r
+    assert r.stdout.split() == ["/work", "1000", "from-stdin"]
+    assert r.files == {"out.txt": b"HELLO3", "main.py": r.files["main.py"]}
+    assert r.wall_s > 0 and r.cpu_s > 0
+
+
+def test_exit_codes_and_shell_strings(sb):
+    assert sb.run("exit 3").exit_code == 3
+    r = sb.run(["sh", "-c", "kill -TERM $$"])
+    assert r.exit_code == -15 and r.violations == []
+    r = sb.run(["no-such-program-xyz"])
+    assert r.exit_code == 127 and "not found" in r.stderr
+
+
+def test_prespawned_sandboxes_serve_runs_and_get_each_runs_limits(sb):
+    show = "import resource as r\nprint(*[r.getrlimit(x) for x in (r.RLIMIT_CPU, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE)])"
+    before = dict(sb.counts)
+    for _ in range(3):
+        assert sb.run_python(show).stdout == "(10, 11) (16777216, 16777216) (256, 256)\n"
+    assert sb.counts["prespawned"] - before["prespawned"] >= 2
+    other = Limits(cpu_s=3, file_size_mb=1, open_files=64)
+    assert sb.run_python(show, limits=other).stdout == "(3, 4) (1048576, 1048576) (64, 64)\n"
+    assert sb.run_python(show, limits=other).stdout == "(3, 4) (1048576, 1048576) (64, 64)\n"
+    assert sb.run_python(show).stdout == "(10, 11) (16777216, 16777216) (256, 256)\n"
+
+
+def test_non_utf8_output_is_replaced_not_fatal(sb):
+    r = sb.run_python("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\xc3')\nsys.stderr.buffer.write(b'\\x80')")
+    assert r.ok and r.stdout.startswith("ok ") and "\ufffd" in r.stdout and r.stderr == "\ufffd"
+
+
+def test_caller_errors_raise(sb):
+    for bad in ("/etc/passwd", "../x", "a/../../x", ""):
+        with pytest.raises(ValueError, match="relative path"):
+            sb.run(["true"], files={bad: "x"})
+    with pytest.raises(ValueError, match="command"):
+        sb.run([])
+    assert sb.run(["true"]).ok  # still serving
+
+
+def test_setup_failure_files_larger_than_scratch(sb):
+    r = sb.run(["true"], files={"big": b"x" * (3 << 20)}, limits=Limits(scratch_mb=1))
+    assert r.violations == ["setup"] and "sandbox setup failed" in r.stderr
+    assert sb.run(["true"]).ok
+
+
+@pytest.fixture()
+def open_dir():
+    """A fresh directory the sandbox uids can traverse (pytest's tmp_path is 0700 root: bwrap would fail)."""
+    d = tempfile.mkdtemp(prefix="mrl-test-rootfs-")
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_setup_failure_in_bwrap_is_reported_as_setup(open_dir):
+    """A rootfs directory (here: the host's /usr bound into a fresh root) works; when bwrap cannot mount part
+    of it (it vanished after construction) the run reports 'setup' (not the program's exit 1), and the next
+    run works again once it is back."""
+    root = open_dir
+    (root / "usr").mkdir(parents=True)
+    (root / "opt").mkdir()
+    for name in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), root / name)
+    subprocess.run(["mount", "--bind", "-o", "ro", "/usr", str(root / "usr")], check=True)
+    try:
+        with BwrapSandbox(rootfs=str(root), prespawn=False) as s:
+            ok = s.run("echo in-rootfs; exit 1")
+            assert ok.exit_code == 1 and ok.stdout == "in-rootfs\n" and ok.violations == []
+            (root / "opt").rmdir()  # bwrap's bind of /opt fails
+            bad = s.run("exit 1")
+            assert bad.violations == ["setup"] and "opt" in bad.stderr, bad
+            (root / "opt").mkdir()
+            assert s.run("true").ok
+    finally:
+        subprocess.run(["umount", "-l", str(root / "usr")], check=True)
+
+
+def test_unusable_rootfs_fails_at_construction_with_the_fix(open_dir, tmp_path):
+    with pytest.raises(SandboxUnavailable, match="cannot start a sandbox.*execvp true"):
+        BwrapSandbox(rootfs=str(open_dir))  # empty: nothing to run
+    with pytest.raises(SandboxUnavailable, match="readable by the sandbox uids"):
+        BwrapSandbox(rootfs=str(tmp_path))  # 0700 root-owned parents
+    with pytest.raises(ValueError, match="not a directory"):
+        BwrapSandbox(rootfs=str(tmp_path / "missing"))
+
+
+# ------------------------------------------------------------------------------------- attack suite
+def test_attack_network_connect_to_host_port_is_refused(sb):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def accept_loop(stop):
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                pass
+
+    stop = threading.Event()
+    t = threading.Thread(target=accept_loop, args=(stop,))
+    t.start()
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(b"\0mrl-test-" + uuid.uuid4().hex.encode())
+    abstract.listen(1)
+    try:
+        r = sb.run_python(
+            "import socket\n"
+            f"for host in ('127.0.0.1', '10.0.0.1', '8.8.8.8'):\n"
+            "    try:\n"
+            f"        socket.create_connection((host, {port}), timeout=1); print('CONNECTED', host)\n"
+            "    except OSError as e: print('blocked', host, type(e).__name__)\n"
+            "u = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            f"    u.connect({abstract.getsockname()!r}); print('CONNECTED unix')\n"
+            "except OSError as e: print('blocked unix', type(e).__name__)\n",
+            limits=TIGHT)
+    finally:
+        stop.set()
+        t.join()
+        listener.close()
+        abstract.close()
+    assert "CONNECTED" not in r.stdout and r.stdout.count("blocked") == 4, r
+    assert accepted == []
+
+
+def test_network_flag_shares_the_host_network_for_trusted_domains(sb):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    try:
+        r = sb.run(["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5)"],
+                   limits=Limits(network=True))
+        listener.settimeout(5)
+        conn, _ = listener.accept()
+        conn.close()
+    finally:
+        listener.close()
+    assert r.ok, r
+
+
+def test_attack_reading_host_files_fails(sb, tmp_path, monkeypatch):
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("MRL_SECRET_TOKEN", token)  # the worker's environment does not leak in either
+    secrets = [f"/root/mrl-secret-{token}", f"/tmp/mrl-secret-{token}", str(tmp_path / "secret")]
+    for p in secrets:
+        with open(p, "w") as f:
+            f.write(token)
+    try:
+        r = sb.run(
+            ["python3", "-c",
+             "import sys, os\n"
+             "found = []\n"
+             "for p in sys.argv[1:] + ['/etc/shadow', '/work/main/CONTRIBUTING.md', '/proc/1/root/etc/shadow']:\n"
+             "    try:\n"
+             "        found.append(p + ':' + open(p).read()[:40])\n"
+             "    except OSError:\n"
+             "        pass\n"
+             "os.symlink(sys.argv[1], 'leak')\n"
+             "print(found, [v for v in os.environ.values() if v == sys.argv[1][-32:]])\n", *secrets],
+            limits=TIGHT, collect=["leak"])
+        assert r.ok, r
+        assert r.stdout.strip() == "[] []" and r.stdout.count(token) == 0
+        assert r.files == {}  # the symlink to a host secret is not followed when collecting
+    finally:
+        for p in secrets:
+            os.unlink(p)
+
+
+def test_attack_writes_outside_scratch_do_not_reach_host(sb):
+    token = uuid.uuid4().hex
+    targets = [f"/mrl-{token}", f"/usr/mrl-{token}", f"/etc/mrl-{token}", f"/tmp/mrl-{token}",
+               f"/dev/shm/mrl-{token}", f"/var/tmp/mrl-{token}", f"/root/mrl-{token}"]
+    r = sb.run(["python3", "-c",
+                "import sys\n"
+                "for p in sys.argv[1:]:\n"
+                "    try:\n"
+                "        open(p, 'w').write('x'); print('wrote', p)\n"
+                "    except OSError as e:\n"
+                "        print('denied', p, e.errno)\n", *targets], limits=TIGHT)
+    assert r.ok, r
+    # only the sandbox's own /tmp (scratch) and /dev (private tmpfs) may accept the write
+    assert {line.split()[1] for line in r.stdout.splitlines() if line.startswith("wrote")} <= {
+        f"/tmp/mrl-{token}", f"/dev/shm/mrl-{token}"}
+    for p in targets:
+        assert not os.path.exists(p), f"sandbox write reached the host: {p}"
+
+
+def test_attack_fork_bomb_is_capped_and_reported(sb):
+    r = sb.run("f() { f | f & }; f; sleep 1", limits=TIGHT)
+    assert "pids" in r.violations, r
+    r = sb.run_python("import os, time\nfor _ in range(50):\n    try:\n        os.fork()\n"
+                      "    except OSError:\n        time.sleep(0.005)\n", limits=TIGHT)
+    assert "pids" in r.violations, r
+    assert _leftovers(sb.uids) == []
+    assert sb.run(["true"]).ok
+
+
+def test_attack_memory_bomb_is_oom_killed(sb):
+    r = sb.run_python("x = []\nwhile True:\n    x.append(bytearray(1 << 20))\n", limits=TIGHT)
+    assert "memory" in r.violations and r.exit_code == -9, r
+    assert 80 <= r.peak_memory_mb <= TIGHT.memory_mb + 1
+    # memory in many processes is bounded as a whole (cgroup), not per process
+    r = sb.run_python("import os\nfor _ in range(8):\n    if os.fork() == 0:\n        break\n"
+                      "x = bytearray(30 << 20)\nimport time; time.sleep(1)\n", limits=TIGHT)
+    assert "memory" in r.violations, r
+
+
+def test_attack_cpu_loop_is_stopped(sb):
+    r = sb.run_python("while True:\n    pass\n", limits=Limits(cpu_s=1, wall_s=10))
+    assert "cpu" in r.violations and r.exit_code < 0, r
+    assert 0.8 <= r.cpu_s < 3
+    # CPU spread over processes (each under RLIMIT_CPU) is caught by the cgroup's total
+    r = sb.run_python("import os\nfor _ in range(3):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass\n",
+                      limits=Limits(cpu_s=1, wall_s=10, cpus=2))
+    assert "cpu" in r.violations, r
+
+
+def test_attack_sleep_hits_wall_timeout(sb):
+    t0 = time.monotonic()
+    r = sb.run(["sleep", "60"], limits=Limits(wall_s=1))
+    assert r.violations == ["wall"] and r.exit_code == -9 and time.monotonic() - t0 < 10
+
+
+def test_attack_output_flood_is_capped(sb):
+    r = sb.run(["yes", "spam"], limits=TIGHT)
+    assert "output" in r.violations and len(r.stdout.encode()) == TIGHT.output_bytes, r.violations
+    r = sb.run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 4096)\n", limits=TIGHT)
+    assert "output" in r.violations and len(r.stderr) == TIGHT.output_bytes
+
+
+def test_attack_disk_fill_is_capped(sb):
+    r = sb.run(["dd", "if=/dev/zero", "of=big", "bs=1M", "count=50"], limits=TIGHT)
+    assert "file_size" in r.violations and r.exit_code == -25, r
+    r = sb.run_python("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 19))\n", limits=TIGHT)
+    assert "file_size" in r.violations and "No space left" in r.stderr, r
+    r = sb.run_python("for i in range(100):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (1 << 19))\n",
+                      limits=TIGHT)
+    assert "file_size" in r.violations, r
+    assert sb.run('[ -z "$(ls -A /work)" ] && [ -z "$(ls -A /tmp)" ]').ok  # the next run starts with empty scratch
+
+
+def test_attack_setsid_daemon_does_not_survive():
+    with BwrapSandbox(prespawn=False) as s:
+        (uid,) = s.uids
+        r = s.run("setsid sh -c 'sleep 120' >/dev/null 2>&1 < /dev/null & "
+                  "python3 -c 'import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+                  "    if os.fork() == 0:\n        time.sleep(120)\n' & sleep 0.3; echo started", limits=TIGHT)
+        assert r.stdout == "started\n" and r.ok, r
+        assert pids_of_uid(uid) == []
+
+
+def test_attack_kill_all_cannot_reach_a_concurrent_sandbox(pool):
+    victim = pool.submit("sleep 2; echo alive", limits=TIGHT)
+    time.sleep(0.5)
+    attacker = pool.submit("kill -9 -1; for p in $(seq 1 500); do [ $p -ne $$ ] && kill -9 $p 2>/dev/null; done; "
+                           "echo done",
+                           limits=TIGHT).result()
+    v = victim.result()
+    assert attacker.stdout == "done\n", attacker
+    assert v.ok and v.stdout == "alive\n", v
+
+
+def test_pool_keeps_serving_after_attacks(pool):
+    attacks = [
+        dict(command=["python3", "-c", "while True: pass"], limits=Limits(cpu_s=1, wall_s=5)),
+        dict(command=["python3", "-c", "x = bytearray(1 << 30)"], limits=TIGHT),
+        dict(command=["yes"], limits=TIGHT),
+        dict(command="f() { f | f & }; f; sleep 1", limits=TIGHT),
+        dict(command=["sleep", "30"], limits=Limits(wall_s=0.5)),
+    ]
+    futs = [pool.submit(**a) for a in attacks]
+    got = [f.result().violations for f in futs]
+    assert ["cpu" in got[0], "memory" in got[1], "output" in got[2], "pids" in got[3], "wall" in got[4]] == [True] * 5
+    results = pool.map([_square_job(i) for i in range(6)])
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(6)] and all(r.ok for r in results)
+
+
+def _square_job(i: int):
+    from envs.sandbox import SandboxJob
+
+    return SandboxJob(command=["python3", "main.py", str(i)],
+                      files={"main.py": "import sys\nn = int(sys.argv[1])\nassert n >= 0\nprint(n * n)\n"})
+
+
+def test_no_zombies_over_many_fast_runs(sb):
+    for _ in range(100):
+        r = sb.run(["true"])
+        assert r.ok, r
+    time.sleep(0.1)
+    zombies = [p for p in _leftovers(sb.uids, ignore_bwrap=False) if p.endswith(":Z")]
+    assert zombies == []
+    assert _leftovers(sb.uids) == []
+    for cell in sb._s.cells:  # the kernel's own count of tasks (zombies included) in each slot's cgroup
+        assert cell.cg.tasks_alive_or_zombie() <= 2  # at most the blocked prespawned bwrap pair
+
+
+# ------------------------------------------------------------------------------------ other backends
+def test_subprocess_backend_warns_and_enforces_limits(tmp_path):
+    with pytest.warns(RuntimeWarning, match="isolates NOTHING"):
+        s = SubprocessSandbox()
+    r = s.run_python("import os\nprint(open('a.txt').read(), os.getcwd() != '/')", files={"a.txt": "hi"},
+                     collect=["a.txt"])
+    assert r.ok and r.stdout == "hi True\n" and r.files == {"a.txt": b"hi"}
+    assert "wall" in s.run(["sleep", "30"], limits=Limits(wall_s=0.5)).violations
+    assert "output" in s.run(["yes"], limits=Limits(output_bytes=1000)).violations
+    assert "cpu" in s.run(["python3", "-c", "while True: pass"], limits=Limits(cpu_s=1)).violations
+    assert "file_size" in s.run(["dd", "if=/dev/zero", "of=x", "bs=1M", "count=5"],
+                                limits=Limits(file_size_mb=1)).violations
+    assert "memory" in s.run(["python3", "-c", "x = bytearray(1 << 30)"], limits=Limits(memory_mb=128)).violations
+    assert "THIS BACKEND ISOLATES NOTHING" in inspect.getmodule(SubprocessSandbox).__doc__
+
+
+def test_apptainer_command_line_and_missing_binary(tmp_path):
+    with pytest.raises(SandboxUnavailable, match="Apptainer not found.*module load apptainer"):
+        ApptainerSandbox("img.sif", binary=str(tmp_path / "apptainer"))
+    a = ApptainerSandbox("/images/py.sif", require_binary=False, limits=Limits(memory_mb=256))
+    argv = a.command_line(["python3", "main.py"], "/scratch/run1")
+    assert argv[:5] == ["apptainer", "exec", "--containall", "--no-home", "--cleanenv"]
+    joined = " ".join(argv)
+    assert "--net --network none --bind /scratch/run1:/work --pwd /work" in joined
+    assert argv[-3:] == ["/images/py.sif", "python3", "main.py"]
+    assert "--memory" not in argv
+    shell = ApptainerSandbox("x.sif", require_binary=False, cgroup_flags=True).command_line(
+        "echo hi", "/s", Limits(memory_mb=300, pids=10, cpus=2, network=True))
+    assert "--network" not in shell and shell[-4:] == ["x.sif", "/bin/sh", "-c", "echo hi"]
+    i = shell.index("--memory")
+    assert shell[i:i + 6] == ["--memory", "300M", "--memory-swap", "300M", "--pids-limit", "10"]
+    assert shell[shell.index("--cpus") + 1] == "2"
+    with pytest.raises(SandboxUnavailable, match="Apptainer not found"):
+        ApptainerSandbox("x.sif", require_binary=False).run(["true"])
+
+
+def test_registry_contract():
+    assert {"bwrap", "apptainer", "subprocess"} <= set(SANDBOXES.names())
+    expected = list(inspect.signature(Sandbox.run).parameters)
+    for name, cls in SANDBOXES.items():
+        assert issubclass(cls, Sandbox), name
+        assert list(inspect.signature(cls.run).parameters) == expected, name
+        assert cls.name == name
+        doc = inspect.getmodule(cls).__doc__
+        assert "THREAT MODEL" in doc and "Not covered" in doc, f"{name}: module must open with its threat model"
+    assert list(inspect.signature(SandboxPool.run).parameters) == expected
+
+
+def test_build_sandbox_from_config():
+    with build_sandbox(SandboxConfig(limits=Limits(wall_s=5))) as s:
+        assert isinstance(s, BwrapSandbox) and s.default_limits.wall_s == 5
+        assert s.run(["true"]).ok
+    with build_sandbox(SandboxConfig(workers=2, prespawn=False)) as p:
+        assert isinstance(p, SandboxPool) and p.workers == 2
+        assert [r.ok for r in p.map([_square_job(1), _square_job(2)])] == [True, True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(build_sandbox(SandboxConfig(backend="subprocess")), SubprocessSandbox)
+    from megatron_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="image"):
+        build_sandbox(SandboxConfig(backend="apptainer"))
+    with pytest.raises(ConfigError, match="workers"):
+        build_sandbox(SandboxConfig(workers=0))
+    with pytest.raises(KeyError, match="unknown sandbox backend 'nsjail'"):
+        build_sandbox(SandboxConfig(backend="nsjail"))
+
+
+def test_close_removes_cgroups_mounts_scratch_and_processes():
+    s = BwrapSandbox()
+    assert s.run("sleep 0.1 & echo x > /tmp/y").ok
+    groups = [d for c in s._s.cells for d in c.cg.dirs.values()]
+    base, uids = s._s.base, s.uids
+    assert all(os.path.isdir(g) for g in groups) and f"{base}/cell0/fs" in open("/proc/mounts").read()
+    s.close()
+    s.close()  # idempotent
+    assert not [g for g in groups if os.path.exists(g)]
+    assert f"{base}/" not in open("/proc/mounts").read() and not os.path.exists(base)
+    assert [pid for u in uids for pid in pids_of_uid(u)] == []
+    with pytest.raises(RuntimeError, match="closed"):
+        s.run(["true"])
+
+
+def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
+    crash = ("import os, sys, glob\nfrom envs.sandbox.bwrap import BwrapSandbox\ns = BwrapSandbox()\n"
+             "print(s._s.base, *[d for c in s._s.cells for d in c.cg.dirs.values()])\nsys.stdout.flush()\n"
+             "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", crash], cwd=repo_root, capture_output=True, text=True, check=True)
+    base, *groups = out.stdout.split()
+    mounts = open("/proc/mounts").read()
+    assert os.path.isdir(base) and f"{base}/cell0/fs" in mounts and all(os.path.isdir(g) for g in groups)
+    subprocess.run([sys.executable, "-c", "from envs.sandbox.bwrap import BwrapSandbox\nBwrapSandbox().close()"],
+                   cwd=repo_root, check=True)
+    assert not os.path.exists(base) and f"{base}/" not in open("/proc/mounts").read()
+    assert not [g for g in groups if os.path.exists(g)]
