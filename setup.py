@@ -28,6 +28,8 @@ setup(
         "math-verify>=0.7",  # math answers (LaTeX and expression equivalence)
         "aiohttp>=3.9",  # rollout server (megatron_rl.rollout.server); handler_cancellation needs 3.9
         "safetensors>=0.4",  # HF checkpoint conversion (tools/convert)
+        "matplotlib>=3.7",  # megatron-rl report (plots of a run)
+        "tensorboard>=2.14",  # TensorBoard metrics of the RL loop (torch.utils.tensorboard needs it)
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.
