@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
+from megatron_rl.loop.config import CurriculumConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
+from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig
+from megatron_rl.rollout.engine import EngineConfig
 from megatron_rl.trainer.policy import OptimConfig
 
 
@@ -38,15 +41,34 @@ class DataConfig:
     heldout_tasks: int = 32
     """Held-out tasks for evaluation."""
     sandbox: str = "bwrap"
-    """Sandbox backend that checks each reference solution (registry name)."""
+    """Sandbox backend that checks each reference solution and runs the rewards (registry name)."""
+    sandbox_workers: int = 2
+    """Concurrent sandbox slots (a SandboxPool above 1)."""
+    episode_workers: int = 4
+    """Threads running episodes' env steps and rewards on rank 0."""
+
+    def sandbox_config(self):
+        from envs.sandbox import SandboxConfig
+
+        return SandboxConfig(backend=self.sandbox, workers=self.sandbox_workers)
+
+    def validate(self) -> None:
+        import envs  # noqa: F401  (registers the built-in environments)
+        from envs.base import ENVIRONMENTS
+
+        if self.domain not in ENVIRONMENTS.names():
+            raise ConfigError(f"data.domain {self.domain!r} is not a registered environment; known: "
+                              f"{sorted(ENVIRONMENTS.names())}")
+        if self.sandbox_workers < 1 or self.episode_workers < 1:
+            raise ConfigError("data.sandbox_workers and data.episode_workers must be >= 1")
 
 
 @dataclass
 class TrainConfig:
-    """Training-loop settings."""
+    """The supervised warm-up on verified reference solutions (before the RL phase)."""
 
     steps: int = 30
-    """Optimizer steps."""
+    """Warm-up optimizer steps (0 = none)."""
     micro_batch_size: int = 8
     """Samples per micro-batch."""
     num_microbatches: int = 2
@@ -78,7 +100,17 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """Task data."""
     train: TrainConfig = field(default_factory=TrainConfig)
-    """Training loop."""
+    """Supervised warm-up."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Generated (easier) countdown tasks."""
+    rl: RLLoopConfig = field(default_factory=RLLoopConfig)
+    """The RL loop."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The in-process rollout engine."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """In-loop evaluation."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Metrics sinks and alerts."""
 
     def validate(self) -> None:
         self.model.check_parallel(self.parallel)
@@ -86,3 +118,9 @@ class RunConfig:
         if self.train.seq_length > self.model.max_seq_length:
             raise ConfigError(f"train.seq_length={self.train.seq_length} exceeds "
                               f"model.max_seq_length={self.model.max_seq_length}")
+        if self.rl.max_new_tokens + 16 > self.model.max_seq_length:
+            raise ConfigError(f"rl.max_new_tokens={self.rl.max_new_tokens} leaves no room for a prompt in "
+                              f"model.max_seq_length={self.model.max_seq_length} (keep 16 tokens for it)")
+        if self.curriculum.enabled and self.data.domain != "countdown":
+            raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
+                              f"{self.data.domain!r}; set curriculum.enabled=false")

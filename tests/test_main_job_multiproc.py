@@ -1,16 +1,22 @@
 """The README's main job (`megatron-rl train configs/demo_cpu.yaml`) end to end, shortened: sandboxed
-verification of the data, HDF5 shards, 2 ranks of Megatron-Core at TP=2 on CPU, metrics and summary."""
+verification of the data, supervised warm-up, then the RL loop (sync and async) with the in-process rollout
+engine at TP=2, real bubblewrap rewards, shards, checkpoints, SIGTERM + exact resume, and bad input."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
+SHORT = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
+         "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false")
 
 
 def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -18,25 +24,91 @@ def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+def _rows(run: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_main_job_short_run(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", "train.steps=8", "train.eval_every=4", "data.train_tasks=64",
-                  "data.heldout_tasks=16")
+def test_main_job_sync(tmp_path):
+    proc = _train(f"output_dir={tmp_path}", *SHORT, "rl.steps=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = tmp_path / "demo"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
-    evals = [r for r in rows if r["kind"] == "eval"]
-    assert [r["step"] for r in train] == list(range(8)) and [r["step"] for r in evals] == [0, 4, 8]
-    assert train[-1]["loss"] < train[0]["loss"] - 0.5, train  # byte-level model learns the format fast
-    assert evals[-1]["loss"] < evals[0]["loss"]
-    assert "verified in the 'bwrap' sandbox: 80/80 correct, corrupted answers rejected: 80/80" in proc.stdout
+    sft, rl, ev = _rows(run, "sft"), _rows(run, "rl"), _rows(run, "eval")
+    assert [r["step"] for r in sft] == list(range(30)) and sft[-1]["loss"] < sft[0]["loss"] - 1.0
+    assert [r["step"] for r in rl] == [0, 1, 2] and [r["step"] for r in ev] == [0, 3]
+    assert "verified in the 'bwrap' sandbox: 72/72 correct, corrupted answers rejected: 72/72" in proc.stdout
+    for r in rl:
+        assert r["policy_lag_max"] == 0 and r["mixed_version_samples"] == 0  # synchronous
+        assert r["countdown/count"] >= 16 and r["sandbox_error_rate"] == 0.0
+        assert abs(r["mismatch_kl"]) < 1e-3  # engine and trainer compute the same log-probs
+        assert r["groups_seen"] - r["groups_filtered"] >= 0 and r["trained_samples"] <= 16
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["lengths.png", "rewards.png", "time.png"]
     from megatron_rl.data.shards import read_shard
 
-    shard = read_shard(run / "shards" / "warmup-train.h5")
-    assert len(shard) == 64 and all(t.reward > 0.99 for t in shard)
-    assert all(t.loss_mask[: t.prompt_len].sum() == 0 and t.loss_mask[t.prompt_len:].all() for t in shard)
+    shard = read_shard(run / "rl_shards" / "step-000001.h5")
+    assert all(t.policy_version_first == 1 and (t.token_versions[t.prompt_len:] == 1).all() for t in shard)
+    assert len({t.episode_id for t in shard}) == len(shard)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_main_job_async_staleness_2(tmp_path):
+    proc = _train(f"output_dir={tmp_path}", *SHORT, "rl.steps=4", "rl.max_staleness=2", "rl.dynamic_sampling=false")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rl = _rows(tmp_path / "demo", "rl")
+    assert [r["step"] for r in rl] == [0, 1, 2, 3]
+    assert max(r["policy_lag_max"] for r in rl) >= 1 and all(r["policy_lag_max"] <= 2 for r in rl)
+    assert all("is_weight_mean" in r and "behaviour_kl" in r for r in rl if not r["update_skipped"])
+    from megatron_rl.data.shards import read_shard
+
+    shards = sorted((tmp_path / "demo" / "rl_shards").glob("*.h5"))
+    trajs = [t for s in shards for t in read_shard(s)]
+    assert len({t.episode_id for t in trajs}) == len(trajs)
+    # partial rollouts: some samples were generated across a weight update, token versions recorded
+    assert any(t.policy_version_last > t.policy_version_first for t in trajs)
+
+
+def _run_until(tmp_path: Path, overrides: tuple, stop_after_step: int) -> int:
+    """Start the job, SIGTERM the driver once RL step `stop_after_step` is logged; returns its exit code."""
+    proc = subprocess.Popen([EXE, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", *overrides],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "demo" / "metrics.jsonl"
+    deadline = time.time() + 500
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(r["step"] >= stop_after_step for r in _rows(tmp_path / "demo", "rl")):
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    return proc.wait(timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path):
+    overrides = (*SHORT, "train.steps=10", "rl.steps=5", "rl.checkpoint_every=0")
+    unbroken = _train(f"output_dir={tmp_path / 'a'}", *overrides)
+    assert unbroken.returncode == 0, unbroken.stderr[-5000:]
+    assert _run_until(tmp_path / "b", overrides, stop_after_step=1) == 3
+    stopped = _rows(tmp_path / "b" / "demo", "rl")
+    assert len(stopped) < 5 and (tmp_path / "b" / "demo" / "checkpoints" / "latest").exists()
+    resumed = _train(f"output_dir={tmp_path / 'b'}", *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "resuming from" in resumed.stdout
+    a, b = _rows(tmp_path / "a" / "demo", "rl"), _rows(tmp_path / "b" / "demo", "rl")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    keys = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean")
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in keys} == {k: rb.get(k) for k in keys}, (ra["step"], ra, rb)
+
+
+def test_unknown_environment_fails_before_any_work(tmp_path):
+    proc = _train(f"output_dir={tmp_path}", "data.domain=chess", "curriculum.enabled=false", timeout=60)
+    assert proc.returncode == 2
+    assert "data.domain 'chess' is not a registered environment" in proc.stderr
+    assert not (tmp_path / "demo").exists()
 
 
 def test_impossible_layout_fails_before_any_work(tmp_path):
@@ -44,6 +116,11 @@ def test_impossible_layout_fails_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert "model.num_attention_heads=4 is not divisible by parallel.tp=3" in proc.stderr
     assert not (tmp_path / "demo").exists()
+
+
+def test_rl_generation_too_long_for_the_model_fails(tmp_path):
+    proc = _train(f"output_dir={tmp_path}", "rl.max_new_tokens=60", timeout=60)
+    assert proc.returncode == 2 and "rl.max_new_tokens=60 leaves no room for a prompt" in proc.stderr
 
 
 def test_unknown_key_names_it(tmp_path):

@@ -1,20 +1,23 @@
 """`megatron-rl train <config.yaml> [key=value ...]`: the main job.
 
-What it runs today (the RL loop arrives with the rollout-engine and RL-loop issues; this command grows into
-it): the supervised warm-up phase of the demo, end to end on the real parts that exist:
+  1. tasks (the configured domain's suite, or a generated easier countdown curriculum); every reference
+     solution is checked by the environment's own reward in the sandbox (bubblewrap by default); verified ones
+     become warm-up trajectories (prompt tokens loss-masked) in atomic HDF5 shards;
+  2. torchrun starts the ranks (gloo on CPU); Megatron-Core builds the policy at the configured layout and
+     trains it supervised on those shards (the warm-up);
+  3. the RL loop (`megatron_rl/driver.py`): the rollout engine in-process on the same ranks generates groups,
+     rank 0 scores them in the sandbox, GRPO updates the policy, weights are copied into the engine; sync or
+     async (rl.max_staleness), dynamic sampling, held-out evaluation (pass@k), checkpoints, alerts;
+  4. metrics go to <run>/metrics.jsonl (and TensorBoard), plots to <run>/plots; the summary says what ran.
 
-  1. tasks of the configured domain from its suite; every reference solution is checked by the
-     environment's own reward in the sandbox (bubblewrap by default); verified ones become trajectories
-     (prompt tokens loss-masked) written as atomic HDF5 shards;
-  2. torchrun starts the ranks (gloo on CPU); Megatron-Core builds the policy at the configured TP/PP/EP
-     layout (DDP + distributed optimizer) and trains on the shards, evaluating held-out loss;
-  3. metrics go to <run>/metrics.jsonl; the summary says what ran and where the outputs are.
+SIGTERM/SIGUSR1 stop the run after the current step with a checkpoint; the same command resumes it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,20 +55,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def drive(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
-    from megatron_rl.commands.warmup import prepare_data
+    from megatron_rl.loop.state import latest
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.time()
     _say(f"run '{cfg.name}' -> {run_dir}  (layout tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}, "
-         f"{cfg.launch.nproc_per_node} ranks)")
-    data = prepare_data(cfg, run_dir)
-    _say(f"data: {data['train_samples']} train / {data['heldout_samples']} held-out samples from "
-         f"'{cfg.data.domain}'; reference solutions verified in the '{cfg.data.sandbox}' sandbox: "
-         f"{data['verified']}/{data['checked']} correct, corrupted answers rejected: {data['rejected']}/"
-         f"{data['checked']}; shards in {data['shard_dir']}")
+         f"{cfg.launch.nproc_per_node} ranks; RL: {cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x "
+         f"{cfg.rl.group_size} samples, max_staleness={cfg.rl.max_staleness})")
+    if latest(run_dir):
+        _say(f"resuming from {latest(run_dir)} (delete {run_dir / 'checkpoints'} to start over)")
+    else:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        _prepare(cfg, run_dir)
     rc = launch_workers(cfg, run_dir, args)
+    if rc == 3:
+        _say("the run stopped early (signal or alert) after saving a checkpoint; the same command resumes it")
+        return rc
     if rc != 0:
         _say(f"training ranks failed (exit {rc}); see the output above")
         return rc
@@ -73,29 +79,74 @@ def drive(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(cfg: RunConfig, run_dir: Path) -> None:
+    from megatron_rl.commands.warmup import prepare_data
+
+    data = prepare_data(cfg, run_dir)
+    _say(f"data: {data['train_samples']} train / {data['heldout_samples']} held-out samples from "
+         f"'{cfg.data.domain}'; reference solutions verified in the '{cfg.data.sandbox}' sandbox: "
+         f"{data['verified']}/{data['checked']} correct, corrupted answers rejected: {data['rejected']}/"
+         f"{data['checked']}; shards in {data['shard_dir']}")
+
+
 def launch_workers(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
     """Start the ranks: in-process when already under a launcher (torchrun, srun), else torchrun here."""
     module = ["-m", "megatron_rl.commands.train", args.config, *args.overrides, "--worker"]
     if "RANK" in os.environ or "SLURM_STEP_ID" in os.environ:
-        return subprocess.call([sys.executable, *module])
+        return _call([sys.executable, *module], None)
     from megatron_rl.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    return _call(cmd, env)
+
+
+def _call(cmd: list[str], env) -> int:
+    """Run the ranks; SIGTERM/SIGUSR1 sent to this process go to the ranks themselves (torchrun's children),
+    which checkpoint and stop after the current step (exit 3). torchrun is not signalled: it would kill the
+    ranks after a short grace period."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, env=env)
+    stopped = []
+
+    def forward(signum, _frame):
+        stopped.append(signum)
+        ranks = [proc] if cmd[1] != "-m" or cmd[2] != "torch.distributed.run" else \
+            psutil.Process(proc.pid).children(recursive=False)
+        for p in ranks:
+            p.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    rc = proc.wait()
+    return 3 if stopped and rc != 0 else rc
 
 
 def summary(cfg: RunConfig, run_dir: Path, seconds: float) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    train = [r for r in rows if r["kind"] == "train"]
+    sft = [r for r in rows if r["kind"] == "sft"]
+    sft_eval = [r for r in rows if r["kind"] == "sft_eval"]
+    rl = [r for r in rows if r["kind"] == "rl"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    _say(f"trained {len(train)} steps in {seconds:.0f} s: train loss {train[0]['loss']:.3f} -> "
-         f"{train[-1]['loss']:.3f}; held-out loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}")
-    _say(f"metrics: {run_dir / 'metrics.jsonl'}; shards: {run_dir / 'shards'} "
-         f"(inspect with: megatron-rl inspect {run_dir / 'shards'})")
-    _say("not yet in this job: generation by the rollout engine and the GRPO loop (rollout-engine and RL-loop "
-         "issues); this run is the supervised warm-up phase of the demo")
+    _say(f"finished in {seconds:.0f} s")
+    if sft:
+        _say(f"warm-up: {len(sft)} supervised steps, train loss {sft[0]['loss']:.3f} -> {sft[-1]['loss']:.3f}; "
+             f"held-out loss {sft_eval[0]['loss']:.3f} -> {sft_eval[-1]['loss']:.3f}")
+    if rl:
+        _say(f"RL: {len(rl)} GRPO steps (this launch), rollout reward {rl[0]['reward_mean']:.3f} -> "
+             f"{rl[-1]['reward_mean']:.3f}; trainer idle {sum(r['trainer_idle_frac'] for r in rl) / len(rl):.0%}")
+    if len(evals) >= 2:
+        k = cfg.eval.k
+        _say(f"held-out success (sandboxed countdown reward, {evals[0]['tasks']} tasks): greedy "
+             f"{evals[0]['success_greedy']:.3f} -> {evals[-1]['success_greedy']:.3f}, pass@{k} "
+             f"{evals[0][f'pass@{k}']:.3f} -> {evals[-1][f'pass@{k}']:.3f} (before -> after GRPO)")
+    from megatron_rl.commands.report import make_report
+
+    plots = make_report(run_dir)
+    _say(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots) or 'none'}; "
+         f"shards: {run_dir / 'rl_shards'} (megatron-rl inspect DIR); checkpoints: {run_dir / 'checkpoints'}")
 
 
 def _say(msg: str) -> None:

@@ -50,17 +50,18 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     import envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from envs.base import make_env
     from envs.sandbox.base import SANDBOXES
-    from envs.tasks import load_domain
     from megatron_rl.data.shards import write_shard
+    from megatron_rl.loop.setup import task_lists
 
     tok, shard_dir = ByteTokenizer(cfg.model.vocab_size), run_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     env = make_env(cfg.data.domain, sandbox=SANDBOXES.get(cfg.data.sandbox)())
+    tasks = task_lists(cfg)
     stats = {"checked": 0, "verified": 0, "rejected": 0, "shard_dir": str(shard_dir)}
     for split, n, name in (("train", cfg.data.train_tasks, TRAIN_SHARD), ("heldout", cfg.data.heldout_tasks,
                                                                           HELDOUT_SHARD)):
         trajs = []
-        for task in load_domain(cfg.data.domain, split=split)[:n]:
+        for task in tasks[split][:n]:
             answer = f"<answer>{task.payload['solution']}</answer>"
             good, bad = _check(env, task, answer), _check(env, task, answer.replace("<answer>", "<answer>1 + "))
             stats["checked"] += 1
@@ -145,14 +146,26 @@ def _run_step(policy, data, index, cfg, ctx, forward_only: bool) -> dict:
 
 
 def worker_main(cfg: RunConfig, run_dir: Path) -> int:
+    """One rank: the supervised warm-up (unless resuming an RL run), then the RL loop."""
     from megatron.core import tensor_parallel
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
-    from megatron_rl.trainer.policy import Policy
+    from megatron_rl.driver import run_rl
+    from megatron_rl.loop.state import latest
 
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    warm = None if latest(run_dir) or cfg.train.steps == 0 else warmup_phase(cfg, run_dir, ctx)
+    rc = run_rl(cfg, run_dir, ctx, warm) if cfg.rl.steps > 0 else 0
+    destroy_distributed()
+    return rc
+
+
+def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
+    """Supervised training on the verified solutions; returns the trained Policy."""
+    from megatron_rl.trainer.policy import Policy
+
     tok = ByteTokenizer(cfg.model.vocab_size)
     train = _batches(run_dir / "shards" / TRAIN_SHARD, cfg.train.seq_length, tok.pad_id)
     held = _batches(run_dir / "shards" / HELDOUT_SHARD, cfg.train.seq_length, tok.pad_id)
@@ -164,13 +177,12 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
     held_mine = torch.arange(len(held["tokens"]))[dp_rank::dp]
     for step in range(cfg.train.steps):
         if step % cfg.train.eval_every == 0:
-            log.write("eval", step, _run_step(policy, held, held_mine, cfg, ctx, True))
+            log.write("sft_eval", step, _run_step(policy, held, held_mine, cfg, ctx, True))
         index = torch.randint(len(train["tokens"]), (per_step * dp,), generator=gen)  # same on every rank
         mine = index[dp_rank * per_step:(dp_rank + 1) * per_step]
-        log.write("train", step, _run_step(policy, train, mine, cfg, ctx, False))
-    log.write("eval", cfg.train.steps, _run_step(policy, held, held_mine, cfg, ctx, True))
-    destroy_distributed()
-    return 0
+        log.write("sft", step, _run_step(policy, train, mine, cfg, ctx, False))
+    log.write("sft_eval", cfg.train.steps, _run_step(policy, held, held_mine, cfg, ctx, True))
+    return policy
 
 
 class _Logger:

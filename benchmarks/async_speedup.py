@@ -1,0 +1,99 @@
+"""Sync vs async RL on this machine, and a discrete-event simulation of a cluster with long-tailed generation.
+
+    python benchmarks/async_speedup.py [--steps 6] [--skip-real]
+
+Real: the same short run of `megatron-rl train configs/demo_cpu.yaml` (no warm-up, no dynamic sampling) with
+rl.max_staleness 0, 1, 2, 4; the RL loop's wall time is the sum of its per-step times (metrics.jsonl).
+Simulation: G generation workers produce episodes whose durations are log-normal (long tail); the trainer
+consumes B episodes per step and trains for T seconds. Sync: each step waits for its whole batch, then trains.
+Async with staleness k: workers keep generating while the trainer trains, as long as an episode started at
+policy version v is consumed by step v + k at the latest (the buffer holds at most k+1 batches).
+Prints one JSON object: wall-time ratios sync/async and trainer idle fractions.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def real_run(staleness: int, steps: int, out: Path) -> dict:
+    exe = str(Path(sys.executable).parent / "megatron-rl")
+    args = [exe, "train", "configs/demo_cpu.yaml", f"output_dir={out}", "train.steps=0", f"rl.steps={steps}",
+            f"rl.max_staleness={staleness}", "rl.dynamic_sampling=false", "eval.every=0", "eval.tasks=4",
+            "data.heldout_tasks=4", "data.train_tasks=16", "monitor.tensorboard=false"]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed (staleness {staleness}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (out / "demo" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["kind"] == "rl"]
+    wall = sum(r["time_step_s"] for r in rl)
+    train = sum(r["time_train_s"] for r in rl)
+    return {"wall_s": round(wall, 3), "trainer_idle_frac": round(1 - train / wall, 3),
+            "samples": sum(r["trained_samples"] for r in rl)}
+
+
+def simulate(staleness: int, steps: int = 200, batch: int = 64, workers: int = 128, train_s: float = 20.0,
+             gen_median_s: float = 30.0, sigma: float = 1.0, seed: int = 0) -> dict:
+    """Discrete-event simulation; returns wall time and trainer idle fraction."""
+    rng = random.Random(seed)
+    duration = [gen_median_s * rng.lognormvariate(0.0, sigma) for _ in range(steps * batch)]
+    t, version, started, free, events, ready, busy = 0.0, 0, 0, workers, [], [], 0.0
+    trainer_free_at = 0.0
+    for step in range(steps):
+        # start episodes for steps up to step + staleness (sync: only this step's), on free workers
+        while started < min((step + staleness + 1) * batch, steps * batch):
+            if free == 0:
+                end, idx = heapq.heappop(events)
+                ready.append(idx)
+                free += 1
+                t = max(t, end)
+                continue
+            heapq.heappush(events, (max(t, trainer_free_at if staleness == 0 else t) + duration[started], started))
+            started, free = started + 1, free - 1
+        need = (step + 1) * batch
+        while len(ready) < need and events:  # wait for this step's batch
+            end, idx = heapq.heappop(events)
+            ready.append(idx)
+            free += 1
+            t = max(t, end)
+        t = max(t, trainer_free_at)
+        trainer_free_at = t + train_s
+        busy += train_s
+        version += 1
+        if staleness == 0:
+            t = trainer_free_at  # sync: generation of the next step waits for the update
+    wall = max(t, trainer_free_at)
+    return {"wall_s": round(wall, 1), "trainer_idle_frac": round(1 - busy / wall, 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--skip-real", action="store_true")
+    args = p.parse_args()
+    result: dict = {"simulation": {"config": {"steps": 200, "batch": 64, "workers": 128, "train_s": 20.0,
+                                              "gen_median_s": 30.0, "lognormal_sigma": 1.0}}}
+    sim = {k: simulate(k) for k in (0, 1, 2, 4)}
+    result["simulation"].update({f"staleness_{k}": v for k, v in sim.items()})
+    result["simulation"]["speedup"] = {f"staleness_{k}": round(sim[0]["wall_s"] / sim[k]["wall_s"], 2)
+                                       for k in (1, 2, 4)}
+    if not args.skip_real:
+        with tempfile.TemporaryDirectory() as tmp:
+            real = {k: real_run(k, args.steps, Path(tmp) / f"s{k}") for k in (0, 1, 2, 4)}
+        result["real_cpu"] = {f"staleness_{k}": v for k, v in real.items()}
+        result["real_cpu"]["speedup"] = {f"staleness_{k}": round(real[0]["wall_s"] / real[k]["wall_s"], 2)
+                                         for k in (1, 2, 4)}
+    result["targets"] = {"real_cpu": 1.5, "simulation": 2.5}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

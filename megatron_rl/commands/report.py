@@ -1,0 +1,73 @@
+"""`megatron-rl report <run dir>`: plots of a run's metrics.jsonl (reward, success, lengths, time split) as PNG."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: pass a run directory written by `megatron-rl train`")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _plot(ax, rows: list[dict], keys: list[str], title: str) -> None:
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", label=k)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+
+
+def make_report(run_dir: str | Path) -> list[Path]:
+    """Write <run>/plots/{rewards,lengths,time}.png; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = _rows(run_dir)
+    rl, ev = [r for r in rows if r["kind"] == "rl"], [r for r in rows if r["kind"] == "eval"]
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    pass_k = sorted({k for r in ev for k in r if k.startswith("pass@")})
+    figures = {"rewards": [(rl, ["reward_mean", *sorted({k for r in rl for k in r if k.endswith("/correct_mean")})],
+                            "rollout reward / success"), (ev, ["success_greedy", *pass_k], "held-out success")],
+               "lengths": [(rl, ["response_len_mean", "response_len_max"], "response tokens"),
+                           (rl, ["mismatch_kl", "entropy_mean", "clip_fraction"], "KL / entropy / clip")],
+               "time": [(rl, ["time_generate_s", "time_env_wait_s", "time_train_s", "time_sync_s", "time_step_s"],
+                         "seconds per step"), (rl, ["trainer_idle_frac", "policy_lag_mean"], "idle / lag")]}
+    paths = []
+    for name, panels in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
+        for ax, (data, keys, title) in zip(axes, panels):
+            _plot(ax, data, keys, title)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=90)
+        plt.close(fig)
+        paths.append(out / f"{name}.png")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-rl report", description=__doc__.split(": ", 1)[1])
+    p.add_argument("run", help="run directory (output_dir/name), holding metrics.jsonl")
+    args = p.parse_args(argv)
+    try:
+        paths = make_report(args.run)
+    except FileNotFoundError as e:
+        print(f"megatron-rl report: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The RL loop, on every trainer rank (torchrun/srun), with the rollout engine in-process on the same ranks.
+
+    sample prompts across domains -> generate (engine) -> env step + sandboxed reward (rank 0's thread pool)
+    -> HDF5 shard -> advantages + policy update (Megatron) -> weights copied into the engine by name
+    (policy_version += 1) -> evaluate / checkpoint / log, repeated.
+
+The engine shares the trainer's TP group and model definition, so a weight sync is a copy by parameter name.
+`rl.max_staleness` = 0 is synchronous training; k >= 1 submits each step's prompts k steps early, so their
+generation overlaps the steps in between (the engine batches them with the current ones, rewards are scored
+while the trainer trains) and requests in flight continue across weight updates with per-token versions;
+truncated importance sampling against the behaviour log-probs of the shards corrects the lag. Checkpoints
+hold the trainer, the sampler, the rollout buffer (in-flight requests are finished first) and the RNGs, so a
+restart continues the same trajectory. Episodes run behind `loop.episodes.EpisodeRunner` (a thread pool here;
+the Slurm dispatcher in `megatron_rl.dispatch` is the cluster-side runner and is not wired in yet).
+"""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import torch
+
+from megatron_rl.loop import state as S
+from megatron_rl.loop.rollout import Rollouts
+from megatron_rl.run_config import RunConfig
+
+
+def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
+    """Run (or resume) the RL phase on this rank; returns 0, or 3 when stopped by a signal or an alert."""
+    from megatron_rl.loop import setup
+
+    parts = setup.build(cfg, run_dir, ctx, warm_policy)  # policy, trainer, engine, runner, sampler, monitor
+    rollouts = Rollouts(parts.engine, parts.runner, parts.tok, setup.compact_prompt, cfg.rl, cfg.seed)
+    start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
+    setup.sync_weights(parts, version=start)
+    stop = StopFlag()
+    if start == 0:
+        setup.evaluate(parts, rollouts, step=0)
+    last = cfg.rl.steps - 1
+    for step in range(start, cfg.rl.steps):
+        clock = setup.Clock(rollouts)
+        rollouts.fill(upto=step + cfg.rl.max_staleness, sampler=parts.sampler, last_step=last)
+        groups, sampling = rollouts.batch(step, parts.sampler)
+        cols = setup.to_shard(parts, rollouts, groups, step, run_dir)
+        clock.mark("rollout")
+        train = parts.trainer.step(cols) if cols is not None else {"update_skipped": True}
+        clock.mark("train")
+        setup.sync_weights(parts, version=step + 1)
+        clock.mark("sync")
+        metrics = setup.step_metrics(parts, rollouts, cols, train, sampling, clock)
+        parts.monitor.log("rl", step, metrics)
+        parts.monitor.check(step, metrics)
+        if setup.eval_due(cfg, step):
+            setup.evaluate(parts, rollouts, step=step + 1)
+        reason = stop.agreed(parts.monitor.should_stop)
+        if reason or step == last or (cfg.rl.checkpoint_every and (step + 1) % cfg.rl.checkpoint_every == 0):
+            S.checkpoint(parts, rollouts, run_dir, step + 1)
+        if reason and step != last:
+            setup.say(parts, f"stopped after step {step} ({reason}); checkpoint saved, rerun the same command "
+                             "to resume")
+            return 3
+    parts.close()
+    return 0
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 (Slurm preemption) or a stopping alert: every rank agrees to stop at the same step."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def agreed(self, alert: str | None) -> str | None:
+        t = torch.tensor([float(self.signal is not None), float(alert is not None)])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        if t[0] > 0:
+            return f"signal {self.signal or 'on another rank'}"
+        return f"alert ({alert or 'on rank 0'})" if t[1] > 0 else None

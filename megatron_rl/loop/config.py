@@ -1,0 +1,100 @@
+"""Configs of the RL loop: rollouts (group size, staleness, dynamic sampling), evaluation, checkpoints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.config import ConfigError
+from megatron_rl.rl.config import LossConfig
+from megatron_rl.trainer.packing import PackingConfig
+from megatron_rl.trainer.policy import OptimConfig
+from megatron_rl.trainer.rl_step import RLConfig
+
+
+def _default_trainer() -> RLConfig:
+    return RLConfig(loss=LossConfig(name="grpo"), packing=PackingConfig(max_tokens=1024, overlong="skip"))
+
+
+@dataclass
+class RLLoopConfig:
+    """The GRPO loop after the warm-up: sampling, staleness, dynamic sampling, checkpoints."""
+
+    steps: int = 20
+    """RL optimizer steps (0 = warm-up only)."""
+    prompts_per_step: int = 8
+    """Groups (prompts) in one global batch."""
+    group_size: int = 8
+    """Samples per prompt (the GRPO group)."""
+    max_new_tokens: int = 24
+    """Generated tokens per sample at most."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    max_staleness: int = 0
+    """0 = synchronous; k >= 1: rollouts for up to k future steps overlap training (policy lag <= k)."""
+    importance_correction: str = "auto"
+    """Truncated IS correction of off-policy samples: auto (tis when max_staleness > 0), none, tis or mis."""
+    dynamic_sampling: bool = True
+    """DAPO: drop groups whose rewards are all equal and replace them with fresh prompts."""
+    max_oversample: float = 2.0
+    """Extra prompts per step for replacements at most, as a multiple of prompts_per_step."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every this many steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    mismatch_alert_kl: float = 0.05
+    """Alert when KL(behaviour || trainer) of the batch exceeds this (train/rollout log-prob mismatch)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, clip_grad=1.0))
+    """Optimizer of the RL phase (a fresh optimizer on the warmed-up weights)."""
+    trainer: RLConfig = field(default_factory=_default_trainer)
+    """Loss, advantages and packing of the RL update."""
+
+    def validate(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0 or self.max_staleness < 0 or self.checkpoint_every < 0:
+            raise ConfigError("rl.steps, rl.max_staleness and rl.checkpoint_every must be >= 0")
+        if self.importance_correction not in ("auto", "none", "tis", "mis"):
+            raise ConfigError(f"rl.importance_correction {self.importance_correction!r} is not one of "
+                              "auto, none, tis, mis")
+        if self.max_oversample < 0:
+            raise ConfigError(f"rl.max_oversample must be >= 0, got {self.max_oversample}")
+        if self.group_size < 2 and self.dynamic_sampling:
+            raise ConfigError("rl.dynamic_sampling needs rl.group_size >= 2 (a group of one always has equal rewards)")
+
+    def correction(self) -> str:
+        """The IS correction actually used."""
+        if self.importance_correction == "auto":
+            return "tis" if self.max_staleness > 0 else "none"
+        return self.importance_correction
+
+
+@dataclass
+class EvalConfig:
+    """In-loop evaluation on held-out tasks."""
+
+    every: int = 10
+    """Evaluate every this many RL steps (and before the first and after the last); 0 = only those two."""
+    tasks: int = 64
+    """Held-out tasks evaluated."""
+    k: int = 4
+    """Samples per task for pass@k (temperature rl.temperature); success is also measured greedily."""
+
+
+@dataclass
+class CurriculumConfig:
+    """Generated countdown tasks (envs/countdown's reward, easier numbers) instead of the shipped suite."""
+
+    enabled: bool = True
+    """Use generated tasks for warm-up, RL and evaluation; false = the domain's shipped suite."""
+    min_numbers: int = 2
+    """Numbers per task at least."""
+    max_numbers: int = 3
+    """Numbers per task at most."""
+    max_value: int = 9
+    """Numbers are drawn from 1..max_value."""
+    max_ops: int = 2
+    """Operations in the reference solution at most."""
+    rl_tasks: int = 600
+    """Generated training tasks for the RL phase (disjoint from the warm-up's and the held-out ones)."""
+
+    def validate(self) -> None:
+        if not 2 <= self.min_numbers <= self.max_numbers or self.max_value < 2 or self.max_ops < 1:
+            raise ConfigError("curriculum: need 2 <= min_numbers <= max_numbers, max_value >= 2, max_ops >= 1")

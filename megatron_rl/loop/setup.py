@@ -1,0 +1,206 @@
+"""The pieces the driver (`megatron_rl/driver.py`) wires together, and its per-step helpers."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_rl.commands.warmup import compact_prompt  # noqa: F401  (the prompt format of the run)
+from megatron_rl.run_config import RunConfig
+from megatron_rl.tokenizer import ByteTokenizer
+
+
+def task_lists(cfg: RunConfig) -> dict[str, list]:
+    """Tasks per split: train (warm-up), rl (the RL phase) and heldout (evaluation)."""
+    if cfg.curriculum.enabled:
+        from megatron_rl.loop.tasks import generate
+
+        return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"),
+                "rl": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl"),
+                "heldout": generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")}
+    from envs.tasks import load_domain
+
+    train = load_domain(cfg.data.domain, split="train")
+    return {"train": train[:cfg.data.train_tasks], "rl": train,
+            "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks]}
+
+
+@dataclass
+class Parts:
+    cfg: RunConfig
+    ctx: object
+    tok: ByteTokenizer
+    policy: object
+    trainer: object
+    engine: object
+    runner: object
+    sampler: object
+    heldout: list
+    tasks_by_id: dict
+    monitor: object
+    is_rank0: bool
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+        self.monitor.close()
+
+
+def trainer_config(cfg: RunConfig):
+    tc = copy.deepcopy(cfg.rl.trainer)
+    tc.temperature = cfg.rl.temperature
+    if cfg.rl.correction() != "none":
+        tc.loss.is_correction, tc.old_logprobs = cfg.rl.correction(), "recompute"
+    return tc
+
+
+def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
+    from envs.sampler import DomainSampler
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
+    from megatron_rl.monitoring import Monitor
+    from megatron_rl.rollout import RolloutEngine
+    from megatron_rl.trainer.policy import Policy
+    from megatron_rl.trainer.rl_step import RLTrainer
+
+    tasks, rank0 = task_lists(cfg), ctx.rank == 0
+    warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
+    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
+                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else None)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs)
+    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers) if rank0 else None
+    sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
+    by_id = {t.id: t for split in tasks.values() for t in split}
+    return Parts(cfg, ctx, ByteTokenizer(cfg.model.vocab_size), policy, RLTrainer(policy, trainer_config(cfg)),
+                 engine, runner, sampler, tasks["heldout"], by_id, Monitor(cfg.monitor, run_dir, rank0), rank0)
+
+
+def sync_weights(parts: Parts, version: int) -> None:
+    """Copy the trainer's weights into the engine by name (same definition and TP layout)."""
+    parts.engine.update_weights(version, parts.policy.named_parameters(), policy="continue")
+
+
+def say(parts: Parts, msg: str) -> None:
+    if parts.is_rank0:
+        print(f"[megatron-rl] {msg}", flush=True)
+
+
+def eval_due(cfg: RunConfig, step: int) -> bool:
+    return step == cfg.rl.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+
+
+# ------------------------------------------------------------------------------------------ shards
+def to_shard(parts: Parts, rollouts, groups: list, step: int, run_dir: Path):
+    """Write the step's trajectories as an HDF5 shard (rank 0) and read it back on every rank, keeping samples
+    within the staleness bound; None when the batch is empty."""
+    from megatron_rl.data.shards import read_arrays, write_shard
+
+    trajs = rollouts.trajectories(groups, tag=f"s{step}")
+    path = Path(run_dir) / "rl_shards" / f"step-{step:06d}.h5"
+    if trajs and parts.is_rank0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_shard(path, trajs)
+    torch.distributed.barrier()
+    if not trajs:
+        return None
+    cols = read_arrays(path)
+    fresh = np.asarray(cols.policy_version_first) >= step - parts.cfg.rl.max_staleness
+    return cols if fresh.all() else cols.select(np.flatnonzero(fresh))
+
+
+# ------------------------------------------------------------------------------------------ metrics
+class Clock:
+    """Wall time of a step's phases; generation and env-wait come from the rollouts' own timers."""
+
+    def __init__(self, rollouts):
+        self.rollouts, self.t0 = rollouts, time.perf_counter()
+        self.start = dict(rollouts.timers)
+        self.marks: dict[str, float] = {}
+        self.last = self.t0
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.marks[name] = now - self.last
+        self.last = now
+
+    def summary(self) -> dict:
+        total = time.perf_counter() - self.t0
+        gen = self.rollouts.timers["generate_s"] - self.start["generate_s"]
+        env = self.rollouts.timers["env_wait_s"] - self.start["env_wait_s"]
+        train = self.marks.get("train", 0.0)
+        return {"time_step_s": total, "time_generate_s": gen, "time_env_wait_s": env, "time_train_s": train,
+                "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9)}
+
+
+TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "entropy_mean", "behaviour_kl", "is_weight_mean",
+              "samples", "update_skipped", "lr")
+
+
+def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:
+    domains = parts.sampler.metrics.summary(reset=True)
+    m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
+         **clock.summary()}
+    counts = {k.split("/")[0]: v for k, v in domains.items() if k.endswith("/count")}
+    n = sum(counts.values()) or 1.0
+    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in counts.items()) / n
+    m["sandbox_error_rate"] = sum(domains[f"{d}/invalid_frac"] * c for d, c in counts.items()) / n
+    m["mismatch_kl"] = train.get("behaviour_kl", train.get("approx_kl", 0.0))
+    m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
+    m.update(_runner_metrics(parts.runner))
+    return m
+
+
+def _batch_metrics(cols, version: int, clock: Clock) -> dict:
+    if cols is None:
+        return {"trained_samples": 0}
+    lengths = np.diff(np.asarray(cols.offsets)) - np.asarray(cols.prompt_len)  # [N] response tokens
+    lag = version - np.asarray(cols.policy_version_first)
+    gen = max(clock.summary()["time_generate_s"], 1e-9)
+    return {"trained_samples": len(cols), "response_len_mean": float(lengths.mean()),
+            "response_len_max": int(lengths.max()), "policy_lag_mean": float(lag.mean()),
+            "policy_lag_max": int(lag.max()), "tokens_per_s": float(lengths.sum()) / gen,
+            "mixed_version_samples": int((np.asarray(cols.policy_version_last)
+                                          != np.asarray(cols.policy_version_first)).sum())}
+
+
+def _runner_metrics(runner) -> dict:
+    if runner is None:
+        return {}
+    s = runner.stats()
+    pending = s["submitted"] - s["finished"]
+    return {"episodes_pending": pending, "episodes_stalled_s": time.monotonic() - s["last_finish"] if pending else 0.0}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def evaluate(parts: Parts, rollouts, step: int) -> dict:
+    """Held-out success: greedy, pass@1 and pass@k at the rollout temperature (sandboxed countdown reward)."""
+    from megatron_rl.rollout import SamplingParams
+
+    cfg, tok = parts.cfg, parts.tok
+    prompts = [[tok.bos_id, *tok.encode(compact_prompt(t))] for t in parts.heldout]
+    greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=[tok.eos_id])
+              for _ in prompts]
+    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    outs = rollouts.generate_now(prompts + prompts, greedy + sampled, tag=f"eval{step}")
+    if not parts.is_rank0:
+        return {}
+    correct = _score(parts, outs)  # [2 * tasks] lists of 0/1
+    n = len(prompts)
+    m = {"success_greedy": float(np.mean([c[0] for c in correct[:n]])),
+         "pass@1": float(np.mean([np.mean(c) for c in correct[n:]])),
+         f"pass@{cfg.eval.k}": float(np.mean([max(c) for c in correct[n:]])), "tasks": n,
+         "time_s": time.perf_counter() - t0}
+    parts.monitor.log("eval", step, m)
+    say(parts, f"eval  step {step:3d}: held-out success greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}"
+               f"  pass@{cfg.eval.k} {m[f'pass@{cfg.eval.k}']:.3f}  ({n} tasks)")
+    return m
+
+
+def _score(parts: Parts, outs: list) -> list[list[int]]:
+    tasks = parts.heldout + parts.heldout
+    futs = [[parts.runner.submit(t, parts.tok.decode(s.token_ids)) for s in o.samples] for t, o in zip(tasks, outs)]
+    return [[int(f.result().components.get("correct", 0.0) == 1.0) for f in row] for row in futs]

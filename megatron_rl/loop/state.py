@@ -1,0 +1,49 @@
+"""Driver checkpoints: the trainer's (model, optimizer, scheduler, step, RNG; `trainer/checkpoint.py`) plus the
+driver's own state in the checkpoint's common part: the sampler position per domain, the rollout buffer
+(scored groups destined for later steps; requests in flight are finished first) and the alert history.
+`<run>/checkpoints/latest` names the newest complete checkpoint (written after the save, atomically)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def latest(run_dir: Path) -> Path | None:
+    f = Path(run_dir) / "checkpoints" / "latest"
+    return Path(run_dir) / "checkpoints" / f.read_text().strip() if f.exists() else None
+
+
+def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+
+    rollouts.drain()
+    state = {"step": step, "sampler": parts.sampler.state_dict(), "rollouts": rollouts.state_dict(),
+             "alert_rewards": parts.monitor.rewards}
+    name = f"step-{step:06d}"
+    path = Path(run_dir) / "checkpoints" / name
+    save_checkpoint(parts.policy, path, extra={"driver": json.dumps(state)})
+    torch.distributed.barrier()
+    if parts.is_rank0:
+        tmp = path.parent / "latest.tmp"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, path.parent / "latest")
+    torch.distributed.barrier()
+    return path
+
+
+def resume(parts, rollouts, run_dir: Path) -> int:
+    """Load the latest checkpoint into the policy, sampler and rollout buffer; returns the step to run next."""
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+
+    path = latest(run_dir)
+    state = json.loads(load_checkpoint(parts.policy, path)["driver"])
+    parts.sampler.load_state_dict(state["sampler"])
+    rollouts.load_state_dict(state["rollouts"], parts.tasks_by_id)
+    parts.monitor.rewards = list(state["alert_rewards"])
+    if parts.is_rank0:
+        print(f"[megatron-rl] resumed from {path} at RL step {state['step']} "
+              f"({len(rollouts.ready)} buffered groups)", flush=True)
+    return int(state["step"])
