@@ -8,12 +8,24 @@ both generate the same greedy tokens, then times greedy generation of `--new-tok
 peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON object.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 64] [--batches 1 8 32]
+
+Fairness: HF runs in a child process that never imports megatron_rl, so the CPU compat layer's
+TorchFunctionMode (a Python hook on every torch call) is not active there; it uses its own KV cache
+(`generate` default), the same thread count, dtype (fp32) and `max_new_tokens` with `min_new_tokens` equal
+to it and no EOS (so neither side stops early). Both sides get one untimed warm-up; then the runs
+alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
+loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -109,34 +121,91 @@ def run_ours(model, pgs, batch_prompts: list[list[int]], new: int) -> tuple[list
     return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token()
 
 
+class HFWorker:
+    """`run_hf` in a child process without megatron_rl imported; one JSON request/answer per line."""
+
+    def __init__(self, model, threads: int):
+        self.dir = tempfile.TemporaryDirectory(prefix="hf-bench-")
+        hf = to_hf(model)
+        hf.config.save_pretrained(self.dir.name)
+        torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()}, os.path.join(self.dir.name, "sd.pt"))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, __file__, "--hf-worker", self.dir.name, "--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+        self.proc.stdin.write(json.dumps({"prompts": batch_prompts, "new": new}) + "\n")
+        self.proc.stdin.flush()
+        ans = json.loads(self.proc.stdout.readline())
+        return ans["tokens"], ans["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.dir.cleanup()
+
+
+def hf_worker(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert "megatron_rl.compat" not in sys.modules and not torch.overrides._get_current_function_mode_stack()
+    hf = LlamaForCausalLM(LlamaConfig.from_pretrained(path)).eval()
+    hf.load_state_dict(torch.load(os.path.join(path, "sd.pt"), weights_only=True), strict=False)
+    hf.tie_weights()
+    for line in sys.stdin:
+        req = json.loads(line)
+        tokens, dt = run_hf(hf, req["prompts"], req["new"])
+        print(json.dumps({"tokens": tokens, "seconds": dt}), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.hf_worker:
+        return hf_worker(args.hf_worker)
     model, pgs = build_ours()
-    hf = to_hf(model)
+    hf = HFWorker(model, args.threads)
+    try:
+        result = _measure(model, pgs, hf, args)
+    finally:
+        hf.close()
+    print(json.dumps(result))
+
+
+def _measure(model, pgs, hf: HFWorker, args) -> dict:
     check = prompts(4, seed=99)
-    parity = run_ours(model, pgs, check, 16)[0] == run_hf(hf, check, 16)[0]
+    parity = run_ours(model, pgs, check, 16)[0] == hf.run(check, 16)[0]
     result = {"model": {"layers": CFG.num_layers, "hidden": CFG.hidden_size, "heads": CFG.num_attention_heads,
                         "kv_heads": CFG.num_query_groups}, "new_tokens": args.new_tokens,
-              "greedy_parity_with_hf": parity, "threads": torch.get_num_threads(), "batches": {}}
+              "greedy_parity_with_hf": parity, "threads": args.threads, "repeats": args.repeats,
+              "hf_in_subprocess_without_compat": True, "batches": {}}
     for b in args.batches:
         bp = prompts(b, seed=b)
-        _, t_ours, kv_paged = run_ours(model, pgs, bp, args.new_tokens)
-        _, t_hf = run_hf(hf, bp, args.new_tokens)
+        ours_out, hf_out = run_ours(model, pgs, bp, args.new_tokens)[0], hf.run(bp, args.new_tokens)[0]  # warm-up
+        t_ours, t_hf, kv_paged = [], [], 0
+        for _ in range(args.repeats):
+            _, t, kv_paged = run_ours(model, pgs, bp, args.new_tokens)
+            t_ours.append(t)
+            t_hf.append(hf.run(bp, args.new_tokens)[1])
         gen = b * args.new_tokens
         ctx_tokens = sum(len(x) for x in bp) + gen
         contiguous = b * (max(map(len, bp)) + args.new_tokens)
-        bpt = kv_paged / ctx_tokens
         result["batches"][str(b)] = {
-            "ours_tokens_per_s": round(gen / t_ours, 1), "hf_tokens_per_s": round(gen / t_hf, 1),
-            "speedup": round(t_hf / t_ours, 2),
-            "kv_bytes_per_token_paged": round(bpt, 1),
+            "ours_tokens_per_s": round(gen / min(t_ours), 1), "hf_tokens_per_s": round(gen / min(t_hf), 1),
+            "speedup": round(min(t_hf) / min(t_ours), 2),
+            "ours_median_s": round(statistics.median(t_ours), 4), "hf_median_s": round(statistics.median(t_hf), 4),
+            "same_greedy_tokens": ours_out == hf_out,
+            "kv_bytes_per_token_paged": round(kv_paged / ctx_tokens, 1),
             "kv_bytes_per_token_contiguous": round(contiguous * _bytes_per_token() / ctx_tokens, 1)}
     result["speedup_at_32"] = result["batches"].get("32", {}).get("speedup")
     result["target_speedup_at_32"] = 3.0
-    print(json.dumps(result))
+    return result
 
 
 def _bytes_per_token() -> int:

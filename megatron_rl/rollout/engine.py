@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigError
+from megatron_rl.rollout.compression import CompressionConfig, CompressionRecord, Summarizer, compress_turns
 from megatron_rl.rollout.model_runner import ModelRunner, build_batch
 from megatron_rl.rollout.sampling import SamplingParams, sample
 from megatron_rl.rollout.scheduler import Scheduler, Sequence
@@ -90,6 +91,9 @@ class RequestOutput:
     """The prompt."""
     samples: list[SampleOutput] = field(default_factory=list)
     """n continuations, by index."""
+    compression: CompressionRecord | None = None
+    """What context compression removed from the prompt as sent (None: not requested); `prompt_token_ids`
+    are then the compressed ids the model saw."""
 
 
 @dataclass
@@ -98,13 +102,16 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     open: int
+    compression: CompressionRecord | None = None
 
 
 class RolloutEngine:
     """Paged, continuously batched generation from a Megatron GPTModel (see module docstring)."""
 
-    def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0):
+    def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0,
+                 summarizer: Summarizer | None = None):
         self.cfg = cfg or EngineConfig()
+        self.summarizer = summarizer
         self.cfg.validate()
         self.runner = ModelRunner(model, tp_group, cp_group)
         self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
@@ -132,11 +139,39 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError naming the problem for bad input."""
+                    request_id: str | None = None, turn_boundaries: list[int] | None = None,
+                    compression: CompressionConfig | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError naming the problem for bad input.
+
+        With `compression` (and the token offsets where each turn starts, `turn_boundaries`) the prompt is
+        compressed first (see compression.py); the output reports the compressed prompt and the record.
+        """
+        prompt, record = self.compress(prompt_token_ids, turn_boundaries, compression)
+        return self.add_prepared(prompt, params, request_id, record)
+
+    def compress(self, prompt_token_ids: list[int], turn_boundaries: list[int] | None = None,
+                 compression: CompressionConfig | None = None) -> tuple[list[int], CompressionRecord | None]:
+        """The prompt as ints, compressed when `compression` is given (then `turn_boundaries` is required)."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if compression is None:
+            if turn_boundaries is not None:
+                raise ValueError("turn_boundaries given without a compression config; pass compression too")
+            return prompt, None
+        if turn_boundaries is None:
+            raise ValueError("compression needs turn_boundaries: the token offset where each turn starts")
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; send at least one token id")
+        try:
+            return compress_turns(prompt, turn_boundaries, compression, self.summarizer)
+        except ConfigError as e:
+            raise ValueError(str(e)) from e
+
+    def add_prepared(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                     compression: CompressionRecord | None = None) -> str:
+        """Queue an already compressed (or uncompressed) prompt; see add_request."""
         params = params or SamplingParams()
         params.validate()
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = [int(t) for t in prompt]
         self._check_prompt(prompt, params)
         with self.lock:
             rid = request_id or f"req-{next(self._ids)}"
@@ -145,7 +180,7 @@ class RolloutEngine:
             seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,), generator=self._seed_gen))
             seqs = [self._new_seq(rid, i, prompt, params, seed) for i in range(params.n)]
             seqs[0].pending_forks = params.n - 1
-            self._requests[rid] = _Request(prompt, params, seqs, params.n)
+            self._requests[rid] = _Request(prompt, params, seqs, params.n, compression)
             self.scheduler.add(seqs[0])
             self.counters["prompt_tokens"] += len(prompt)
         return rid
@@ -187,7 +222,9 @@ class RolloutEngine:
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled mixed batch; returns the requests that finished."""
-        with self.lock:
+        # inference_mode for the whole step; torch-function modes (the CPU compat layer's CUDA->CPU remap)
+        # off: nothing here places tensors on CUDA and the mode's Python hook per op is pure overhead
+        with self.lock, torch.inference_mode(), torch._C.DisableTorchFunction():
             plan = self.scheduler.schedule()
             if plan:
                 t0 = time.perf_counter()
@@ -275,14 +312,17 @@ class RolloutEngine:
     @staticmethod
     def _output(rid: str, req: _Request) -> RequestOutput:
         samples = [SampleOutput(s.index, s.generated, s.logprobs, s.versions, s.finish_reason) for s in req.seqs]
-        return RequestOutput(rid, req.prompt, samples)
+        return RequestOutput(rid, req.prompt, samples, req.compression)
 
     # ------------------------------------------------------------------------------------- helpers
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 turn_boundaries: list[list[int]] | None = None, compression: CompressionConfig | None = None
                  ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        bounds = turn_boundaries if turn_boundaries is not None else [None] * len(prompts)
+        ids = [self.add_request(p, sp, turn_boundaries=b, compression=compression if b is not None else None)
+               for p, sp, b in zip(prompts, plist, bounds)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():

@@ -4,7 +4,10 @@ The runner drives the model's submodules in the order `GPTModel.forward` / `Tran
 them (embedding, then per layer: input norm, QKV projection [+ q/k norm], RoPE, attention, output
 projection, residual, pre-MLP norm, MLP, residual; final norm, output layer) with the same parameters and
 names as the trainer. Only the core attention (which has no parameters) is replaced: K/V of the new tokens
-are written into the paged cache and each sequence attends to its own blocks. Tensor parallelism works
+are written into the paged cache and each sequence attends to its own blocks: per layer one `index_select`
+of the group's block tables gathers K/V, then `scaled_dot_product_attention` with `enable_gqa` (no head
+repeat) and a visibility mask built once per step (all decode sequences in one call, each prefill chunk in
+its own). Tensor parallelism works
 as in training: column/row-parallel linears communicate inside the Megatron modules; the vocab-parallel
 logits of the sampled rows are all-gathered over the TP group passed in.
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_rl.rollout.kv_cache import PagedKVCache
@@ -24,16 +28,17 @@ from megatron_rl.rollout.kv_cache import PagedKVCache
 
 @dataclass
 class AttnGroup:
-    """Sequences attended to together (decode sequences form one group, each prefill chunk its own)."""
+    """Sequences attended to together: all decode sequences (one query each) form one group, each prefill
+    chunk its own (its queries are consecutive in the packed batch)."""
 
     token_index: Tensor
-    """[S, Q] packed index of each sequence's query tokens; T (a zero pad row) where padded."""
-    q_pos: Tensor
-    """[S, Q] absolute position of each query token (0 where padded)."""
+    """[S] packed index of each decode query, or [2] (first, end) packed range of a prefill chunk."""
+    decode: bool
+    """One query per sequence (S sequences) or one sequence with Q consecutive queries."""
     tables: Tensor
-    """[S, nb] block tables, padded with block 0 (masked by ctx_len)."""
-    ctx_len: Tensor
-    """[S] tokens in the cache for each sequence after this step's writes."""
+    """[S * nb] block tables flattened, padded with block 0 (masked out)."""
+    mask: Tensor
+    """[S, 1, Q, nb*bs] True where the key position is visible to the query (causal and inside the cache)."""
 
 
 @dataclass
@@ -120,25 +125,25 @@ class ModelRunner:
 
     def _attention(self, layer: int, q: Tensor, batch: Batch, cache: PagedKVCache) -> Tensor:
         """Causal attention of packed queries q [T, np, d] over each sequence's cached K/V -> [T, np*d]."""
-        t = q.shape[0]
-        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # [T+1, np, d]
-        out = q.new_zeros(t + 1, self.heads, self.head_dim)  # [T+1, np, d]
+        if len(batch.groups) == 1 and not batch.groups[0].decode:  # one prefill chunk: nothing to scatter
+            return self._group_attention(layer, q[None], batch.groups[0], cache)[0].flatten(1)
+        out = torch.empty_like(q)  # [T, np, d]
         for g in batch.groups:
-            out[g.token_index] = self._group_attention(layer, q_pad[g.token_index], g, cache)
-        return out[:t].flatten(1)
+            if g.decode:
+                out.index_copy_(0, g.token_index, self._group_attention(layer, q[g.token_index, None], g, cache)[:, 0])
+            else:
+                first, end = g.token_index.tolist()
+                out[first:end] = self._group_attention(layer, q[None, first:end], g, cache)[0]
+        return out.flatten(1)
 
     def _group_attention(self, layer: int, q: Tensor, g: AttnGroup, cache: PagedKVCache) -> Tensor:
-        """q [S, Q, np, d] against the group's cached K/V -> [S, Q, np, d]."""
-        k, v = cache.gather(layer, g.tables)  # [S, Lk, ng, d] each
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [S, Lk, np, d]
-        scores = torch.einsum("sqhd,skhd->shqk", q.float(), k.float()) * self.scale  # [S, np, Q, Lk]
-        key_pos = torch.arange(k.shape[1])  # [Lk]
-        visible = (key_pos[None, None, :] <= g.q_pos[:, :, None]) & (key_pos < g.ctx_len[:, None, None])  # [S,Q,Lk]
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [S, np, Q, Lk]
-        return torch.einsum("shqk,skhd->sqhd", probs, v)  # [S, Q, np, d]
+        """q [S, Q, np, d] against the group's cached K/V -> [S, Q, np, d] (SDPA, GQA without repeating K/V)."""
+        s = q.shape[0]
+        kv = cache.kv[layer].index_select(1, g.tables)  # [2, S*nb, bs, ng, d]
+        kv = kv.view(2, s, -1, self.kv_heads, self.head_dim).transpose(2, 3)  # [2, S, ng, Lk, d]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[0], kv[1], attn_mask=g.mask, scale=self.scale,
+                                             enable_gqa=self.heads != self.kv_heads)  # [S, np, Q, d]
+        return out.transpose(1, 2)
 
     def _gather_vocab(self, logits: Tensor) -> Tensor:
         """This rank's vocab slice [R, V/tp] -> the full logits [R, V]."""
@@ -153,31 +158,40 @@ def build_batch(plan: list, cache: PagedKVCache) -> Batch:
     """Pack a scheduler plan [(sequence, chunk)] into model inputs (the chunk's blocks already allocated)."""
     tokens, positions, slots, rows = [], [], [], []
     decode, prefill = [], []
+    bs = cache.block_size
     for seq, chunk in plan:
         start, first = seq.num_computed, len(tokens)
-        span = range(start, start + chunk)
-        tokens += seq.tokens[start:start + chunk]
-        positions += list(span)
-        slots += cache.slots(seq.table, span)
-        entry = (seq, first, start, chunk)
-        (decode if chunk == 1 else prefill).append(entry)
-        if start + chunk == len(seq.tokens):
+        end = start + chunk
+        tokens += seq.tokens[start:end]
+        if chunk == 1:
+            positions.append(start)
+            slots.append(seq.table.blocks[start // bs] * bs + start % bs)
+        else:
+            positions += range(start, end)
+            slots += cache.slots(seq.table, range(start, end))
+        (decode if chunk == 1 else prefill).append((seq, first, start, chunk))
+        if end == len(seq.tokens):
             rows.append(len(tokens) - 1)
-    groups = ([_group(decode, len(tokens))] if decode else []) + [_group([e], len(tokens)) for e in prefill]
+    groups = ([_decode_group(decode, bs)] if decode else []) + [_prefill_group(e, bs) for e in prefill]
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(slots), groups, as_long(rows))
 
 
-def _group(entries: list, pad: int) -> AttnGroup:
-    """An AttnGroup of (sequence, first packed index, start position, chunk) entries."""
-    q = max(e[3] for e in entries)
+def _decode_group(entries: list, bs: int) -> AttnGroup:
+    """One query per sequence: (sequence, packed index, position, 1) entries."""
     nb = max(len(e[0].table.blocks) for e in entries)
-    token_index = torch.full((len(entries), q), pad, dtype=torch.long)  # [S, Q]
-    q_pos = torch.zeros(len(entries), q, dtype=torch.long)  # [S, Q]
-    tables = torch.zeros(len(entries), nb, dtype=torch.long)  # [S, nb]
-    for s, (seq, first, start, chunk) in enumerate(entries):
-        token_index[s, :chunk] = torch.arange(first, first + chunk)
-        q_pos[s, :chunk] = torch.arange(start, start + chunk)
-        tables[s, :len(seq.table.blocks)] = torch.tensor(seq.table.blocks)
-    ctx_len = torch.tensor([start + chunk for _, _, start, chunk in entries])  # [S]
-    return AttnGroup(token_index, q_pos, tables, ctx_len)
+    tables = torch.tensor([e[0].table.blocks + [0] * (nb - len(e[0].table.blocks)) for e in entries])  # [S, nb]
+    ctx_len = torch.tensor([e[2] + 1 for e in entries])  # [S]
+    mask = torch.arange(nb * bs)[None, :] < ctx_len[:, None]  # [S, Lk]
+    return AttnGroup(torch.tensor([e[1] for e in entries]), True, tables.flatten(), mask[:, None, None])
+
+
+def _prefill_group(entry: tuple, bs: int) -> AttnGroup:
+    """One sequence's chunk of queries at positions [start, start + chunk), packed from index `first`."""
+    seq, first, start, chunk = entry
+    nb = -(-(start + chunk) // bs)
+    key_pos = torch.arange(nb * bs)  # [Lk]
+    q_pos = torch.arange(start, start + chunk)  # [Q]
+    mask = key_pos[None, :] <= q_pos[:, None]  # [Q, Lk]
+    return AttnGroup(torch.tensor([first, first + chunk]), False, torch.tensor(seq.table.blocks[:nb]),
+                     mask[None, None])

@@ -7,7 +7,8 @@ temperature 0 (greedy) that distribution is a point mass, so the log-prob of the
 
 Each sample owns a `torch.Generator` seeded from (request seed + sample index); a token is drawn by
 inverse CDF from one uniform number of that generator, so a sample's tokens do not depend on which
-other sequences share its batch, and every tensor-parallel rank draws the same token.
+other sequences share its batch, and every tensor-parallel rank draws the same token. A batch of only
+greedy rows draws nothing (argmax + log-softmax only); greedy samples never use their generator.
 """
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)  # [B]
     top_k = torch.tensor([p.top_k for p in params])  # [B]
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)  # [B]
+    if all(p.temperature == 0 for p in params):  # all greedy: no draw, the plain log-softmax (see above)
+        tokens = logits.argmax(-1)  # [B]
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     logp = filtered_logprobs(logits, temperature, top_k, top_p)  # [B, V]
     u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [B]
     cdf = logp.double().exp().cumsum(-1)  # [B, V]

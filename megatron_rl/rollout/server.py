@@ -8,6 +8,11 @@
     GET  /metrics               Prometheus text: queue length, running, KV blocks used/total, tokens/s, ...
     POST /update_weights        {"version": v, "path": "state_dict.pt", "policy": "continue" | "abort"}
 
+Context compression (optional, per request): "turn_boundaries": [token offsets where each turn starts] and
+"compression": {"keep_first", "keep_last", "mode", "marker_token_ids": [ids] | "text", "min_prompt_tokens"}
+(compression.py); the response's `prompt_token_ids` are then the compressed ids and `compression` records
+what was dropped.
+
 Extensions: each choice carries `token_ids`, `policy_versions` and (with "logprobs") `logprobs` with
 `token_logprobs` (completions) or `content` (chat); the response carries `prompt_token_ids`. Text is
 encoded with the server's tokenizer (ByteTokenizer by default); token ids always win when given.
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config import ConfigError, from_dict
+from megatron_rl.rollout.compression import CompressionConfig
 from megatron_rl.rollout.engine import RequestOutput, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.tokenizer import ByteTokenizer
@@ -61,14 +67,22 @@ class EngineLoop:
         self._wake.set()
         self.thread.join(timeout=10)
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Future]:
+    def submit(self, prompt: list[int], params: SamplingParams, turn_boundaries: list[int] | None = None,
+               compression: CompressionConfig | None = None) -> tuple[str, asyncio.Future]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self.engine.lock:
-            rid = self.engine.add_request(prompt, params)
+            rid = self.engine.add_request(prompt, params, turn_boundaries=turn_boundaries, compression=compression)
             self._futures[rid] = (loop, fut)
         self._wake.set()
         return rid, fut
+
+    async def update_weights(self, version: int, path: str, policy: str | None) -> int:
+        """Load a torch.save'd state dict (trainer parameter names) into the engine; returns the tensor count."""
+        import torch
+
+        state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True)
+        return await asyncio.to_thread(self.engine.update_weights, version, state.items(), policy)
 
     def abort(self, rid: str) -> None:
         with self.engine.lock:
@@ -155,6 +169,29 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
     return _token_list(body["prompt"], "prompt", tokenizer)
 
 
+def compression_from(body: dict, tokenizer) -> tuple[list[int] | None, CompressionConfig | None]:
+    """Optional `turn_boundaries` (token offsets where turns start) and `compression` (CompressionConfig
+    fields; `marker_token_ids` may be text) of a request."""
+    raw, bounds = body.get("compression"), body.get("turn_boundaries")
+    if raw is None:
+        if bounds is not None:
+            raise BadRequest("'turn_boundaries' given without 'compression' (e.g. {\"keep_last\": 2})")
+        return None, None
+    if not isinstance(raw, dict):
+        raise BadRequest("field 'compression' must be an object of CompressionConfig fields")
+    raw = dict(raw)
+    if isinstance(raw.get("marker_token_ids"), str):
+        raw["marker_token_ids"] = tokenizer.encode(raw["marker_token_ids"])
+    try:
+        cfg = from_dict(CompressionConfig, raw, prefix="compression")
+        cfg.validate()
+    except ConfigError as e:
+        raise BadRequest(str(e)) from e
+    if not isinstance(bounds, list):
+        raise BadRequest("'compression' needs 'turn_boundaries': a list of token offsets where each turn starts")
+    return bounds, cfg
+
+
 def chat_prompt(body: dict, tokenizer) -> list[int]:
     """Token ids of a chat: '<role>: content' lines after BOS, then 'assistant: ' (a minimal template)."""
     if body.get("prompt_token_ids") is not None:
@@ -189,11 +226,14 @@ def _choice(s, chat: bool, body: dict, tokenizer) -> dict:
 
 def render(out: RequestOutput, chat: bool, body: dict, tokenizer, model_name: str) -> dict:
     gen = sum(len(s.token_ids) for s in out.samples)
-    return {"id": out.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model_name, "prompt_token_ids": out.prompt_token_ids,
-            "choices": [_choice(s, chat, body, tokenizer) for s in out.samples],
-            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": gen,
-                      "total_tokens": len(out.prompt_token_ids) + gen}}
+    res = {"id": out.request_id, "object": "chat.completion" if chat else "text_completion",
+           "created": int(time.time()), "model": model_name, "prompt_token_ids": out.prompt_token_ids,
+           "choices": [_choice(s, chat, body, tokenizer) for s in out.samples],
+           "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": gen,
+                     "total_tokens": len(out.prompt_token_ids) + gen}}
+    if out.compression is not None:
+        res["compression"] = out.compression.to_dict()
+    return res
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -227,7 +267,8 @@ async def _generate(request: web.Request, chat: bool) -> web.Response:
         body = await _json_body(request)
         prompt = (chat_prompt if chat else completion_prompt)(body, st.tokenizer)
         params = sampling_from(body, st.tokenizer)
-        rid, fut = st.loop.submit(prompt, params)
+        bounds, compression = compression_from(body, st.tokenizer)
+        rid, fut = st.loop.submit(prompt, params, bounds, compression)
     except ValueError as e:  # BadRequest, or the engine's checks (vocabulary, length, pool size)
         return _error(400, str(e))
     try:
@@ -269,15 +310,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def update_weights(request: web.Request) -> web.Response:
-    import torch
-
     st: ServerState = request.app["state"]
     try:
         body = await _json_body(request)
         if not isinstance(body.get("version"), int) or not isinstance(body.get("path"), str):
             raise BadRequest("update_weights needs integer 'version' and string 'path' (a torch.save'd state dict)")
-        state = await asyncio.to_thread(torch.load, body["path"], map_location="cpu", weights_only=True)
-        n = await asyncio.to_thread(st.loop.engine.update_weights, body["version"], state.items(), body.get("policy"))
+        n = await st.loop.update_weights(body["version"], body["path"], body.get("policy"))
     except FileNotFoundError as e:
         return _error(400, f"update_weights: {e}")
     except (ValueError, KeyError) as e:
@@ -285,9 +323,11 @@ async def update_weights(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
 
 
-def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy") -> web.Application:
+def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy",
+               loop: EngineLoop | None = None) -> web.Application:
+    """The aiohttp app; `loop` defaults to an EngineLoop (tp_serve.TPEngineLoop for tensor parallelism)."""
     app = web.Application(client_max_size=64 << 20)
-    loop = EngineLoop(engine)
+    loop = loop or EngineLoop(engine)
     app["state"] = ServerState(loop, tokenizer or ByteTokenizer(engine.model.vocab_size), model_name)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
