@@ -231,3 +231,26 @@ def test_eval_array_sbatch(slurm_cluster, tmp_path):
     assert [s.split("-")[1] for s in shards] == ["s0", "s1", "s2", "s3"]
     ids, _ = consume_all(out / "shards")
     assert len(ids) == len(set(ids)) == 8
+
+
+def test_cpu_partition_workers_generate_through_a_rollout_server_on_localhost(slurm_cluster, monkeypatch, tmp_path):
+    """Array tasks on the cpu partition ask a real rollout server (this process, 127.0.0.1) for their tokens."""
+    from megatron_rl.data.shards import read_shard
+    from tests.test_dispatch_http import SAMPLING, VERSION, check_trajectory, start_server
+
+    slurm_cluster.patch_env(monkeypatch)
+    srv = start_server()
+    try:
+        eps = episodes_from_tasks(TASKS[:6], sampling=SAMPLING, seed=9, prefix="slurm-http")
+        w = WorkerConfig(threads=1, generator=GeneratorConfig(kind="http", url=srv.url, retries=1))
+        report = Dispatcher(slurm_cfg(tmp_path, episodes_per_task=3), w, tmp_path / "shards").run(eps)
+        assert report.ok and report.duplicates == 0 and not report.failures, report.failures
+        assert not report.episode_failures and report.rounds[0]["tasks"] == 2
+        ids, reader = consume_all(tmp_path / "shards")
+        assert sorted(ids) == report.finished == sorted(e.episode_id for e in eps)
+        trajs = {t.episode_id: t for n in report.shards for t in read_shard(tmp_path / "shards" / n)}
+        for ep in eps:
+            check_trajectory(trajs[ep.episode_id], ep, srv.url)
+            assert trajs[ep.episode_id].policy_version_last == VERSION
+    finally:
+        srv.stop()

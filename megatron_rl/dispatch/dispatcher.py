@@ -119,6 +119,9 @@ class DispatchReport:
     """Wall time of the run."""
     folder: str
     """submitit folder of this run (logs)."""
+    episode_failures: dict[str, str] = field(default_factory=dict)
+    """Episode id -> 'round N: status: reason' (latest) for episodes a worker left unpublished after a
+    retryable generation error (rollout server down, timeouts); those still unfinished are in `missing`."""
 
     @property
     def ok(self) -> bool:
@@ -177,11 +180,11 @@ class Dispatcher:
         self.folder.mkdir(parents=True, exist_ok=True)
         executor = self.config.build_executor(self.folder)
         cache: dict[str, list[str]] = {}
-        pending, rounds, failures = list(episodes), [], []
+        pending, rounds, failures, episode_failures = list(episodes), [], [], {}
         for rnd in range(self.config.max_retries + 1):
             if not pending:
                 break
-            rounds.append(self._round(executor, rnd, pending, failures))
+            rounds.append(self._round(executor, rnd, pending, failures, episode_failures))
             published = published_episode_ids(self.shard_dir, cache)
             done = {e for names in published.values() for e in names}
             pending = [e for e in pending if e.episode_id not in done]
@@ -194,9 +197,10 @@ class Dispatcher:
         return DispatchReport(
             finished=sorted(counts), missing=sorted(wanted - set(counts)),
             duplicates=sum(c - 1 for c in counts.values()), shards=mine, rounds=rounds, failures=failures,
-            seconds=time.perf_counter() - t0, folder=str(self.folder))
+            seconds=time.perf_counter() - t0, folder=str(self.folder), episode_failures=episode_failures)
 
-    def _round(self, executor, rnd: int, pending: list[EpisodeSpec], failures: list[dict]) -> dict:
+    def _round(self, executor, rnd: int, pending: list[EpisodeSpec], failures: list[dict],
+               episode_failures: dict[str, str]) -> dict:
         t0 = time.perf_counter()
         n = self.config.episodes_per_task
         specs = [WorkerSpec(episodes=pending[i:i + n], shard_dir=str(self.shard_dir.resolve()),
@@ -204,15 +208,22 @@ class Dispatcher:
                  for i in range(0, len(pending), n)]
         self.jobs = executor.map_array(self._task(), specs)
         stragglers = self._wait(self.jobs)
-        failed = 0
+        failed, episodes_failed = 0, 0
         for job in self.jobs:
             try:
-                job.result()
+                result = job.result()
             except Exception as e:  # a failed, killed or cancelled task: its unfinished episodes are retried
                 failed += 1
                 failures.append(self._failure(rnd, job, e, job.job_id in stragglers))
+                continue
+            for eid, reason in getattr(result, "failed", {}).items():  # retryable generation errors
+                episodes_failed += 1
+                episode_failures[eid] = f"round {rnd}: {reason}"
+                log.warning("dispatch: episode %s (round %d, task %s) not finished: %s", eid, rnd, job.job_id,
+                            reason)
         return {"round": rnd, "episodes": len(pending), "tasks": len(specs), "failed": failed,
-                "stragglers_cancelled": len(stragglers), "seconds": round(time.perf_counter() - t0, 3)}
+                "episodes_failed": episodes_failed, "stragglers_cancelled": len(stragglers),
+                "seconds": round(time.perf_counter() - t0, 3)}
 
     def _wait(self, jobs: list) -> set[str]:
         """Until every job has ended; cancels those running past the straggler deadline."""

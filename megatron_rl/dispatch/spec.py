@@ -24,7 +24,7 @@ class EpisodeSpec:
     task: dict = field(default_factory=dict)
     """The task as `Task.to_dict()`: id, domain, prompt, payload, split."""
     sampling: dict = field(default_factory=dict)
-    """Sampling parameters for the generator (temperature, max_new_tokens, ...)."""
+    """Sampling for the generator: temperature, top_p, top_k, max_new_tokens, stop_token_ids, seed."""
     group_id: int = 0
     """Group for group-normalised advantages (all samples of one prompt share it)."""
     seed: int = 0
@@ -41,6 +41,13 @@ class GeneratorConfig:
     """Rollout engine base URL (kind=http), e.g. http://gpunode:8000."""
     timeout_s: float = 120.0
     """HTTP request timeout (kind=http)."""
+    retries: int = 2
+    """kind=http: extra attempts of one request on connection errors, timeouts and 5xx/429 (4xx never)."""
+    backoff_s: float = 0.5
+    """kind=http: seconds before the first retry, doubled after each."""
+    max_new_tokens: int = 512
+    """kind=http: tokens per model turn when the episode's sampling gives no max_new_tokens (capped by the
+    worker's max_tokens budget)."""
     wrong_fraction: float = 0.0
     """Scripted test policy: fraction of episodes (chosen by episode seed) answered wrongly."""
     policy_version: int = 0
@@ -51,6 +58,8 @@ class GeneratorConfig:
             raise ConfigError(f"generator.kind must be http or scripted, got {self.kind!r}")
         if self.kind == "http" and not self.url:
             raise ConfigError("generator.url is required with kind=http (the rollout engine's base URL)")
+        if self.timeout_s <= 0 or self.retries < 0 or self.backoff_s < 0 or self.max_new_tokens < 1:
+            raise ConfigError("generator.timeout_s must be > 0, retries and backoff_s >= 0, max_new_tokens >= 1")
         if not 0.0 <= self.wrong_fraction <= 1.0:
             raise ConfigError(f"generator.wrong_fraction must be in [0, 1], got {self.wrong_fraction}")
 

@@ -17,6 +17,7 @@ every rank (rank 0 too, when MPI has thread support) asks for more when idle.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -44,13 +45,25 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------- generators
 class Generator(Protocol):
-    """Token in, token out: `generate(prompt_ids, sampling) -> (token_ids, logprobs, policy_version)`.
+    """Token in, token out: `generate(prompt_ids, sampling, episode, turn) -> (token_ids, logprobs, versions)`,
+    `versions` the policy version of each token (or one int for all of them).
 
     `episode` is passed for context; a real model ignores it (only the scripted test policy reads it).
+    Raises `GenerationError` for a failed request.
     """
 
-    def generate(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None = None
-                 ) -> tuple[list[int], list[float], int]: ...
+    def generate(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None = None, turn: int = 0
+                 ) -> tuple[list[int], list[float], int | list[int]]: ...
+
+
+class GenerationError(RuntimeError):
+    """A generation request failed. `retryable` (server unreachable, timed out, 5xx after the client's
+    retries): the episode is not published and the dispatcher re-runs it. Otherwise (4xx, a malformed
+    answer) re-running cannot help: the episode is published with `status` and the reason."""
+
+    def __init__(self, message: str, status: str = "error", retryable: bool = False):
+        super().__init__(message)
+        self.status, self.retryable = status, retryable
 
 
 class ScriptedGenerator:
@@ -72,7 +85,7 @@ class ScriptedGenerator:
             return "<think>test policy: wrong on purpose</think><answer>0</answer>"
         return f"<think>test policy</think><answer>{answer}</answer>"
 
-    def generate(self, prompt_ids, sampling, episode=None):
+    def generate(self, prompt_ids, sampling, episode=None, turn=0):
         if episode is None:
             raise ValueError("ScriptedGenerator (test policy) needs the episode to answer from")
         ids = self.tok.encode(self.answer_text(episode)) + [self.tok.eos_id]
@@ -80,35 +93,89 @@ class ScriptedGenerator:
         return ids, logprobs, self.config.policy_version
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "stop_token_ids", "seed")
+
+
 class HttpGenerator:
-    """The rollout engine over HTTP through `megatron_rl.rollout.client` (token ids in and out)."""
+    """The rollout engine over HTTP (`megatron_rl.rollout.client.RolloutClient`, `/v1/completions` with
+    token ids in and token ids, behaviour log-probs and per-token policy versions out).
 
-    def __init__(self, config: GeneratorConfig):
+    One sample per request; the seed is the episode's (or `sampling['seed']`) plus the turn, so a retried
+    episode asks for the same draws. EOS always stops a turn; a turn never asks for more tokens than the
+    worker's token budget has left. The answer is checked before it is used (lengths, finite log-probs <= 0,
+    versions >= 0): a malformed answer fails the episode, never the worker.
+    """
+
+    def __init__(self, config: GeneratorConfig, tokenizer: ByteTokenizer, max_tokens: int = 1 << 30):
+        from megatron_rl.rollout.client import RolloutClient
+
+        self.config, self.tok, self.max_tokens = config, tokenizer, max_tokens
+        self.client = RolloutClient(config.url, timeout=config.timeout_s, retries=config.retries,
+                                    backoff=config.backoff_s)
+
+    def request(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None, turn: int) -> dict:
+        """The sampling fields of the /v1/completions body."""
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise GenerationError(f"episode sampling has unknown keys {unknown}; use {list(SAMPLING_KEYS)}")
+        want = int(sampling.get("max_new_tokens", sampling.get("max_tokens", self.config.max_new_tokens)))
+        seed = sampling.get("seed", episode.seed if episode is not None else 0)
+        body = {"max_tokens": max(1, min(want, self.max_tokens - len(prompt_ids))),
+                "stop_token_ids": sorted({self.tok.eos_id, *sampling.get("stop_token_ids", [])}),
+                "seed": int(seed) + turn, "n": 1}
+        body.update({k: sampling[k] for k in ("temperature", "top_p", "top_k") if k in sampling})
+        return body
+
+    def generate(self, prompt_ids, sampling, episode=None, turn=0):
+        from megatron_rl.rollout.client import RolloutError
+
         try:
-            from megatron_rl.rollout import client as client_mod
-        except ImportError as e:
-            raise RuntimeError("generator.kind=http needs megatron_rl.rollout.client (the rollout engine's "
-                               f"HTTP client), which is not importable here: {e}") from e
-        cls = getattr(client_mod, "RolloutClient", None)
-        if cls is None:
-            raise RuntimeError("megatron_rl.rollout.client has no RolloutClient; cannot use generator.kind=http")
-        self.client = cls(config.url, timeout=config.timeout_s)
-
-    def generate(self, prompt_ids, sampling, episode=None):
-        out = self.client.generate(list(prompt_ids), sampling)
-        if isinstance(out, tuple):
-            return out
-        return list(out.token_ids), list(out.logprobs), int(out.policy_version)
+            body = self.request(prompt_ids, sampling, episode, turn)
+        except (TypeError, ValueError) as e:
+            raise GenerationError(f"bad episode sampling {sampling!r}: {e}") from e
+        try:
+            out = self.client.complete(list(prompt_ids), **body)
+        except RolloutError as e:
+            transient = e.status is None or e.status >= 500 or e.status == 429
+            status = "timeout" if "timed out" in str(e).lower() else "error"
+            raise GenerationError(f"rollout server {self.config.url}: {e}", status, retryable=transient) from e
+        except ValueError as e:  # a 200 whose body is not JSON
+            raise GenerationError(f"rollout server {self.config.url}: answer is not JSON: {e}") from e
+        return parse_completion(out)
 
 
-def build_generator(config: GeneratorConfig, tokenizer: ByteTokenizer) -> Generator:
+def parse_completion(out) -> tuple[list[int], list[float], list[int]]:
+    """(token_ids, logprobs, policy_versions) of a /v1/completions answer; GenerationError if malformed."""
+    try:
+        (choice,) = out["choices"]
+        ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        versions = choice["policy_versions"]
+        ids, lps, versions = [int(t) for t in ids], [float(x) for x in lps], [int(v) for v in versions]
+    except (KeyError, TypeError, ValueError) as e:
+        raise GenerationError(f"malformed completion from the rollout server ({type(e).__name__}: {e}); need "
+                              "one choice with token_ids, logprobs.token_logprobs and policy_versions") from e
+    if not len(ids) == len(lps) == len(versions):
+        raise GenerationError(f"malformed completion: {len(ids)} token ids, {len(lps)} log-probs, "
+                              f"{len(versions)} policy versions")
+    if not all(np.isfinite(x) and x <= 1e-4 for x in lps) or any(v < 0 for v in versions):
+        raise GenerationError("malformed completion: log-probs must be finite and <= 0, policy versions >= 0")
+    return ids, lps, versions
+
+
+def build_generator(config: GeneratorConfig, tokenizer: ByteTokenizer, max_tokens: int = 1 << 30) -> Generator:
     config.validate()
-    return ScriptedGenerator(config, tokenizer) if config.kind == "scripted" else HttpGenerator(config)
+    if config.kind == "scripted":
+        return ScriptedGenerator(config, tokenizer)
+    return HttpGenerator(config, tokenizer, max_tokens)
 
 
 # ------------------------------------------------------------------------------------------------- episode
 def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
-    """One episode -> Trajectory: reset, [generate -> step]* until done."""
+    """One episode -> Trajectory: reset, [generate -> step]* until done.
+
+    A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
+    `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
+    """
     from envs.base import Task
     from megatron_rl.data.shards import Trajectory
 
@@ -119,17 +186,24 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
     tokens = [tok.bos_id, *tok.encode(obs.text)]                        # prompt: loss_mask 0
     prompt_len = len(tokens)
     logprobs, mask = [0.0] * prompt_len, [0] * prompt_len
-    versions: list[int] = []
-    while True:
+    versions: list[int] = []                                            # per token; prompt filled in below
+    for turn in itertools.count():
         t = time.perf_counter()
-        ids, lps, version = generator.generate(tokens, ep.sampling, episode=ep)
+        try:
+            ids, lps, version = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
+        except GenerationError as e:
+            if e.retryable:
+                raise
+            return failed_trajectory(ep, tokens[:prompt_len], e.status, str(e))
         timings["generate"] += time.perf_counter() - t
-        if len(ids) != len(lps):
-            raise RuntimeError(f"generator returned {len(ids)} tokens but {len(lps)} log-probs")
+        token_versions = [int(version)] * len(ids) if isinstance(version, (int, np.integer)) else list(version)
+        if not len(ids) == len(lps) == len(token_versions):
+            return failed_trajectory(ep, tokens[:prompt_len], "error", f"generator returned {len(ids)} tokens, "
+                                     f"{len(lps)} log-probs and {len(token_versions)} policy versions")
         tokens += ids
         logprobs += lps
         mask += [1] * len(ids)                                          # model tokens: loss_mask 1
-        versions.append(int(version))
+        versions += token_versions
         t = time.perf_counter()
         res = env.step(tok.decode(ids), action_tokens=len(ids))
         timings["env"] += time.perf_counter() - t
@@ -139,7 +213,9 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
         tokens += obs_ids
         logprobs += [0.0] * len(obs_ids)
         mask += [0] * len(obs_ids)
+        versions += [versions[-1] if versions else 0] * len(obs_ids)
     timings["total"] = time.perf_counter() - t0
+    model_versions = [v for v, m in zip(versions, mask[prompt_len:]) if m] or [0]
     rr = res.reward_result
     prov = {k: json.dumps(v, sort_keys=True) for k, v in (rr.provenance if rr else {}).items()}
     if isinstance(generator, ScriptedGenerator):
@@ -147,9 +223,24 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
     return Trajectory(
         tokens=np.asarray(tokens, np.int32), logprobs=np.asarray(logprobs, np.float32),
         loss_mask=np.asarray(mask, np.uint8), prompt_len=prompt_len, reward=float(res.reward),
-        group_id=ep.group_id, policy_version_first=min(versions), policy_version_last=max(versions),
+        group_id=ep.group_id, policy_version_first=min(model_versions), policy_version_last=max(model_versions),
         env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=res.info.get("status", "ok"),
-        reward_components=dict(res.info.get("reward_components", {})), timings=timings, provenance=prov)
+        reward_components=dict(res.info.get("reward_components", {})), timings=timings, provenance=prov,
+        token_versions=np.asarray([model_versions[0]] * prompt_len + versions, np.int32))
+
+
+def failed_trajectory(ep: EpisodeSpec, prompt: list[int], status: str, reason: str):
+    """An episode that could not be generated: its prompt only (nothing to train on), reward 0, the status
+    and `provenance['error']` saying why. Published, so the dispatcher does not re-run a hopeless request."""
+    from megatron_rl.data.shards import Trajectory
+
+    log.warning("episode %s failed (%s): %s", ep.episode_id, status, reason)
+    n = len(prompt)
+    return Trajectory(
+        tokens=np.asarray(prompt, np.int32), logprobs=np.zeros(n, np.float32), loss_mask=np.zeros(n, np.uint8),
+        prompt_len=n, reward=0.0, group_id=ep.group_id, policy_version_first=0, policy_version_last=0,
+        env=ep.env, task_id=str(ep.task.get("id", "")), episode_id=ep.episode_id, status=status,
+        provenance={"error": reason[-2000:]})
 
 
 # ---------------------------------------------------------------------------------------------- publisher
@@ -235,6 +326,9 @@ class BatchResult:
     """Where it ran."""
     seconds: float = 0.0
     """Wall time of the batch."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Episode id -> 'status: reason' for episodes not published because of a retryable generation error
+    (rollout server unreachable, timed out, 5xx); the dispatcher re-runs them."""
 
 
 class EpisodeRunner:
@@ -249,7 +343,7 @@ class EpisodeRunner:
         w = spec.worker
         self.threads = w.threads or _default_threads()
         self.tok = ByteTokenizer(w.vocab_size)
-        self.generator = build_generator(w.generator, self.tok)
+        self.generator = build_generator(w.generator, self.tok, w.max_tokens)
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
         self._make_env = lambda name: make_env(
             name, budget=Budget(w.max_turns, w.max_tokens), sandbox=self.sandbox,
@@ -257,6 +351,8 @@ class EpisodeRunner:
         self._done = 0
         self._lock = threading.Lock()
         self.stop = threading.Event()
+        self.failed: dict[str, str] = {}
+        """Episode id -> 'status: reason' of episodes left unpublished by a retryable generation error."""
 
     def _one(self, ep: EpisodeSpec) -> None:
         f = self.spec.worker.faults
@@ -264,7 +360,13 @@ class EpisodeRunner:
             time.sleep(f.delay_s)
         if self.stop.is_set():
             return
-        traj = run_episode(ep, self._make_env(ep.env), self.generator, self.tok)
+        try:
+            traj = run_episode(ep, self._make_env(ep.env), self.generator, self.tok)
+        except GenerationError as e:  # retryable: not published; the dispatcher's next round re-runs it
+            log.warning("episode %s not finished (%s, retryable): %s", ep.episode_id, e.status, e)
+            with self._lock:
+                self.failed[ep.episode_id] = f"{e.status}: {e}"
+            return
         self.publisher.add(traj)
         with self._lock:
             self._done += 1
@@ -318,7 +420,8 @@ def run_episode_batch(spec: WorkerSpec, rank: int = 0, episodes: Iterator[Episod
     finally:
         publisher.flush()
         runner.close()
-    return BatchResult(publisher.published_ids, publisher.shards, socket.gethostname(), time.perf_counter() - t0)
+    return BatchResult(publisher.published_ids, publisher.shards, socket.gethostname(), time.perf_counter() - t0,
+                       dict(runner.failed))
 
 
 # ------------------------------------------------------------------------------------ submitit entry point
@@ -386,8 +489,8 @@ def run_mpi(spec: WorkerSpec, chunk: int = 1) -> dict:
     if rank != 0:
         return {}
     return {"ranks": size, "threaded_rank0": threaded,
-            "per_rank": [{"rank": i, "host": r.host, "episodes": len(r.finished), "shards": r.shards}
-                         for i, r in enumerate(results)],
+            "per_rank": [{"rank": i, "host": r.host, "episodes": len(r.finished), "shards": r.shards,
+                          "failed": r.failed} for i, r in enumerate(results)],
             "finished": [e for r in results for e in r.finished]}
 
 
@@ -446,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         r = run_episode_batch(spec)
         summary = {"ranks": 1, "per_rank": [{"rank": 0, "host": r.host, "episodes": len(r.finished),
-                                             "shards": r.shards}], "finished": r.finished}
+                                             "shards": r.shards, "failed": r.failed}], "finished": r.finished}
     if summary:
         text = json.dumps(summary)
         if args.report:
