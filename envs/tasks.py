@@ -134,3 +134,9 @@ def write_tasks(path: str | Path, tasks: Iterable[Task]) -> None:
     """Write tasks as JSONL (one object per line, keys sorted: byte-stable output)."""
     lines = [json.dumps(t.to_dict(), sort_keys=True, ensure_ascii=False) for t in tasks]
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_splits(folder: str | Path, tasks: list[Task], splits: tuple[str, ...] = ("train", "heldout")) -> None:
+    """Write `<folder>/<split>.jsonl` for each split (the shipped layout of a domain's task suite)."""
+    for split in splits:
+        write_tasks(Path(folder) / f"{split}.jsonl", [t for t in tasks if t.split == split])

@@ -265,18 +265,21 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def read_yaml_mapping(path: str | Path) -> dict:
+    """The top-level mapping of a YAML config file; ConfigError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
 def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Load `cls` from a YAML file (optional) plus dotted overrides."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    data = apply_overrides(data, overrides or [])
-    return from_dict(cls, data)
+    data = read_yaml_mapping(path) if path is not None else {}
+    return from_dict(cls, apply_overrides(data, overrides or []))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.base import Task
-from envs.tasks import write_tasks
+from envs.tasks import write_splits
 
 PROBLEMS = [
     ("add_digits", "add_digits(n: int) -> int",
@@ -229,10 +229,7 @@ def build() -> list[Task]:
 
 
 def main() -> None:
-    out = Path(__file__).parent / "tasks"
-    tasks = build()
-    for split in ("train", "heldout"):
-        write_tasks(out / f"{split}.jsonl", [t for t in tasks if t.split == split])
+    write_splits(Path(__file__).parent / "tasks", build())
 
 
 if __name__ == "__main__":

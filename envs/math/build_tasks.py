@@ -13,7 +13,7 @@ from pathlib import Path
 import sympy as sp
 
 from envs.base import Task
-from envs.tasks import write_tasks
+from envs.tasks import write_splits
 
 x = sp.symbols("x")
 
@@ -87,10 +87,7 @@ def build() -> list[Task]:
 
 
 def main() -> None:
-    out = Path(__file__).parent / "tasks"
-    tasks = build()
-    for split in ("train", "heldout"):
-        write_tasks(out / f"{split}.jsonl", [t for t in tasks if t.split == split])
+    write_splits(Path(__file__).parent / "tasks", build())
 
 
 if __name__ == "__main__":

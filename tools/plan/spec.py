@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from megatron_rl.config import ConfigError, apply_overrides, from_dict
+from megatron_rl.config import ConfigError, apply_overrides, from_dict, read_yaml_mapping
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.parallel import ParallelConfig
 
@@ -212,16 +210,7 @@ RUN_CONFIG_ONLY_KEYS = ("launch", "optim", "data", "seed", "output_dir")
 
 def load_plan_config(path: str | Path, overrides: list[str] | None = None) -> PlanConfig:
     """A PlanConfig from a plan config file, or mapped from a run config file (see module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(read_yaml_mapping(path), overrides or [])
     if any(k in data for k in RUN_CONFIG_ONLY_KEYS):
         return _from_run_config(data)
     return from_dict(PlanConfig, data)
