@@ -13,6 +13,8 @@ TORCH_SPEC=${MRL_TORCH_SPEC:-torch==2.13.0}
 DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+# pip warns once per package about index folders this machine's pip config names but lacks; keep real errors
+quiet_pip() { "$@" 2> >(grep -v "WARNING: Location 'file:" >&2); }
 
 install_debs() {
   local missing=()
@@ -37,13 +39,13 @@ install_python() {
   local py="$VENV/bin/python"
   if ! "$py" -c 'import torch' 2>/dev/null; then
     log "installing $TORCH_SPEC (CPU wheel on CPU machines)"
-    "$py" -m pip install -q "$TORCH_SPEC"
+    quiet_pip "$py" -m pip install -q "$TORCH_SPEC"
   fi
   local stamp="$VENV/.mrl-setup-stamp" want
   want=$(sha256sum setup.py | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing megatron-rl[dev] (editable)"
-    "$py" -m pip install -q -e ".[dev]"
+    quiet_pip "$py" -m pip install -q -e ".[dev]"
     echo "$want" > "$stamp"
   else
     log "python packages up to date"
