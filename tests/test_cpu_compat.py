@@ -22,11 +22,16 @@ LAYOUTS_SCRIPT = Path(__file__).parent / "mp" / "compat_layouts.py"
 
 @pytest.fixture(autouse=True)
 def reverted(monkeypatch):
-    """Every test starts and ends with no patch applied and no disable variable set."""
+    """Every test starts and ends with no patch applied and no disable variable set; afterwards the patches
+    that were applied before (by an earlier test of this process) are applied again."""
+    before = [name for name, patch in cpu.PATCHES.items() if patch.applied]
     monkeypatch.delenv(cpu.ENV_DISABLE, raising=False)
     cpu.revert_all()
     yield
     cpu.revert_all()
+    monkeypatch.undo()  # the test's env var and its fake torch.cuda.is_available must not block re-applying
+    if before:
+        cpu.apply(enable=before)
 
 
 def _must(condition: bool) -> None:

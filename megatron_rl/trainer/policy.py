@@ -15,6 +15,7 @@ import torch
 from megatron_rl.config import ConfigError
 from megatron_rl.distributed import DistContext
 from megatron_rl.models.gpt import ModelConfig, build_gpt, transformer_config
+from megatron_rl.trainer.output_head import HeadOutput, emit_hidden, install_hidden_head
 
 
 @dataclass
@@ -51,8 +52,9 @@ class OptimConfig:
             raise ConfigError(f"optim.decay_style {self.decay_style!r} is not one of constant, linear, cosine")
 
 
-# loss_fn(output [b, s, V/tp] logits or per-token values, batch) -> (sum loss to back-propagate, {name: tensor})
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+# loss_fn(output, batch) -> (sum loss to back-propagate, {name: tensor}); output is the last stage's logits
+# [b, s, V/tp] (output="logits") or HeadOutput(hidden [s, b, h], weight [V/tp, h]) (output="hidden")
+LossFn = Callable[[torch.Tensor | HeadOutput, dict], tuple[torch.Tensor, dict]]
 
 
 class Policy:
@@ -103,6 +105,7 @@ class Policy:
                               vp_stage=v if vpp > 1 else None)
             if init is not None:
                 init(model)
+            install_hidden_head(model)
             chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model,
                                                   pg_collection=pgs))
         for chunk in chunks:
@@ -132,43 +135,49 @@ class Policy:
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay, lr_decay_style=o.decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
 
-    def train_step(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, output: str = "logits") -> dict:
         """Forward+backward over `microbatches` (each {'tokens' [b, s], 'position_ids' [b, s], ...}) and one
-        optimizer step; returns summed metrics from the last pipeline stage (empty on other stages)."""
+        optimizer step; returns summed metrics from the last pipeline stage (empty on other stages).
+        output: what loss_fn gets, 'logits' or 'hidden' (HeadOutput; the logits are never formed)."""
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = self._forward_backward(microbatches, loss_fn, seq_length, forward_only=False)
+        results = self._forward_backward(microbatches, loss_fn, seq_length, False, output)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         self.step_count += 1
         return _reduce_metrics(results, ok, grad_norm)
 
-    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int,
+                         output: str = "logits") -> dict:
         """Forward+backward only (gradients reduced into each parameter's main_grad, no optimizer step);
         summed metrics from the last pipeline stage. Zero the grad buffers first."""
-        return _reduce_metrics(self._forward_backward(microbatches, loss_fn, seq_length, False), None, None)
+        return _reduce_metrics(self._forward_backward(microbatches, loss_fn, seq_length, False, output), None, None)
 
     @torch.no_grad()
-    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, output: str = "logits") -> dict:
         """Forward only; summed metrics from the last pipeline stage."""
         for chunk in self.chunks:
             chunk.eval()
         try:
-            results = self._forward_backward(microbatches, loss_fn, seq_length, forward_only=True)
+            results = self._forward_backward(microbatches, loss_fn, seq_length, True, output)
         finally:
             for chunk in self.chunks:
                 chunk.train()
         return _reduce_metrics(results, None, None)
 
-    def _forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, forward_only: bool):
+    def _forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, forward_only: bool,
+                          output: str = "logits"):
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output={output!r}; use 'logits' or 'hidden'")
 
         vpp = len(self.chunks)
         iters = [iter(microbatches) for _ in range(vpp)] if vpp > 1 else iter(microbatches)
         fb = get_forward_backward_func(pp_size=self.ctx.parallel.pp, vp_size=vpp if vpp > 1 else None)
-        step = partial(_forward_step, loss_fn, self.cfg.transformer_impl)
+        step = partial(_forward_step, loss_fn, self.cfg.transformer_impl, output == "hidden")
         return fb(forward_step_func=step, data_iterator=iters, model=self.chunks,
                   num_microbatches=len(microbatches), seq_length=seq_length,
                   micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
@@ -179,18 +188,23 @@ class Policy:
                 yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), p
 
 
-def _forward_step(loss_fn: LossFn, transformer_impl: str, data_iterator, model):
+def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, data_iterator, model):
     from megatron_rl.trainer.packing import attention_inputs
 
     batch = next(data_iterator)
     # packed micro-batches: a block-causal mask (local spec) or THD PackedSeqParams (TE); else plain causal
     mask, packed = attention_inputs(batch, transformer_impl)
-    # output: [b, s, V/tp] logits on the last stage, hidden states [s, b, h] elsewhere
-    output = model(batch["tokens"], batch["position_ids"], mask, packed_seq_params=packed)
-    return output, partial(_loss_wrapper, loss_fn, batch)
+    # output: [b, s, V/tp] logits on the last stage ([b, s, h] final hidden states with `hidden`), hidden
+    # states [s, b, h] on the other stages
+    with emit_hidden(model, hidden) as head:
+        output = model(batch["tokens"], batch["position_ids"], mask, packed_seq_params=packed)
+    weight = head.weight_used if head is not None else None
+    return output, partial(_loss_wrapper, loss_fn, batch, weight)
 
 
-def _loss_wrapper(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+def _loss_wrapper(loss_fn: LossFn, batch: dict, weight: torch.Tensor | None, output: torch.Tensor):
+    if weight is not None:
+        output = HeadOutput(output.transpose(0, 1), weight)  # [b, s, h] -> [s, b, h] (a view)
     loss, metrics = loss_fn(output, batch)
     return loss, {k: v.detach().clone() for k, v in metrics.items()}
 
@@ -215,16 +229,20 @@ class FrozenModel:
             m = build_gpt(policy.cfg, par, pgs, pre_process=src.module.pre_process,
                           post_process=src.module.post_process, vp_stage=v if len(policy.chunks) > 1 else None)
             m.load_state_dict(src.module.state_dict())
+            install_hidden_head(m)
             m.requires_grad_(False)
             m.eval()
             self.chunks.append(m)
 
-    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+    def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int,
+                         output: str = "logits") -> dict:
         """Forward+backward only (gradients reduced into each parameter's main_grad, no optimizer step);
         summed metrics from the last pipeline stage. Zero the grad buffers first."""
-        return _reduce_metrics(self._forward_backward(microbatches, loss_fn, seq_length, False), None, None)
+        return _reduce_metrics(Policy._forward_backward(self, microbatches, loss_fn, seq_length, False, output),
+                               None, None)
 
     @torch.no_grad()
-    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int) -> dict:
+    def evaluate(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, output: str = "logits") -> dict:
         """Forward only through the pipeline; summed metrics from the last pipeline stage."""
-        return _reduce_metrics(Policy._forward_backward(self, microbatches, loss_fn, seq_length, True), None, None)
+        return _reduce_metrics(Policy._forward_backward(self, microbatches, loss_fn, seq_length, True, output),
+                               None, None)

@@ -23,6 +23,13 @@ token's `sample_num_tokens` (counted on the whole sample before the split). Quan
 differentiable per-sample reduction across CP ranks (GSPO's sequence ratio, sequence-level IS weights) are
 refused with cp > 1.
 
+Log-probs (`logprob_impl`): 'fused' (default) has the last pipeline stage hand the loss the final hidden
+states and the output weight (`output_head.HeadOutput`) and computes log-probs and entropy with
+`kernels.logprob.fused_logprob_entropy`, chunked over tokens and vocabulary, never forming the [T, V/tp]
+logits (Triton on CUDA, PyTorch elsewhere); 'logits' takes Megatron's vocab-parallel logits
+(`logprobs.token_logprobs_and_entropy`). Both give softmax(logits / temperature) over the full vocabulary,
+as the rollout engine samples it, and the same values and gradients (tests/test_trainer_fused_logprob.py).
+
 Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
 forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).
 Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`).
@@ -35,11 +42,13 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.rl.advantages import AdvantageInputs
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
 from megatron_rl.rl.losses import LossInputs, normaliser
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
 
 MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl")
@@ -58,8 +67,12 @@ class RLConfig:
     """Micro-batch token budget and overlong-sample policy."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts: log-probs are those of softmax(logits / temperature)."""
+    logprob_impl: Literal["fused", "logits"] = "fused"
+    """Log-probs from hidden states + output weight by the fused kernel ('fused', no [T, V] logits) or from logits."""
+    logprob_kernel: LogprobKernelConfig = field(default_factory=lambda: LogprobKernelConfig(check_targets=False))
+    """Backend and chunk sizes of the fused kernel (target ids are already checked against the vocab here)."""
     logprob_chunk_size: int = 0
-    """Tokens per chunk of the log-prob/entropy computation (bounds fp32 vocabulary memory); 0 = whole micro-batch."""
+    """Tokens per chunk of the 'logits' log-prob/entropy computation (bounds fp32 memory); 0 = whole micro-batch."""
     old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
     """PPO ratio denominator: the rollout's behaviour log-probs, or recomputed by a forward pass before the update."""
     epochs: int = 1
@@ -73,6 +86,9 @@ class RLConfig:
         self.packing.validate()
         if not self.temperature > 0:
             raise ConfigError(f"rl.temperature must be > 0, got {self.temperature}")
+        if self.logprob_impl not in ("fused", "logits"):
+            raise ConfigError(f"rl.logprob_impl={self.logprob_impl!r}; use 'fused' or 'logits'")
+        self.logprob_kernel.validate()
         if self.logprob_chunk_size < 0:
             raise ConfigError(f"rl.logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
         if self.epochs < 1:
@@ -101,6 +117,8 @@ class RLTrainer:
         cfg.validate()
         check_cp_support(cfg, policy.ctx.parallel.cp)
         self.policy, self.cfg, self.loss = policy, cfg, cfg.loss.build()
+        self.fused = cfg.logprob_kernel.build() if cfg.logprob_impl == "fused" else None
+        self.output = "hidden" if self.fused is not None else "logits"
         self.reference = reference if reference is not None or not cfg.reference else policy.frozen_copy()
 
     # ------------------------------------------------------------------------------------ the step
@@ -122,10 +140,18 @@ class RLTrainer:
         adv = token_advantages(cols, self.cfg.advantage)  # [T]
         pgs, par = self.policy.ctx.pgs, self.policy.ctx.parallel
         interleaved = par.pp > 1 and (par.vpp or 1) > 1
-        return pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(pgs.dp),
-                    torch.distributed.get_world_size(pgs.dp), {"advantages": adv}, stats,
-                    multiple_of=par.pp if interleaved else 1, cp_rank=torch.distributed.get_rank(pgs.cp),
-                    cp_size=par.cp)
+        mbs, stats = pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(pgs.dp),
+                          torch.distributed.get_world_size(pgs.dp), {"advantages": adv}, stats,
+                          multiple_of=par.pp if interleaved else 1, cp_rank=torch.distributed.get_rank(pgs.cp),
+                          cp_size=par.cp)
+        dev = self._device()
+        return [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in mbs], stats
+
+    def _device(self) -> torch.device:
+        """Where micro-batches and the trainer's collectives live: the current GPU under NCCL, else the CPU."""
+        if self.policy.ctx.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def compute_gradients(self, cols) -> tuple[float, dict[str, torch.Tensor]]:
         """Forward+backward of one step WITHOUT the optimizer update (tests, diagnostics): the global loss
@@ -136,7 +162,7 @@ class RLTrainer:
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
-                                           self.cfg.packing.max_tokens)
+                                           self.cfg.packing.max_tokens, output=self.output)
         grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()}
         return self._reduce(raw)["loss"], grads
 
@@ -151,7 +177,7 @@ class RLTrainer:
 
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
-        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens)
+        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output)
         m = self._reduce(raw)
         tokens = max(m.pop("tokens"), 1.0)
         means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
@@ -159,8 +185,13 @@ class RLTrainer:
                 "update_ok": raw.get("update_ok"), "lr": self.policy.optimizer.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------------------- loss callbacks
-    def _logprobs(self, output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Current log-probs and entropy [T] of a micro-batch from its logits [1, S, V/tp]."""
+    def _logprobs(self, output: torch.Tensor | HeadOutput, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Current log-probs and entropy [T] of a micro-batch from its logits [1, S, V/tp], or from its
+        HeadOutput (hidden [S, 1, h], output weight [V/tp, h]) with the fused kernel."""
+        if isinstance(output, HeadOutput):
+            hidden = output.hidden.transpose(0, 1)  # [b, S, h], the order of labels [b, S]
+            return self.fused(hidden.reshape(-1, hidden.shape[-1]), output.weight, batch["labels"].reshape(-1),
+                              tp_group=self.policy.ctx.pgs.tp, temperature=self.cfg.temperature)  # each [T]
         lp, ent = token_logprobs_and_entropy(output, batch["labels"], self.policy.ctx.pgs.tp, self.cfg.temperature,
                                              self.cfg.logprob_chunk_size or None)  # each [1, S]
         return lp.reshape(-1), ent.reshape(-1)
@@ -177,17 +208,17 @@ class RLTrainer:
     def _store_logprobs(self, model, mbs: list[dict], key: str) -> None:
         """Forward-only pass of `model`; the last stage stores log-probs [1, S] into each micro-batch."""
         def store(output: torch.Tensor, batch: dict):
-            lp, _ = self._logprobs(output.detach(), batch)
+            lp, _ = self._logprobs(_detach(output), batch)
             batch[key] = lp.view_as(batch["labels"]).detach()
             return lp.new_zeros(()), {}
-        model.evaluate(mbs, store, self.cfg.packing.max_tokens)
+        model.evaluate(mbs, store, self.cfg.packing.max_tokens, output=self.output)
 
     # ------------------------------------------------------------------------------ reductions
     def _global_normaliser(self, mbs: list[dict]) -> float:
         """Z of the global batch: this rank's micro-batches summed, all-reduced over data- x context-parallel ranks."""
         z = sum(normaliser(self.cfg.loss, mb["loss_mask"].view(-1), mb["sample_index"].view(-1),
                            mb["sample_num_tokens"].view(-1)) for mb in mbs)
-        z = torch.as_tensor(z, dtype=torch.float64).reshape(1)
+        z = torch.as_tensor(z, dtype=torch.float64, device=self._device()).reshape(1)
         torch.distributed.all_reduce(z, group=self.policy.ctx.pgs.dp_cp)
         return float(z.item())
 
@@ -195,8 +226,8 @@ class RLTrainer:
         """Summed loss metrics of the last pipeline stage, summed over data- x context-parallel ranks, on every
         rank."""
         keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
-        t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64)  # [K]
-        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64)  # [K]
+        t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self._device())  # [K]
+        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=t.device)  # [K]
         pgs = self.policy.ctx.pgs
         for group in (pgs.pp, pgs.dp_cp):
             torch.distributed.all_reduce(t, group=group)
@@ -218,6 +249,12 @@ def check_cp_support(cfg: RLConfig, cp: int) -> None:
     if loss.is_correction != "none" and loss.is_level == "sequence":
         raise ConfigError("loss.is_level='sequence' multiplies ratios over the whole sample, but parallel.cp > 1 "
                           "splits samples over CP ranks; use loss.is_level='token' or parallel.cp=1")
+
+
+def _detach(output: torch.Tensor | HeadOutput) -> torch.Tensor | HeadOutput:
+    if isinstance(output, HeadOutput):
+        return HeadOutput(output.hidden.detach(), output.weight.detach())
+    return output.detach()
 
 
 def _loss_inputs(batch: dict, lp: torch.Tensor, ent: torch.Tensor, z: float) -> LossInputs:

@@ -33,7 +33,22 @@ def free_port() -> int:
 
 def torchrun(script: str | Path, nproc: int, args: list[str] = (), timeout: float = 300,
              env: dict | None = None) -> list[dict]:
-    """Run `script` on `nproc` local ranks; return the records emitted; raise with the output on failure."""
+    """Run `script` on `nproc` local ranks; return the records emitted; raise with the output on failure.
+    A rendezvous port taken between picking and binding it (EADDRINUSE) is retried with a new port."""
+    for attempt in range(3):
+        try:
+            return _torchrun_once(script, nproc, args, timeout, env)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    pass
+
+
+def _torchrun_once(script, nproc: int, args, timeout: float, env: dict | None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="mrl-mp-") as results:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                f"--master_port={free_port()}", "--master_addr=127.0.0.1", str(script), *args]
@@ -43,8 +58,10 @@ def torchrun(script: str | Path, nproc: int, args: list[str] = (), timeout: floa
             full_env.pop(k)
         proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                                 f"{proc.stderr[-8000:]}")
+            taken = "EADDRINUSE" in proc.stderr and not list(Path(results).glob("rank*.jsonl"))
+            error = _PortTaken if taken else AssertionError
+            raise error(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                        f"{proc.stderr[-8000:]}")
         records = []
         for path in sorted(Path(results).glob("rank*.jsonl")):
             records += [json.loads(line) for line in path.read_text().splitlines() if line]

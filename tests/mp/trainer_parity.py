@@ -4,8 +4,11 @@
 
 Each layout: Policy + RLTrainer (KL reference, recomputed old log-probs, TIS, entropy bonus, chunked
 log-probs), STEPS RL steps on synthetic global batches, weights initialised from global parameter names.
-Afterwards rank 0 starts a one-rank world, runs the one-process reference of every model used, checks that
-the loss and gradients of the real model do not depend on the packing, and emits one record per layout.
+Layouts use the fused log-prob path (rl.logprob_impl='fused', the default) unless their name ends in
+'_logits'. Afterwards rank 0 starts a one-rank world, runs the one-process reference of every model used
+with the layout's log-prob path (the record's loss/metric/weight diffs) and, for fused layouts, also with
+the logits path (the record's cross_* diffs), checks that the loss and gradients of the real model do not
+depend on the packing, and emits one record per layout.
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe, distributed opti
     "ep2_moe": (dict(ep=2), 2, True, False),
     "dp2_distopt": (dict(), 2, False, True),
     "tp2_pp2": (dict(tp=2, pp=2), 2, False, False),
+    "tp2_logits": (dict(tp=2), 2, False, False),
+    "tp2_sp": (dict(tp=2, sequence_parallel=True), 2, False, False),
+    "tp2_pp2_logits": (dict(tp=2, pp=2), 2, False, False),
 }
 
 
@@ -38,14 +44,17 @@ def model_config(layers: int, moe: bool):
                        moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32) if moe else MoEConfig())
 
 
-def rl_config(max_tokens: int = 40):
+def rl_config(max_tokens: int = 40, impl: str = "fused"):
+    from kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import AdvantageConfig, LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig
 
     return RLConfig(loss=LossConfig(name="grpo", kl_coef=0.05, entropy_coef=0.01, is_correction="tis"),
                     advantage=AdvantageConfig(name="grpo"), packing=PackingConfig(max_tokens=max_tokens),
-                    temperature=0.9, logprob_chunk_size=16, old_logprobs="recompute", reference=True)
+                    temperature=0.9, logprob_chunk_size=16, old_logprobs="recompute", reference=True,
+                    logprob_impl=impl, logprob_kernel=LogprobKernelConfig(impl="torch", chunk_tokens=16,
+                                                                          chunk_vocab=24))
 
 
 def batch(step: int):
@@ -65,7 +74,8 @@ def batch(step: int):
     return TrajectoryColumns.from_trajectories(trajs)
 
 
-def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None, max_tokens: int = 40):
+def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None, max_tokens: int = 40,
+          impl: str = "fused"):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.compat.testing import init_weights_by_name
@@ -79,7 +89,7 @@ def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None
     model_parallel_cuda_manual_seed(SEED)
     policy = Policy(model_config(layers, moe), OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=distopt),
                     ctx, total_steps=STEPS, init=lambda m: init_weights_by_name(m, SEED))
-    return RLTrainer(policy, rl_config(max_tokens))
+    return RLTrainer(policy, rl_config(max_tokens, impl))
 
 
 def _tp_gather(param: torch.Tensor, group) -> torch.Tensor:
@@ -117,12 +127,13 @@ def run_layout(name: str) -> dict:
 
     par, layers, moe, distopt = LAYOUTS[name]
     start = time.perf_counter()
-    trainer = build(par, layers, moe, distopt)
+    trainer = build(par, layers, moe, distopt, impl="logits" if name.endswith("_logits") else "fused")
     metrics = [trainer.step(batch(s)) for s in range(STEPS)]
     weights = full_weights(trainer.policy)
     parallel_state.destroy_model_parallel()
     get_cuda_rng_tracker().reset()
-    return {"layout": name, "model": (layers, moe), "metrics": metrics, "weights": weights,
+    return {"layout": name, "model": (layers, moe), "impl": trainer.cfg.logprob_impl, "metrics": metrics,
+            "weights": weights,
             "seconds": round(time.perf_counter() - start, 2)}
 
 
@@ -144,11 +155,11 @@ def single_rank_world():
                        ProcessGroupCollection.use_mpu_process_groups())
 
 
-def reference(layers: int, moe: bool, ctx) -> dict:
+def reference(layers: int, moe: bool, ctx, impl: str = "fused") -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     get_cuda_rng_tracker().reset()
-    trainer = build({}, layers, moe, False, ctx=ctx)
+    trainer = build({}, layers, moe, False, ctx=ctx, impl=impl)
     metrics = [trainer.step(batch(s)) for s in range(STEPS)]
     return {"metrics": metrics, "weights": full_weights(trainer.policy)}
 
@@ -162,7 +173,7 @@ def compare(result: dict, ref: dict) -> dict:
     weight_diff = max(float((c - ref["weights"][k][0]).abs().max()) for k, v in result["weights"].items()
                       if k in ref["weights"] for c in v)
     replica_diff = max(float((c - v[0]).abs().max()) for v in result["weights"].values() for c in v)
-    return {"layout": result["layout"], "loss_diff": loss_diff, "metric_diff": metric_diff,
+    return {"layout": result["layout"], "impl": result.get("impl"), "loss_diff": loss_diff, "metric_diff": metric_diff,
             "weight_diff": weight_diff, "names_differ": missing, "losses": [m["loss"] for m in result["metrics"]],
             "ref_losses": [m["loss"] for m in ref["metrics"]], "seconds": result["seconds"],
             "update_ok": all(m["update_ok"] for m in result["metrics"]), "replica_diff": replica_diff}
@@ -197,11 +208,19 @@ def main() -> None:
         return
     ctx = single_rank_world()
     refs = {}
+
+    def ref(model, impl):
+        if (model, impl) not in refs:
+            refs[model, impl] = reference(*model, ctx, impl=impl)
+        return refs[model, impl]
+
     for res in results:
         key = tuple(res["model"])
-        if key not in refs:
-            refs[key] = reference(*key, ctx)
-        emit(compare(res, refs[key]))
+        record = compare(res, ref(key, res["impl"]))
+        if res["impl"] == "fused":  # the fused layout against the one-process LOGITS path
+            cross = compare(res, ref(key, "logits"))
+            record.update({f"cross_{k}": cross[k] for k in ("loss_diff", "metric_diff", "weight_diff")})
+        emit(record)
     if args.packing:
         emit(packing_invariance(ctx))
 
