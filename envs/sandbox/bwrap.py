@@ -14,8 +14,11 @@ Covered, per run:
   own tmpfs (capped at `scratch_mb`, `nosuid`, `nodev`, inode-capped), emptied after the run. Host /root,
   /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are read without
   following symlinks.
-- Network: a new network namespace (only its own loopback): host ports, abstract unix sockets and the
-  internet are unreachable. `Limits.network=True` shares the host network (trusted domains only).
+- Network: a network namespace of the slot's own with only loopback (created once per slot and reused by
+  its runs, one at a time; the program has no capability over it, and no socket outlives its processes;
+  a fresh one per run via `--unshare-net` where it cannot be created): host ports, host abstract unix
+  sockets, other slots and the internet are unreachable. `Limits.network=True` shares the host network
+  (trusted domains only).
 - Processes: new pid, ipc, uts, user and cgroup namespaces; `--die-with-parent`; `--new-session` (no
   TIOCSTI into the worker's terminal); no capabilities; `--disable-userns` (no nested user namespaces);
   the program runs as uid 1000 inside, mapped to a host uid of its own slot, so concurrent sandboxes
@@ -157,6 +160,10 @@ class _Cell:
             os.chmod(d, 0o711 if d != self.ctl else 0o755)
         self.scratch_mb = 0
         self.tmpfs = self.root
+        try:  # one network namespace per slot, made once: creating one per run costs more than the rest
+            self.netns: int | None = _linux.new_netns()
+        except OSError:
+            self.netns = None  # each run gets a fresh one from bwrap (--unshare-net)
         if not self.root:
             self.notes.append("not root: one uid for all slots, scratch size checked after the run only")
         self.cg, cg_notes = SlotCgroups.create(group, f"cell{index}-uid{self.uid}")
@@ -204,15 +211,18 @@ class _Cell:
                         used += os.lstat(os.path.join(dirpath, n)).st_size
         return used > scratch_mb << 20
 
-    def preexec(self, rlimits):
+    def preexec(self, rlimits, network: bool):
         attach = self.cg.attach_files if self.cg else ()
         uid, gid, drop = self.uid, self.gid, self.root
+        netns = self.netns if not network else None
 
         def fn() -> None:  # runs in the forked child before exec: keep it to plain syscalls
             for path in attach:
                 fd = os.open(path, os.O_WRONLY)
                 os.write(fd, b"0")
                 os.close(fd)
+            if netns is not None:
+                _linux.setns(netns, _linux.CLONE_NEWNET)
             apply_rlimits(rlimits)
             if drop:
                 os.setgroups([])
@@ -222,6 +232,9 @@ class _Cell:
 
     def close(self) -> list[str]:
         problems = self.cg.remove() if self.cg else []
+        if self.netns is not None:
+            os.close(self.netns)
+            self.netns = None
         if self.tmpfs and self.scratch_mb:
             try:
                 _linux.umount(self.fs)
@@ -242,9 +255,10 @@ class _State:
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.next: concurrent.futures.Future | None = None
         self.closed = False
+        self.owner = os.getpid()
 
     def close(self) -> None:
-        if self.closed:
+        if self.closed or os.getpid() != self.owner:  # a forked child must not tear down its parent's slots
             return
         self.closed = True
         if self.next is not None:
@@ -280,10 +294,35 @@ def _dispose(launch: _Launch) -> list[str]:
             problems.append(f"{len(left)} processes left in the slot cgroup after the run; killed")
             if cell.cg.kill_all():
                 problems.append("processes survived SIGKILL in the slot cgroup")
-    if launch.pid1fd is None or cell.cg is None or not cell.cg.has("pids") or cell.cg.tasks_alive_or_zombie():
-        _reap_orphans(cell.uid)  # the kernel still counts tasks (zombies) of this slot: reap them
+    if not _settle(cell):
+        problems.append("tasks of the slot still exist 5 s after SIGKILL")
     launch.close_fds()
     return problems
+
+
+def _settle(cell: _Cell, timeout_s: float = 5.0) -> bool:
+    """Wait until no task of the slot is left, zombies included (pid 1 of a killed sandbox may still be
+    dying, then becomes our orphan): reap such orphans as they appear. True when the slot is empty."""
+    end = time.monotonic() + timeout_s
+    while True:
+        if cell.cg is not None and cell.cg.has("pids"):
+            empty = cell.cg.tasks_alive_or_zombie() == 0  # the kernel's count: zombies included
+        else:
+            empty = not _linux.pids_of_uid(cell.uid) if cell.root else True
+        if empty:
+            return True
+        _reap_orphans(cell.uid)
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            out += [int(p) for p in f.read().split()]
+    return out
 
 
 def _reap_orphans(uid: int) -> None:
@@ -313,7 +352,7 @@ def _reap_orphans(uid: int) -> None:
 
 
 _etc_lock = threading.Lock()
-_etc_dirs: dict[bool, str] = {}
+_etc_dirs: dict[tuple[int, bool], str] = {}  # (pid, network): a forked child makes its own
 
 
 def _shared_etc(network: bool) -> str:
@@ -321,15 +360,15 @@ def _shared_etc(network: bool) -> str:
     by its sandboxes and mounted as /etc with ONE bind (bwrap re-reads the mount table after every bind, so
     each extra mount costs setup time). Lives on a tmpfs when possible; removed at exit."""
     with _etc_lock:
-        if network in _etc_dirs:
-            return _etc_dirs[network]
+        if (os.getpid(), network) in _etc_dirs:
+            return _etc_dirs[os.getpid(), network]
         base = os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}-shared")
-        if not _etc_dirs:
+        if (os.getpid(), not network) not in _etc_dirs:
             os.makedirs(base, mode=0o755, exist_ok=True)
             os.chmod(base, 0o755)
             with contextlib.suppress(OSError):
                 _linux.mount_tmpfs(base, 16, 4096, mode="0755")
-            atexit.register(_remove_shared, base)
+            atexit.register(_remove_shared, base, os.getpid())
         d = os.path.join(base, "etc-net" if network else "etc")
         shutil.rmtree(d, ignore_errors=True)
         os.mkdir(d, 0o755)
@@ -352,11 +391,13 @@ def _shared_etc(network: bool) -> str:
             with open(os.path.join(d, name), "w") as f:
                 f.write(text)
             os.chmod(os.path.join(d, name), 0o644)
-        _etc_dirs[network] = d
+        _etc_dirs[os.getpid(), network] = d
         return d
 
 
-def _remove_shared(base: str) -> None:
+def _remove_shared(base: str, owner: int) -> None:
+    if os.getpid() != owner:  # atexit in a forked child: the directory is the parent's
+        return
     with contextlib.suppress(OSError):
         _linux.umount(base)
     shutil.rmtree(base, ignore_errors=True)
@@ -404,8 +445,11 @@ class BwrapSandbox(Sandbox):
     """Bubblewrap sandbox; one run at a time per instance (use `SandboxPool` for concurrency).
 
     rootfs: a directory to use read-only as the sandbox's root filesystem instead of the host's /usr and
-    /etc whitelist (e.g. an unpacked image); it needs /bin/sh for prespawn. prespawn: set the next run's
-    sandbox up while the current one runs (hides bwrap's setup latency). env: extra environment variables.
+    /etc copy (e.g. an unpacked image; readable by the slot uids); it needs /bin/sh for prespawn.
+    prespawn: set the next run's sandbox up while the current one runs (hides bwrap's setup latency).
+    env: extra environment variables. uid_base: start of the host uid range for slots.
+    Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
+    descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
 
     name = "bwrap"
@@ -453,6 +497,21 @@ class BwrapSandbox(Sandbox):
     def uids(self) -> list[int]:
         """Host uids of this sandbox's slots (no other process on the host runs as them)."""
         return [c.uid for c in self._s.cells]
+
+    def leftover_processes(self) -> list[int]:
+        """Host pids running as this sandbox's uids, other than the idle prespawned bwrap (and its pid 1)
+        waiting for the next run. Empty between runs when nothing survived; for health checks and tests."""
+        pids = [p for u in self.uids for p in _linux.pids_of_uid(u)]
+        allowed: set[int] = set()
+        nxt = self._s.next  # no lock: callable while a run is in progress (then its processes are listed)
+        if nxt is not None:
+            try:
+                outer = nxt.result(timeout=30).proc.pid
+            except Exception:  # a failed prespawn leaves nothing to allow
+                outer = None
+            if outer is not None:
+                allowed = {outer, *_children(outer)}
+        return [p for p in pids if p not in allowed]
 
     def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
         limits = limits or self.default_limits
@@ -594,7 +653,8 @@ class BwrapSandbox(Sandbox):
             fds = [block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w]
             argv = self._argv(cell, limits.network, block_r, status_w, command)
             proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(block_r, status_w),
-                                    preexec_fn=cell.preexec(key[0]), env={"PATH": "/usr/bin:/bin"}, cwd="/")
+                                    preexec_fn=cell.preexec(key[0], limits.network), env={"PATH": "/usr/bin:/bin"},
+                                    cwd="/")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -635,8 +695,8 @@ class BwrapSandbox(Sandbox):
         a = [self.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox"]
-        if not network:
-            a.append("--unshare-net")
+        if not network and cell.netns is None:
+            a.append("--unshare-net")  # else the slot's own network namespace, joined before exec
         if self._version >= (0, 8):
             a.append("--disable-userns")
         if network not in self._root:
