@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
     "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths and time split to PNG", ""),
-    "eval": (None, "evaluate a checkpoint on held-out tasks (pass@k per domain)", "the RL loop issue"),
+    "eval": ("megatron_rl.commands.eval", "evaluate a checkpoint on held-out tasks (pass@k per domain)", ""),
 }
 
 NOT_BUILT_EXIT = 2

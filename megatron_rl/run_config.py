@@ -121,6 +121,13 @@ class RunConfig:
         if self.rl.max_new_tokens + 16 > self.model.max_seq_length:
             raise ConfigError(f"rl.max_new_tokens={self.rl.max_new_tokens} leaves no room for a prompt in "
                               f"model.max_seq_length={self.model.max_seq_length} (keep 16 tokens for it)")
+        if self.rl.reward_weights:
+            from envs.base import EnvError, make_env
+
+            try:
+                make_env(self.data.domain, reward_weights=self.rl.reward_weights)
+            except EnvError as e:
+                raise ConfigError(f"rl.reward_weights for data.domain {self.data.domain!r}: {e}") from None
         if self.curriculum.enabled and self.data.domain != "countdown":
             raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
                               f"{self.data.domain!r}; set curriculum.enabled=false")

@@ -130,18 +130,26 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float) -> None:
     sft_eval = [r for r in rows if r["kind"] == "sft_eval"]
     rl = [r for r in rows if r["kind"] == "rl"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    _say(f"finished in {seconds:.0f} s")
+    import resource
+
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    _say(f"finished in {seconds:.0f} s wall, {cpu:.0f} s CPU (this process and the ranks, sandboxes included)")
     if sft:
         _say(f"warm-up: {len(sft)} supervised steps, train loss {sft[0]['loss']:.3f} -> {sft[-1]['loss']:.3f}; "
              f"held-out loss {sft_eval[0]['loss']:.3f} -> {sft_eval[-1]['loss']:.3f}")
     if rl:
-        _say(f"RL: {len(rl)} GRPO steps (this launch), rollout reward {rl[0]['reward_mean']:.3f} -> "
-             f"{rl[-1]['reward_mean']:.3f}; trainer idle {sum(r['trainer_idle_frac'] for r in rl) / len(rl):.0%}")
+        w = max(1, min(5, len(rl) // 2))
+        first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (rl[:w], rl[-w:]))
+        _say(f"RL: {len(rl)} GRPO steps, rollout reward (mean of {w} steps) {first:.3f} -> {last:.3f}; "
+             f"trainer idle {sum(r['trainer_idle_frac'] for r in rl) / len(rl):.0%}")
     if len(evals) >= 2:
         k = cfg.eval.k
-        _say(f"held-out success (sandboxed countdown reward, {evals[0]['tasks']} tasks): greedy "
-             f"{evals[0]['success_greedy']:.3f} -> {evals[-1]['success_greedy']:.3f}, pass@{k} "
-             f"{evals[0][f'pass@{k}']:.3f} -> {evals[-1][f'pass@{k}']:.3f} (before -> after GRPO)")
+        _say(f"held-out success (sandboxed {cfg.data.domain} reward, {evals[0]['tasks']} tasks): greedy "
+             f"{evals[0]['success_greedy']:.3f} -> {evals[-1]['success_greedy']:.3f}, pass@1 "
+             f"{evals[0]['pass@1']:.3f} -> {evals[-1]['pass@1']:.3f}, pass@{k} "
+             f"{evals[0][f'pass@{k}']:.3f} -> {evals[-1][f'pass@{k}']:.3f} (before -> after GRPO, "
+             f"steps {evals[0]['step']} -> {evals[-1]['step']})")
     from megatron_rl.commands.report import make_report
 
     plots = make_report(run_dir)

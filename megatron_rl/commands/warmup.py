@@ -39,38 +39,37 @@ def _trajectory(tok: ByteTokenizer, task, answer: str, reward, episode: str):
                       reward_components=dict(reward.components), provenance={"source": "reference solution"})
 
 
-def _check(env, task, answer: str):
-    env.reset(task)
-    return env.step(answer).reward_result
-
-
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
-    """Check each task's reference answer (and a corrupted one) with the environment's reward in the sandbox;
-    write the verified ones as shards. Returns counts."""
+    """Check each task's reference answer (and a corrupted one) with the environment's reward in the sandbox
+    (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts."""
     import envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
-    from envs.base import make_env
-    from envs.sandbox.base import SANDBOXES
     from megatron_rl.data.shards import write_shard
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.setup import task_lists
 
     tok, shard_dir = ByteTokenizer(cfg.model.vocab_size), run_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
-    env = make_env(cfg.data.domain, sandbox=SANDBOXES.get(cfg.data.sandbox)())
+    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers)
     tasks = task_lists(cfg)
     stats = {"checked": 0, "verified": 0, "rejected": 0, "shard_dir": str(shard_dir)}
-    for split, n, name in (("train", cfg.data.train_tasks, TRAIN_SHARD), ("heldout", cfg.data.heldout_tasks,
-                                                                          HELDOUT_SHARD)):
-        trajs = []
-        for task in tasks[split][:n]:
-            answer = f"<answer>{task.payload['solution']}</answer>"
-            good, bad = _check(env, task, answer), _check(env, task, answer.replace("<answer>", "<answer>1 + "))
-            stats["checked"] += 1
-            stats["rejected"] += int(bad.components.get("correct", 0.0) == 0.0)
-            if good.valid and good.components.get("correct", 0.0) == 1.0:
-                stats["verified"] += 1
-                trajs.append(_trajectory(tok, task, answer, good, f"warmup-{task.id}"))
-        write_shard(shard_dir / name, trajs)
-        stats[f"{split}_samples"] = len(trajs)
+    try:
+        for split, n, name in (("train", cfg.data.train_tasks, TRAIN_SHARD),
+                               ("heldout", cfg.data.heldout_tasks, HELDOUT_SHARD)):
+            answers = [(t, f"<answer>{t.payload['solution']}</answer>") for t in tasks[split][:n]]
+            futs = [(t, a, runner.submit(t, a), runner.submit(t, a.replace("<answer>", "<answer>1 + ")))
+                    for t, a in answers]
+            trajs = []
+            for task, answer, good_f, bad_f in futs:
+                good, bad = good_f.result(), bad_f.result()
+                stats["checked"] += 1
+                stats["rejected"] += int(bad.components.get("correct", 0.0) == 0.0)
+                if good.valid and good.components.get("correct", 0.0) == 1.0:
+                    stats["verified"] += 1
+                    trajs.append(_trajectory(tok, task, answer, good, f"warmup-{task.id}"))
+            write_shard(shard_dir / name, trajs)
+            stats[f"{split}_samples"] = len(trajs)
+    finally:
+        runner.close()
     return stats
 
 
@@ -173,7 +172,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
     per_step = cfg.train.micro_batch_size * cfg.train.num_microbatches
     gen = torch.Generator().manual_seed(cfg.seed)
     dp_rank, dp = torch.distributed.get_rank(ctx.pgs.dp), ctx.parallel.dp
-    log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0)
+    log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0, print_every=max(1, cfg.train.steps // 30))
     held_mine = torch.arange(len(held["tokens"]))[dp_rank::dp]
     for step in range(cfg.train.steps):
         if step % cfg.train.eval_every == 0:
@@ -186,8 +185,8 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
 
 
 class _Logger:
-    def __init__(self, path: Path, active: bool):
-        self.path, self.active, self.t0 = path, active, time.time()
+    def __init__(self, path: Path, active: bool, print_every: int = 1):
+        self.path, self.active, self.t0, self.print_every = path, active, time.time(), print_every
 
     def write(self, kind: str, step: int, metrics: dict) -> None:
         if not self.active:
@@ -195,5 +194,7 @@ class _Logger:
         rec = {"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        if kind == "sft" and step % self.print_every:
+            return
         extra = f" grad_norm {metrics['grad_norm']:.3f}" if metrics.get("grad_norm") is not None else ""
         print(f"[megatron-rl] {kind:5s} step {step:4d} loss {metrics['loss']:.4f}{extra}", flush=True)

@@ -38,6 +38,8 @@ class RLLoopConfig:
     """Extra prompts per step for replacements at most, as a multiple of prompts_per_step."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every this many steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Weights of the domain's reward components in the RL phase (e.g. {format: 0.0}); {} keeps the env's."""
     mismatch_alert_kl: float = 0.05
     """Alert when KL(behaviour || trainer) of the batch exceeds this (train/rollout log-prob mismatch)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, clip_grad=1.0))

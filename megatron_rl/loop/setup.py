@@ -71,7 +71,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else None)
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs)
-    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers) if rank0 else None
+    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers,
+                                 {cfg.data.domain: cfg.rl.reward_weights}) if rank0 else None
     sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
     by_id = {t.id: t for split in tasks.values() for t in split}
     return Parts(cfg, ctx, ByteTokenizer(cfg.model.vocab_size), policy, RLTrainer(policy, trainer_config(cfg)),
@@ -176,31 +177,39 @@ def _runner_metrics(runner) -> dict:
 
 # ------------------------------------------------------------------------------------------ evaluation
 def evaluate(parts: Parts, rollouts, step: int) -> dict:
-    """Held-out success: greedy, pass@1 and pass@k at the rollout temperature (sandboxed countdown reward)."""
+    """Held-out success of the run's domain, logged as an `eval` row (rank 0; {} on other ranks)."""
+    cfg = parts.cfg
+    m = heldout_success(rollouts, parts.runner, parts.tok, parts.heldout[:cfg.eval.tasks], cfg, tag=f"eval{step}")
+    if not parts.is_rank0:
+        return {}
+    parts.monitor.log("eval", step, m)
+    say(parts, f"eval  step {step:3d}: held-out success greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}"
+               f"  pass@{cfg.eval.k} {m[f'pass@{cfg.eval.k}']:.3f}  ({m['tasks']} tasks)")
+    return m
+
+
+def heldout_success(rollouts, runner, tok, tasks: list, cfg: RunConfig, tag: str) -> dict:
+    """Greedy success, pass@1 and pass@k (eval.k samples at the rollout temperature) on `tasks`, scored by their
+    environment's reward in the sandbox (`correct` == 1). Every rank generates; rank 0 (the runner's) scores
+    and returns the metrics, the others {}."""
     from megatron_rl.rollout import SamplingParams
 
-    cfg, tok = parts.cfg, parts.tok
-    prompts = [[tok.bos_id, *tok.encode(compact_prompt(t))] for t in parts.heldout]
+    prompts = [[tok.bos_id, *tok.encode(compact_prompt(t))] for t in tasks]
     greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=[tok.eos_id])
               for _ in prompts]
     sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    outs = rollouts.generate_now(prompts + prompts, greedy + sampled, tag=f"eval{step}")
-    if not parts.is_rank0:
+    outs = rollouts.generate_now(prompts + prompts, greedy + sampled, tag=tag)
+    if runner is None:
         return {}
-    correct = _score(parts, outs)  # [2 * tasks] lists of 0/1
+    correct = _score(runner, tok, tasks + tasks, outs)  # [2 * tasks] lists of 0/1
     n = len(prompts)
-    m = {"success_greedy": float(np.mean([c[0] for c in correct[:n]])),
-         "pass@1": float(np.mean([np.mean(c) for c in correct[n:]])),
-         f"pass@{cfg.eval.k}": float(np.mean([max(c) for c in correct[n:]])), "tasks": n,
-         "time_s": time.perf_counter() - t0}
-    parts.monitor.log("eval", step, m)
-    say(parts, f"eval  step {step:3d}: held-out success greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}"
-               f"  pass@{cfg.eval.k} {m[f'pass@{cfg.eval.k}']:.3f}  ({n} tasks)")
-    return m
+    return {"success_greedy": float(np.mean([c[0] for c in correct[:n]])),
+            "pass@1": float(np.mean([np.mean(c) for c in correct[n:]])),
+            f"pass@{cfg.eval.k}": float(np.mean([max(c) for c in correct[n:]])), "tasks": n,
+            "time_s": time.perf_counter() - t0}
 
 
-def _score(parts: Parts, outs: list) -> list[list[int]]:
-    tasks = parts.heldout + parts.heldout
-    futs = [[parts.runner.submit(t, parts.tok.decode(s.token_ids)) for s in o.samples] for t, o in zip(tasks, outs)]
+def _score(runner, tok, tasks: list, outs: list) -> list[list[int]]:
+    futs = [[runner.submit(t, tok.decode(s.token_ids)) for s in o.samples] for t, o in zip(tasks, outs)]
     return [[int(f.result().components.get("correct", 0.0) == 1.0) for f in row] for row in futs]

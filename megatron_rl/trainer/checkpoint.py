@@ -9,7 +9,11 @@ multiprocessing manager and hangs without the guard).
 Without TE/Apex the torch Adam path of Megatron's optimizers loads one `step` tensor SHARED by every
 parameter, so each optimizer step then increments it once per parameter and the bias correction goes wrong
 (silent divergence after resume). `load_checkpoint` un-shares it, and creates Adam's state before loading
-(without it building the load template fails: no `step` to read).
+(without it building the load template fails: no `step` to read). Adam creates its state lazily at the first
+update, and Megatron's torch-Adam `state_dict` asserts exactly one distinct `step` among the states, so an
+optimizer that has not updated yet (e.g. every RL step so far skipped: all groups filtered) cannot be saved
+either: both save and load first create the state exactly as Adam's lazy initialisation would (zero moments,
+step 0), which changes nothing about the next update.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None
     if torch.distributed.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
+    _prime_adam_state(policy.optimizer)
     state = _state(policy, reference, is_loading=False)
     state["trainer"] = {"step": policy.step_count, "scheduler": policy.scheduler.state_dict(),
                         "rng": torch.get_rng_state(), "extra": extra or {}}
@@ -104,16 +109,19 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _prime_adam_state(optimizer) -> None:
-    """Create Adam's lazily made state with a zero-gradient step (the load template needs it; the weights it
-    might touch through weight decay are overwritten by the load)."""
+    """Create the Adam state of every parameter that has none yet, exactly as torch Adam's lazy initialisation
+    does (step 0, zero moments): the next update is unchanged, and save/load templates find the state."""
     for inner in _inner_optimizers(optimizer):
-        if inner.state:
-            continue
         for group in inner.param_groups:
             for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        inner.zero_grad()
+                if inner.state[p]:
+                    continue
+                st = {"step": torch.tensor(0.0, dtype=torch.float32),
+                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                inner.state[p] = st
 
 
 def _unshare_adam_step(optimizer) -> None:

@@ -1,0 +1,149 @@
+"""`megatron-rl eval <run config.yaml> [key=value ...]`: held-out success of a checkpoint, per domain.
+
+Loads a `train` checkpoint (default: the run's latest, `<output_dir>/<name>/checkpoints/latest`) at the config's
+parallel layout, copies the weights into the rollout engine and measures on each domain's held-out tasks
+greedy success, pass@1 and pass@k (k = eval.k samples at rl.temperature), scored by the domain's own reward in
+the configured sandbox: the same measurement as the RL loop's in-loop evaluation. The run's domain uses the
+run's held-out split (the generated curriculum when enabled); `--domains` adds other registered domains'
+shipped held-out suites. Results are printed and written as JSON (`--out`, default `<run>/eval.json`).
+Pass the run's saved `<run>/config.yaml` to evaluate it as trained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from megatron_rl import config as C
+from megatron_rl.run_config import RunConfig
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("config", help="the run's YAML config (e.g. <run>/config.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.k=8 eval.tasks=32")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
+    p.add_argument("--domains", default="", help="comma-separated extra domains (their shipped held-out suites)")
+    p.add_argument("--out", help="JSON results file (default: <run>/eval.json)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = C.load(RunConfig, args.config, args.overrides)
+        plan = _plan(cfg, args)
+    except C.ConfigError as e:
+        print(f"megatron-rl eval: {e}", file=sys.stderr)
+        return 2
+    if args.worker:
+        return worker_main(cfg, **plan)
+    rc = _launch(cfg, args)
+    if rc == 0:
+        for domain, m in json.loads(Path(plan["out"]).read_text())["domains"].items():
+            k = m["k"]
+            print(f"[megatron-rl] eval {domain}: greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}  "
+                  f"pass@{k} {m[f'pass@{k}']:.3f}  ({m['tasks']} tasks)", flush=True)
+        print(f"[megatron-rl] results: {plan['out']}", flush=True)
+    return rc
+
+
+def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
+    """Checkpoint, domains and output path; errors name the fix."""
+    import envs  # noqa: F401  (registers the built-in environments)
+    from envs.base import ENVIRONMENTS
+    from megatron_rl.loop.state import latest
+
+    run_dir = Path(cfg.output_dir) / cfg.name
+    ckpt = Path(args.checkpoint) if args.checkpoint else latest(run_dir)
+    if ckpt is None or not ckpt.is_dir():
+        raise C.ConfigError(f"no checkpoint {'at ' + str(ckpt) if ckpt else 'in ' + str(run_dir / 'checkpoints')}; "
+                            "train first or pass --checkpoint DIR")
+    extra = [d for d in args.domains.split(",") if d and d != cfg.data.domain]
+    unknown = [d for d in extra if d not in ENVIRONMENTS.names()]
+    if unknown:
+        raise C.ConfigError(f"--domains: {unknown} not registered; known: {sorted(ENVIRONMENTS.names())}")
+    return {"checkpoint": ckpt, "domains": [cfg.data.domain, *extra],
+            "out": Path(args.out) if args.out else run_dir / "eval.json"}
+
+
+def _launch(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from megatron_rl.commands.train import _call
+    from megatron_rl.distributed import free_port
+
+    module = ["-m", "megatron_rl.commands.eval", *_argv(args), "--worker"]
+    if "RANK" in os.environ or "SLURM_STEP_ID" in os.environ:
+        return _call([sys.executable, *module], None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
+           "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]
+    return _call(cmd, {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = [args.config, *args.overrides]
+    for flag in ("checkpoint", "domains", "out"):
+        if getattr(args, flag):
+            out += [f"--{flag}", str(getattr(args, flag))]
+    return out
+
+
+def _heldout(cfg: RunConfig, domain: str) -> list:
+    from envs.tasks import load_domain
+    from megatron_rl.loop.setup import task_lists
+
+    tasks = task_lists(cfg)["heldout"] if domain == cfg.data.domain else load_domain(domain, split="heldout")
+    return tasks[:cfg.eval.tasks]
+
+
+def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path) -> int:
+    """One rank: policy from the checkpoint -> engine -> held-out success per domain (rank 0 scores, writes)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.distributed import destroy_distributed, init_distributed
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
+    from megatron_rl.loop.rollout import Rollouts
+    from megatron_rl.loop.setup import compact_prompt, heldout_success
+    from megatron_rl.rollout import RolloutEngine
+    from megatron_rl.tokenizer import ByteTokenizer
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+    from megatron_rl.trainer.policy import Policy
+
+    ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
+    torch.manual_seed(cfg.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1))
+    load_checkpoint(policy, checkpoint)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs)
+    engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
+    rank0, tok = ctx.rank == 0, ByteTokenizer(cfg.model.vocab_size)
+    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers) if rank0 else None
+    rollouts = Rollouts(engine, runner, tok, compact_prompt, cfg.rl, cfg.seed)
+    results = {}
+    for domain in domains:
+        tasks = _fitting(_heldout(cfg, domain), tok, cfg)
+        if tasks:
+            results[domain] = {**heldout_success(rollouts, runner, tok, tasks, cfg, tag=f"eval-{domain}"),
+                               "k": cfg.eval.k}
+    if rank0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"checkpoint": str(checkpoint), "trainer_step": policy.step_count,
+                                   "domains": results}, indent=1) + "\n")
+        runner.close()
+    destroy_distributed()
+    return 0
+
+
+def _fitting(tasks: list, tok, cfg: RunConfig) -> list:
+    """Tasks whose prompt leaves room for rl.max_new_tokens in the model's context."""
+    from megatron_rl.loop.setup import compact_prompt
+
+    room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
+    return [t for t in tasks if 1 + len(tok.encode(compact_prompt(t))) <= room]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
