@@ -15,6 +15,7 @@ YAML scalars (with `1e-6`-style floats accepted).
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import enum
@@ -162,8 +163,20 @@ def _convert_scalar(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
-    """Build dataclass `cls` from a mapping, strictly (see module docstring)."""
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def from_dict(cls: type[T], data: dict | None, prefix: str = "", base: Any = None) -> T:
+    """Build dataclass `cls` from a mapping, strictly (see module docstring).
+
+    A nested section given in part starts from the defaults its parent declares for it (e.g. a parent's
+    `field(default_factory=lambda: Optim(lr=2e-4))`), not from the nested class's own defaults; `base` is
+    that starting instance."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix or cls.__name__}': expected a mapping, got {data!r}")
@@ -174,7 +187,15 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(value, _hints(cls)[name], key)
+        sub = _dataclass_in(_hints(cls)[name])
+        if sub is not None and isinstance(value, dict):
+            start = getattr(base, name) if base is not None else _field_default(fields[name])
+            kwargs[name] = from_dict(sub, value, prefix=key, base=start if isinstance(start, sub) else None)
+        else:
+            kwargs[name] = _convert(value, _hints(cls)[name], key)
+    if base is not None:
+        for name in fields:
+            kwargs.setdefault(name, copy.deepcopy(getattr(base, name)))
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field missing
@@ -243,8 +264,6 @@ def parse_override_value(text: str) -> Any:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Set dotted keys in a nested mapping: ['train.lr=1e-6', 'parallel.tp=2']; returns a new mapping."""
-    import copy
-
     data = copy.deepcopy(data) if data else {}
     for item in overrides:
         if "=" not in item:

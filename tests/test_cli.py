@@ -30,11 +30,17 @@ def test_each_subcommand_help(name, capsys):
         assert code == 0 and "usage" in out.lower()
 
 
-@pytest.mark.parametrize("name", [n for n, (m, _, _) in SUBCOMMANDS.items() if m is None])
-def test_unbuilt_subcommands_exit_2_and_say_so(name, capsys):
-    assert main([name, "anything"]) == NOT_BUILT_EXIT
+def test_every_subcommand_is_built():
+    assert [n for n, (m, _, _) in SUBCOMMANDS.items() if m is None] == []
+
+
+def test_an_unbuilt_subcommand_exits_2_and_says_so(monkeypatch, capsys):
+    # the mechanism stays for commands added to the table before their module exists
+    monkeypatch.setitem(SUBCOMMANDS, "eval", (None, "evaluate", "a later issue"))
+    assert main(["eval", "anything"]) == NOT_BUILT_EXIT
     err = capsys.readouterr().err
-    assert "Not built yet" in err and "nothing was done" in err
+    assert "Not built yet (planned in a later issue)" in err and "nothing was done" in err
+    assert main(["eval", "--help"]) == NOT_BUILT_EXIT and "Not built yet" in capsys.readouterr().out
 
 
 def test_no_command_prints_help(capsys):

@@ -160,3 +160,22 @@ def test_parallel_checks_against_the_model():
         model.check_parallel(ParallelConfig(ep=2))
     with pytest.raises(ConfigError, match=r"fp8 needs model.transformer_impl=transformer_engine"):
         C.from_dict(ModelConfig, {"fp8": "delayed"})
+
+
+@dataclass
+class Parent:
+    """A parent whose nested section's defaults differ from the nested class's own."""
+
+    inner: Inner = field(default_factory=lambda: Inner(lr=0.5, schedule="cosine"))
+    """Section with parent-level defaults."""
+    other: Inner = field(default_factory=Inner)
+    """Section with the class defaults."""
+
+
+def test_partial_nested_section_keeps_the_parents_defaults():
+    cfg = C.from_dict(Parent, {"inner": {"betas": [0.8, 0.9]}})
+    assert (cfg.inner.lr, cfg.inner.schedule, cfg.inner.betas) == (0.5, "cosine", (0.8, 0.9))
+    cfg = C.load(Parent, None, ["inner.lr=0.25", "other.lr=0.1"])
+    assert (cfg.inner.lr, cfg.inner.schedule) == (0.25, "cosine") and cfg.other.schedule == "constant"
+    with pytest.raises(ConfigError, match=r"config section 'inner': lr must be > 0"):
+        C.from_dict(Parent, {"inner": {"lr": -1.0}})
