@@ -16,7 +16,6 @@ import torch
 
 from tests.mp.convert_models import hf_tensors, make_hf_model
 
-pytest.importorskip("transformers", reason="the conversion tests build HF models with transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 REPO = Path(__file__).resolve().parents[1]
 
