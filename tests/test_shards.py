@@ -200,6 +200,22 @@ def test_empty_shard(tmp_path):
     assert shard_inspect.summarize(tmp_path / "e.h5")["num_samples"] == 0
 
 
+def test_published_shard_reads_while_a_descriptor_holds_a_lock(tmp_path):
+    """A forked child (a sandbox spawn on another thread) can briefly hold the writer's descriptor and its
+    exclusive flock; a published shard is immutable, so readers must not take HDF5's lock (CI saw EAGAIN)."""
+    import fcntl
+
+    write_shard(tmp_path / "s.h5", [make_traj(i) for i in range(3)])
+    fd = os.open(tmp_path / "s.h5", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(OSError):  # what HDF5's default locking does in this situation
+            h5py.File(tmp_path / "s.h5", "r").close()
+        assert len(read_arrays(tmp_path / "s.h5")) == 3
+    finally:
+        os.close(fd)
+
+
 def test_writer_exception_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with ShardWriter(tmp_path / "s.h5") as w:

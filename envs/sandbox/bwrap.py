@@ -684,7 +684,10 @@ class BwrapSandbox(Sandbox):
             return
         idx = 1 - self._s.cells.index(current)
         self._turn = idx
-        self._s.next = self._s.executor.submit(self._reset_and_spawn, self._s.cells[idx], limits)
+        try:
+            self._s.next = self._s.executor.submit(self._reset_and_spawn, self._s.cells[idx], limits)
+        except RuntimeError:  # the slot is being closed: this run's result stands, nothing is prespawned
+            self._s.next = None
 
     def _reset_and_spawn(self, cell: _Cell, limits: Limits) -> _Launch:
         if cell.dirty:

@@ -25,6 +25,11 @@ side by side, so components live under `reward_components/`.)
 Publishing is atomic: the writer fills `<name>.tmp` in the same directory, flushes and closes it, fsyncs it,
 `os.replace`s it onto `<name>` and fsyncs the directory, so a reader never sees a half-written shard under
 its final name (measured 8/8 clean under SIGKILL, shared/notes/sandbox-and-shards.md).
+
+H5_LOCKING: HDF5's own file locks are off (`locking=False`) for both the writer's private temp file and the
+readers. A published shard is never written again, so the lock protects nothing, while it breaks readers on
+file systems without flock (some Lustre/NFS mounts) and fails readers with EAGAIN when a child process forked
+by another thread (a sandbox spawn) briefly holds the writer's descriptor (seen in CI on the async loop).
 """
 from __future__ import annotations
 
@@ -505,7 +510,7 @@ class ShardWriter:
         self._pending: dict[str, list[np.ndarray]] = {k: [] for k in RAGGED}
         self._pending_elems = 0
         self._written = 0
-        self._file: h5py.File | None = h5py.File(self.tmp_path, "w")
+        self._file: h5py.File | None = h5py.File(self.tmp_path, "w", locking=False)  # private temp file
         self._ragged = {k: self._create_ragged(k, dt) for k, dt in zip(RAGGED, RAGGED_DTYPES)}
         self._done = False
 
@@ -690,7 +695,7 @@ class ShardReader:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            self._file = h5py.File(self.path, "r")
+            self._file = h5py.File(self.path, "r", locking=False)  # published shards are immutable: see H5_LOCKING
         except OSError as e:
             raise ShardError(f"shard {self.path}: cannot open as HDF5 ({e})") from e
         try:
