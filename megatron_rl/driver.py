@@ -10,8 +10,10 @@ generation overlaps the steps in between (the engine batches them with the curre
 while the trainer trains) and requests in flight continue across weight updates with per-token versions;
 truncated importance sampling against the behaviour log-probs of the shards corrects the lag. Checkpoints
 hold the trainer, the sampler, the rollout buffer (in-flight requests are finished first) and the RNGs, so a
-restart continues the same trajectory. Episodes run behind `loop.episodes.EpisodeRunner` (a thread pool here;
-the Slurm dispatcher in `megatron_rl.dispatch` is the cluster-side runner and is not wired in yet).
+restart continues the same trajectory. Episodes run in-process (`loop.rollout`: the engine generates, rank 0's
+sandboxed thread pool scores) or, with `episodes.runner: dispatch`, on rollout workers dispatched by submitit
+to local processes or a Slurm CPU partition, which call the engine's HTTP server and publish HDF5 shards
+(`loop.dispatched`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from pathlib import Path
 import torch
 
 from megatron_rl.loop import state as S
-from megatron_rl.loop.rollout import Rollouts
 from megatron_rl.run_config import RunConfig
 
 
@@ -30,7 +31,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
     from megatron_rl.loop import setup
 
     parts = setup.build(cfg, run_dir, ctx, warm_policy)  # policy, trainer, engine, runner, sampler, monitor
-    rollouts = Rollouts(parts.engine, parts.runner, parts.tok, setup.compact_prompt, cfg.rl, cfg.seed)
+    rollouts = setup.make_rollouts(parts, run_dir)  # in-process engine + scorer, or dispatched episodes
     start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
     setup.sync_weights(parts, version=start)
     stop = StopFlag()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
-from megatron_rl.loop.config import CurriculumConfig, EvalConfig, RLLoopConfig
+from megatron_rl.loop.config import CurriculumConfig, EpisodesConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig
@@ -105,6 +105,8 @@ class RunConfig:
     """Generated (easier) countdown tasks."""
     rl: RLLoopConfig = field(default_factory=RLLoopConfig)
     """The RL loop."""
+    episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
+    """Where the RL loop's episodes run (in-process or dispatched to rollout workers)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The in-process rollout engine."""
     eval: EvalConfig = field(default_factory=EvalConfig)

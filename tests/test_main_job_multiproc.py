@@ -158,3 +158,51 @@ def test_rl_generation_too_long_for_the_model_fails(tmp_path):
 def test_unknown_key_names_it(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "train.stepz=3", timeout=60)
     assert proc.returncode == 2 and "unknown config key 'train.stepz' (did you mean 'steps'?)" in proc.stderr
+
+
+DISPATCH = ("episodes.runner=dispatch", "episodes.dispatch.episodes_per_task=8", "episodes.worker_threads=2")
+
+
+def _episodes(run: Path) -> list:
+    from megatron_rl.data.shards import read_shard
+
+    return [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_main_job_dispatched_episodes_and_recovery_from_published_shards(tmp_path):
+    """Episodes run by rollout workers (submitit local processes) that call the engine's HTTP server on rank 0
+    and publish shards; then a crash after step 1's episodes were published but before its checkpoint: the
+    rerun dispatches nothing for step 1 (all recovered from the shards) and reproduces step 1 exactly."""
+    from megatron_rl.tokenizer import ByteTokenizer
+
+    overrides = (*SHORT, *DISPATCH, "episodes.dispatch.executor=local", "rl.steps=2", "rl.checkpoint_every=1")
+    proc = _train(f"output_dir={tmp_path}", *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = tmp_path / "demo"
+    rl = _rows(run, "rl")
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        assert r["episodes_dispatched"] >= 16 and r["episodes_recovered"] == 0 and r["episodes_missing"] == 0
+        assert r["dispatch_failed_tasks"] == 0 and r["sandbox_error_rate"] == 0.0
+        assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
+    eps = _episodes(run)
+    assert len(eps) == sum(r["episodes_dispatched"] for r in rl) == len({t.episode_id for t in eps})
+    assert {int(t.token_versions[-1]) for t in eps} == {0, 1}  # step 1's episodes came from the updated weights
+    # the driver's prompt format (<bos> + compact prompt), scored by the countdown reward in the worker's sandbox
+    assert all(t.tokens[0] == ByteTokenizer(384).bos_id and "correct" in t.reward_components for t in eps)
+    # crash after step 1's episodes were published, before its checkpoint: resume at step 1
+    ckpt = run / "checkpoints"
+    import shutil
+
+    shutil.rmtree(ckpt / "step-000002")
+    (ckpt / "latest").write_text("step-000001\n")
+    again = _train(f"output_dir={tmp_path}", *overrides)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+    first, redo = rl[1], _rows(run, "rl")[-1]
+    assert redo["step"] == 1 and redo["episodes_dispatched"] == 0
+    assert redo["episodes_recovered"] == first["episodes_dispatched"]
+    keys = ("loss", "reward_mean", "grad_norm", "trained_samples", "groups_seen", "response_len_mean")
+    assert {k: redo.get(k) for k in keys} == {k: first.get(k) for k in keys}
+    assert len(_episodes(run)) == len(eps)  # nothing dispatched twice

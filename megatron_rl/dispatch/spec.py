@@ -29,6 +29,8 @@ class EpisodeSpec:
     """Group for group-normalised advantages (all samples of one prompt share it)."""
     seed: int = 0
     """Per-episode seed (sampling; the scripted test policy picks right/wrong answers by it)."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """Prompt token ids chosen by the consumer (its prompt format); empty = `<bos>` + the env's first observation."""
 
 
 @dataclass
@@ -96,6 +98,8 @@ class WorkerConfig:
     """Most tokens per episode (model plus observations)."""
     vocab_size: int = 384
     """ByteTokenizer vocabulary (must match the policy's)."""
+    reward_weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Environment name -> weights of its reward components (e.g. {countdown: {format: 0.0}}); {} = the env's."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
 

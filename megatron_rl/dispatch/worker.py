@@ -183,7 +183,7 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
     timings = {"generate": 0.0, "env": 0.0}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
     obs = env.reset(task)
-    tokens = [tok.bos_id, *tok.encode(obs.text)]                        # prompt: loss_mask 0
+    tokens = list(ep.prompt_ids) or [tok.bos_id, *tok.encode(obs.text)]  # prompt: loss_mask 0
     prompt_len = len(tokens)
     logprobs, mask = [0.0] * prompt_len, [0] * prompt_len
     versions: list[int] = []                                            # per token; prompt filled in below
@@ -347,7 +347,7 @@ class EpisodeRunner:
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
         self._make_env = lambda name: make_env(
             name, budget=Budget(w.max_turns, w.max_tokens), sandbox=self.sandbox,
-            token_counter=lambda s: len(self.tok.encode(s)))
+            token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name))
         self._done = 0
         self._lock = threading.Lock()
         self.stop = threading.Event()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
+from megatron_rl.dispatch.dispatcher import DispatchConfig
 from megatron_rl.rl.config import LossConfig
 from megatron_rl.trainer.packing import PackingConfig
 from megatron_rl.trainer.policy import OptimConfig
@@ -100,3 +101,30 @@ class CurriculumConfig:
     def validate(self) -> None:
         if not 2 <= self.min_numbers <= self.max_numbers or self.max_value < 2 or self.max_ops < 1:
             raise ConfigError("curriculum: need 2 <= min_numbers <= max_numbers, max_value >= 2, max_ops >= 1")
+
+
+def _default_dispatch() -> DispatchConfig:
+    return DispatchConfig(folder="", episodes_per_task=8, time_min=20, max_retries=2)
+
+
+@dataclass
+class EpisodesConfig:
+    """Where the RL loop's episodes (environment steps and rewards) run."""
+
+    runner: str = "inprocess"
+    """inprocess: the in-process engine generates and rank 0's threads score (sandboxed);
+    dispatch: rollout workers (submitit: local processes or Slurm array tasks) run whole episodes, calling
+    the engine's HTTP server on rank 0, and publish HDF5 shards that the trainer reads."""
+    serve_host: str = ""
+    """Address the workers use to reach the rollout server ('' = 127.0.0.1 for the local and debug
+    executors, this host's name for slurm)."""
+    worker_threads: int = 0
+    """Episodes a worker task runs at once (0 = the CPUs Slurm gave it)."""
+    dispatch: DispatchConfig = field(default_factory=_default_dispatch)
+    """Executor, partition, batching and retries of the dispatched episodes ('' folder = <run>/dispatch)."""
+
+    def validate(self) -> None:
+        if self.runner not in ("inprocess", "dispatch"):
+            raise ConfigError(f"episodes.runner must be inprocess or dispatch, got {self.runner!r}")
+        if self.worker_threads < 0:
+            raise ConfigError(f"episodes.worker_threads must be >= 0, got {self.worker_threads}")

@@ -4,9 +4,9 @@
     fut = runner.submit(task, response_text)      # Future[RewardResult]; env.reset -> env.step -> reward
 
 `ThreadEpisodeRunner` runs the environment's step and reward on a thread pool in this process, with the
-sandbox (a `SandboxPool` when workers > 1) executing the model's untrusted output. The Slurm dispatcher
-(`megatron_rl.dispatch`) fits the same interface for whole episodes on CPU partitions; it is not wired in
-here yet (see the driver docstring).
+sandbox (a `SandboxPool` when workers > 1) executing the model's untrusted output. Whole episodes on rollout
+workers (local processes or Slurm CPU partitions) are `loop.dispatched.DispatchRollouts`; this runner then
+only scores the in-loop evaluation.
 """
 from __future__ import annotations
 

@@ -50,6 +50,25 @@ class Parts:
         self.monitor.close()
 
 
+def make_rollouts(parts: Parts, run_dir: Path):
+    """In-process rollouts, or dispatched episodes (`episodes.runner: dispatch`, loop/dispatched.py)."""
+    from megatron_rl.loop.rollout import Rollouts
+
+    cfg = parts.cfg
+    if cfg.episodes.runner == "inprocess":
+        return Rollouts(parts.engine, parts.runner, parts.tok, compact_prompt, cfg.rl, cfg.seed)
+    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
+    from megatron_rl.loop.dispatched import DispatchRollouts
+
+    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    worker = WorkerConfig(generator=gen,
+                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads, max_turns=1,
+                          max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
+                          reward_weights={cfg.data.domain: dict(cfg.rl.reward_weights)})
+    return DispatchRollouts(parts.engine, parts.runner, parts.tok, compact_prompt, cfg.rl, cfg.seed, cfg.episodes,
+                            worker, Path(run_dir), parts.ctx.pgs.tp)
+
+
 def trainer_config(cfg: RunConfig):
     tc = copy.deepcopy(cfg.rl.trainer)
     tc.temperature = cfg.rl.temperature

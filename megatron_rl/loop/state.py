@@ -20,8 +20,10 @@ def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
     rollouts.drain()
+    alerts = [parts.monitor.rewards]  # kept on rank 0 (the monitor's); the common state must match on every rank
+    torch.distributed.broadcast_object_list(alerts, src=0)
     state = {"step": step, "sampler": parts.sampler.state_dict(), "rollouts": rollouts.state_dict(),
-             "alert_rewards": parts.monitor.rewards}
+             "alert_rewards": alerts[0]}
     name = f"step-{step:06d}"
     path = Path(run_dir) / "checkpoints" / name
     save_checkpoint(parts.policy, path, extra={"driver": json.dumps(state)})
