@@ -676,6 +676,22 @@ def write_shard(path: str | os.PathLike, trajectories: Iterable[Trajectory] | Tr
 # ------------------------------------------------------------------------------------------------- reader
 
 
+def _readahead(path: Path) -> None:
+    """Ask the kernel to read the whole file ahead, so disk reads overlap HDF5's chunk-by-chunk decompression
+    (a cold 95 MB shard read: 0.27 s -> 0.10 s here, `benchmarks/shard_io.py`). Best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _read_full(ds: h5py.Dataset) -> np.ndarray:
     out = np.empty(ds.shape, ds.dtype)
     if out.size:
@@ -766,6 +782,7 @@ class ShardReader:
     def read_arrays(self) -> TrajectoryColumns:
         """Everything, columnar: the trainer's fast path (one bulk read per dataset)."""
         f = self._file
+        _readahead(self.path)
         try:
             per_token = {k: _read_full(f[k]) for k in RAGGED}
             tv = _read_full(f["token_versions"]) if "token_versions" in f else None
