@@ -12,7 +12,11 @@ peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON objec
 Fairness: HF runs in a child process that never imports megatron_rl, so the CPU compat layer's
 TorchFunctionMode (a Python hook on every torch call) is not active there; it uses its own KV cache
 (`generate` default), the same thread count, dtype (fp32) and `max_new_tokens` with `min_new_tokens` equal
-to it and no EOS (so neither side stops early). Both sides get one untimed warm-up; then the runs
+to it and no EOS (so neither side stops early) -- a setting where continuous batching cannot help. The
+`rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
+responses ending at EOS are (lognormal, median 2*new/4, at most 2*new tokens), at most `batch` at once;
+ours joins the next request as soon as one finishes, HF runs static batches until their longest member ends;
+tokens/s counts the requested tokens on both sides. Both sides get one untimed warm-up; then the runs
 alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
 loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -106,12 +111,15 @@ def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]
     return out[:, width:].tolist(), time.perf_counter() - t0
 
 
-def run_ours(model, pgs, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, int]:
+def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64
+             ) -> tuple[list[list[int]], float, int]:
+    """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once."""
     from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
     eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
-                                            max_running=64), pgs.tp, pgs.cp)
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=new)) for p in batch_prompts]
+                                            max_running=max_running), pgs.tp, pgs.cp)
+    news = new if isinstance(new, list) else [new] * len(batch_prompts)
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n)) for p, n in zip(batch_prompts, news)]
     outs, peak, t0 = [], 0, time.perf_counter()
     while eng.has_work:
         outs += eng.step()
@@ -204,8 +212,35 @@ def _measure(model, pgs, hf: HFWorker, args) -> dict:
             "kv_bytes_per_token_paged": round(kv_paged / ctx_tokens, 1),
             "kv_bytes_per_token_contiguous": round(contiguous * _bytes_per_token() / ctx_tokens, 1)}
     result["speedup_at_32"] = result["batches"].get("32", {}).get("speedup")
+    result["rl_workload"] = {str(b): _rl_workload(model, pgs, hf, b, args) for b in args.batches}
+    result["rl_workload_speedup_at_32"] = result["rl_workload"].get("32", {}).get("speedup")
     result["target_speedup_at_32"] = 3.0
     return result
+
+
+def rl_lengths(n: int, cap: int, seed: int) -> list[int]:
+    """Long-tailed response lengths like RL rollouts: lognormal, median cap/4, clipped to [4, cap]."""
+    rng = random.Random(seed)
+    return [min(cap, max(4, int(rng.lognormvariate(math.log(cap / 4), 0.8)))) for _ in range(n)]
+
+
+def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
+    """4*b requests whose responses end at different lengths (as EOS ends them in RL), `b` generating at once.
+    Ours: continuous batching (a finished request leaves, the next joins at once). HF generate(): static
+    batches of `b` in the same order, each running until its longest member ends (a finished sequence keeps
+    its slot, as with EOS in a batch). Both count only the requested (useful) tokens."""
+    n = 4 * b
+    bp, lens = prompts(n, seed=1000 + b), rl_lengths(n, 2 * args.new_tokens, seed=b)
+    batches = [(bp[i:i + b], max(lens[i:i + b])) for i in range(0, n, b)]
+    run_ours(model, pgs, bp[:b], lens[:b], max_running=b)                  # warm-up
+    t_ours, t_hf = [], []
+    for _ in range(args.repeats):
+        t_ours.append(run_ours(model, pgs, bp, lens, max_running=b)[1])
+        t_hf.append(sum(hf.run(p, m)[1] for p, m in batches))
+    useful = sum(lens)
+    return {"requests": n, "useful_tokens": useful, "hf_generated_tokens": sum(len(p) * m for p, m in batches),
+            "ours_tokens_per_s": round(useful / min(t_ours), 1), "hf_tokens_per_s": round(useful / min(t_hf), 1),
+            "speedup": round(min(t_hf) / min(t_ours), 2)}
 
 
 def _bytes_per_token() -> int:
