@@ -21,6 +21,7 @@ import difflib
 import enum
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -140,6 +141,9 @@ def _convert_union(value: Any, args: tuple, key: str) -> Any:
     raise ConfigError(f"config key '{key}': expected {names}, got {value!r}")
 
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _convert_sequence(value: Any, tp: Any, origin: Any, args: tuple, key: str) -> Any:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
@@ -155,6 +159,8 @@ def _convert_sequence(value: Any, tp: Any, origin: Any, args: tuple, key: str) -
 def _convert_scalar(value: Any, tp: Any, key: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 (PyYAML) reads `1e-5` (no dot) as a string
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"config key '{key}': expected {tp.__name__}, got bool {value!r}")
     if isinstance(tp, type) and not isinstance(value, tp):

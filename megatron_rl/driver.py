@@ -33,7 +33,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
     parts = setup.build(cfg, run_dir, ctx, warm_policy)  # policy, trainer, engine, runner, sampler, monitor
     rollouts = setup.make_rollouts(parts, run_dir)  # in-process engine + scorer, or dispatched episodes
     start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
-    setup.sync_weights(parts, version=start)
+    setup.sync_weights(parts, rollouts, version=start)
     stop = StopFlag()
     if start == 0:
         setup.evaluate(parts, rollouts, step=0)
@@ -46,7 +46,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
         clock.mark("rollout")
         train = parts.trainer.step(cols) if cols is not None else {"update_skipped": True}
         clock.mark("train")
-        setup.sync_weights(parts, version=step + 1)
+        setup.sync_weights(parts, rollouts, version=step + 1)
         clock.mark("sync")
         metrics = setup.step_metrics(parts, rollouts, cols, train, sampling, clock)
         parts.monitor.log("rl", step, metrics)
@@ -59,7 +59,9 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
         if reason and step != last:
             setup.say(parts, f"stopped after step {step} ({reason}); checkpoint saved, rerun the same command "
                              "to resume")
+            rollouts.close()
             return 3
+    rollouts.close()
     parts.close()
     return 0
 

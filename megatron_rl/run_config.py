@@ -130,6 +130,9 @@ class RunConfig:
                 make_env(self.data.domain, reward_weights=self.rl.reward_weights)
             except EnvError as e:
                 raise ConfigError(f"rl.reward_weights for data.domain {self.data.domain!r}: {e}") from None
+        if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
+            raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
+                              f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
         if self.curriculum.enabled and self.data.domain != "countdown":
             raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
                               f"{self.data.domain!r}; set curriculum.enabled=false")

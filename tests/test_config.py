@@ -179,3 +179,13 @@ def test_partial_nested_section_keeps_the_parents_defaults():
     assert (cfg.inner.lr, cfg.inner.schedule) == (0.25, "cosine") and cfg.other.schedule == "constant"
     with pytest.raises(ConfigError, match=r"config section 'inner': lr must be > 0"):
         C.from_dict(Parent, {"inner": {"lr": -1.0}})
+
+
+def test_yaml11_exponent_without_dot_is_a_float():
+    """PyYAML (YAML 1.1) reads `1e-5` as a string; a float field takes it, anything else still fails."""
+    from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.models.gpt import ModelConfig
+
+    assert from_dict(ModelConfig, {"norm_epsilon": "1e-05"}).norm_epsilon == 1e-5
+    with pytest.raises(ConfigError, match="config key 'norm_epsilon': expected float, got str 'tiny'"):
+        from_dict(ModelConfig, {"norm_epsilon": "tiny"})

@@ -115,6 +115,12 @@ class EpisodesConfig:
     """inprocess: the in-process engine generates and rank 0's threads score (sandboxed);
     dispatch: rollout workers (submitit: local processes or Slurm array tasks) run whole episodes, calling
     the engine's HTTP server on rank 0, and publish HDF5 shards that the trainer reads."""
+    server: str = "colocated"
+    """colocated: the trainer ranks serve their in-process engine while a step's episodes run (no overlap with
+    training); separate: a rollout server process of its own (weights pushed after every update), so with
+    rl.max_staleness >= 1 the next steps' episodes run while the trainer trains (needs parallel.tp=pp=1)."""
+    server_threads: int = 1
+    """Torch threads of the separate rollout server process."""
     serve_host: str = ""
     """Address the workers use to reach the rollout server ('' = 127.0.0.1 for the local and debug
     executors, this host's name for slurm)."""
@@ -126,5 +132,11 @@ class EpisodesConfig:
     def validate(self) -> None:
         if self.runner not in ("inprocess", "dispatch"):
             raise ConfigError(f"episodes.runner must be inprocess or dispatch, got {self.runner!r}")
+        if self.server not in ("colocated", "separate"):
+            raise ConfigError(f"episodes.server must be colocated or separate, got {self.server!r}")
+        if self.server == "separate" and self.runner != "dispatch":
+            raise ConfigError("episodes.server=separate needs episodes.runner=dispatch (workers call the server)")
+        if self.server_threads < 1:
+            raise ConfigError(f"episodes.server_threads must be >= 1, got {self.server_threads}")
         if self.worker_threads < 0:
             raise ConfigError(f"episodes.worker_threads must be >= 0, got {self.worker_threads}")

@@ -16,16 +16,27 @@ restart after a crash mid-dispatch finds what was already published and dispatch
 none duplicated). An episode still missing after the dispatcher's retries counts as an invalid sample
 (dropped from training, counted in `episodes_missing`).
 
-Not covered yet: generation does not overlap training in this mode (each step dispatches its own groups
-when it needs them, so `max_staleness` only bounds which samples are kept), and data-parallel replicas
-other than rank 0's wait while rank 0's replica serves.
+Placement of the engine (`episodes.server`):
+- colocated: at a step that needs groups, the trainer ranks serve their in-process engine while the
+  episodes run, so generation never overlaps training (`max_staleness` then only bounds which samples are
+  kept), and data-parallel replicas other than rank 0's wait while rank 0's replica serves.
+- separate: rank 0 starts a rollout server process of its own (`RolloutServerProcess`, the same model and
+  engine config, weights pushed through `/update_weights` after every update with the 'continue' policy).
+  Episodes of a batch are dispatched (a background thread on rank 0) as soon as the batch is submitted, so
+  with `max_staleness` k >= 1 the episodes of the next k steps run while the trainer trains; tokens
+  generated across a weight update record their versions (partial rollouts).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -37,18 +48,37 @@ class DispatchRollouts(Rollouts):
     """Rollouts whose episodes run on dispatched rollout workers; see the module docstring."""
 
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, episodes_cfg, worker_cfg, run_dir: Path,
-                 tp_group):
+                 tp_group, server: RolloutServerProcess | None = None):
         super().__init__(engine, runner, tok, prompt_fn, cfg, seed)
         self.episodes_cfg, self.worker_cfg, self.run_dir, self.tp_group = episodes_cfg, worker_cfg, run_dir, tp_group
+        self.server = server
+        """The separate rollout server (rank 0; None when colocated or on other ranks)."""
+        self.separate = episodes_cfg.server == "separate"
+        self.batch_of: dict[int, str] = {}
+        """Group id -> the batch (its shard folder name) it was submitted in."""
+        self.futures: dict[str, Future] = {}
+        """Rank 0, separate server: batch name -> the running dispatch."""
+        # up to max_staleness + 1 steps' batches in flight at once, each its own dispatch
+        self.pool = ThreadPoolExecutor(cfg.max_staleness + 1, thread_name_prefix="dispatch") if self.separate else None
         self.counters = {"episodes_dispatched": 0, "episodes_recovered": 0, "episodes_missing": 0,
                          "dispatch_failed_tasks": 0, "dispatch_rounds": 0}
 
     # ------------------------------------------------------------------------------- the Rollouts interface
     def submit(self, step: int, tasks: list) -> None:
+        groups = []
         for task in tasks:
             g = Group(self.next_gid, step, task, [self.tok.bos_id, *self.tok.encode(self.prompt_fn(task))])
             self.next_gid += 1
             self.inflight[f"g{g.gid}"] = g
+            groups.append(g)
+        if not groups:
+            return
+        name = batch_name(groups)
+        for g in groups:
+            self.batch_of[g.gid] = name
+        if self.separate and dist.get_rank() == 0:  # start at once: runs while the trainer trains
+            self.futures[name] = self.pool.submit(self._dispatch, groups, self.run_dir / "rl_episodes" / name,
+                                                  self.server.url)
 
     def take(self, step: int) -> list[Group]:
         due = sorted((g for g in self.inflight.values() if g.step <= step), key=lambda g: g.gid)
@@ -67,31 +97,49 @@ class DispatchRollouts(Rollouts):
 
     # ------------------------------------------------------------------------------- dispatch
     def _run(self, groups: list[Group]) -> None:
-        """Dispatch `groups` (every rank calls this with the same groups), fill their samples and rewards."""
+        """Finish the dispatch of `groups` (every rank calls this with the same groups): colocated, one dispatch
+        while the trainer ranks serve; separate, wait for their batches' background dispatches. Fills their
+        samples and rewards on every rank and moves them to `ready`."""
         if not groups:
             return
         t0 = time.perf_counter()
-        shard_dir = self.run_dir / "rl_episodes" / f"g{groups[0].gid:07d}-g{groups[-1].gid:07d}"
-        box = {}
-        work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
-        serve_while(self.engine, self.tp_group, work, self._hosts())
-        result = [box if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(result, src=0)
-        if "error" in result[0]:
-            raise RuntimeError(f"episode dispatch failed on rank 0: {result[0]['error']}")
-        self._fill(groups, result[0]["episodes"])
-        for k in self.counters:
-            self.counters[k] += result[0]["counters"].get(k, 0)
+        if self.separate:
+            names = sorted({self.batch_of[g.gid] for g in groups})
+            results = [self.futures.pop(n).result() if dist.get_rank() == 0 else None for n in names]
+        else:
+            shard_dir = self.run_dir / "rl_episodes" / batch_name(groups)
+            box = {}
+            work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
+            serve_while(self.engine, self.tp_group, work, self._hosts())
+            results = [box if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(results, src=0)
+        episodes: dict[str, dict] = {}
+        for result in results:
+            if "error" in result:
+                raise RuntimeError(f"episode dispatch failed on rank 0: {result['error']}")
+            episodes.update(result["episodes"])
+            for k in self.counters:
+                self.counters[k] += result["counters"].get(k, 0)
+        self._fill(groups, episodes)
         for g in groups:
             del self.inflight[f"g{g.gid}"]
+            self.batch_of.pop(g.gid, None)
             self.ready.append(g)
         self.timers["generate_s"] += time.perf_counter() - t0
 
+    def push_weights(self, version: int, named_parameters) -> None:
+        """After an update (every rank calls it): rank 0 sends the weights to the separate server."""
+        if self.server is not None:
+            self.server.push(version, named_parameters)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.server is not None:
+            self.server.close()
+
     def _hosts(self) -> tuple[str, str]:
-        """(bind address, address the workers use)."""
-        slurm = self.episodes_cfg.dispatch.executor == "slurm"
-        return ("0.0.0.0" if slurm else "127.0.0.1",
-                self.episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1"))
+        return server_hosts(self.episodes_cfg)
 
     def _specs(self, groups: list[Group]) -> list:
         from megatron_rl.dispatch import EpisodeSpec
@@ -149,8 +197,20 @@ class DispatchRollouts(Rollouts):
                 g.rewards.append((e["reward"], e["components"], status))
 
 
+def server_hosts(episodes_cfg) -> tuple[str, str]:
+    """(bind address, address the workers use) of the rollout server."""
+    slurm = episodes_cfg.dispatch.executor == "slurm"
+    return ("0.0.0.0" if slurm else "127.0.0.1",
+            episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1"))
+
+
 def episode_id(gid: int, index: int) -> str:
     return f"g{gid}-s{index}"
+
+
+def batch_name(groups: list[Group]) -> str:
+    """The shard folder of a batch: its group-id range (deterministic, so a restart finds it again)."""
+    return f"g{groups[0].gid:07d}-g{groups[-1].gid:07d}"
 
 
 def read_episodes(shard_dir: Path, wanted: set[str]) -> dict[str, dict]:
@@ -201,3 +261,88 @@ def serve_while(engine, tp_group, work, hosts: tuple[str, str]) -> None:
         threading.Thread(target=run, name="dispatch", daemon=True).start()
 
     serve_tp(engine, tp_group, host=bind, port=0, ready=ready, until=finished)
+
+
+class RolloutServerProcess:
+    """The rollout engine in a process of its own (`episodes.server: separate`), started by rank 0 on its first
+    weight push: `python -m megatron_rl.rollout.server` with the run's model and engine config, bound to a free
+    port (reported through a file), `server_threads` torch threads, log in `<run>/rollout_server/server.log`.
+    Later pushes save the weights next to it and POST `/update_weights` (policy 'continue'). It gets SIGTERM
+    when the driver closes it, and (Linux) when its parent dies."""
+
+    def __init__(self, run_dir: Path, model_cfg, engine_cfg, threads: int, hosts: tuple[str, str],
+                 start_timeout_s: float = 180.0):
+        from megatron_rl.config import to_dict
+
+        self.dir = Path(run_dir) / "rollout_server"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps({"model": to_dict(model_cfg), "engine": to_dict(engine_cfg)}))
+        self.threads, self.hosts, self.start_timeout_s = threads, hosts, start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.client = None
+
+    def push(self, version: int, named_parameters) -> None:
+        path = self._save(named_parameters)
+        if self.proc is None:
+            self._start(path, version)
+        else:
+            self.client.update_weights(version, str(path), "continue")
+
+    def _save(self, named_parameters) -> Path:
+        import torch
+
+        path, tmp = self.dir / "weights.pt", self.dir / "weights.pt.tmp"
+        torch.save({name: p.detach().cpu().clone() for name, p in named_parameters}, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def _start(self, weights: Path, version: int) -> None:
+        from megatron_rl.rollout.client import RolloutClient
+
+        port_file = self.dir / "port"
+        port_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--host", self.hosts[0], "--port", "0",
+               "--port-file", str(port_file), "--config", str(self.dir / "config.json"), "--weights", str(weights),
+               "--version", str(version)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        for k in list(env):  # a single-process server, not a member of the training job (torchrun's agent store!)
+            if k in _LAUNCH_VARS or k.startswith("TORCHELASTIC_"):
+                del env[k]
+        with open(self.dir / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                tail = (self.dir / "server.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"rollout server did not start (see {self.dir / 'server.log'}):\n{tail}")
+            time.sleep(0.1)
+        self.url = f"http://{self.hosts[1]}:{port_file.read_text().strip()}"
+        self.client = RolloutClient(self.url, timeout=300.0)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG); else nothing."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass

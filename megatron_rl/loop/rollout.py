@@ -124,6 +124,12 @@ class Rollouts:
         self.pump(lambda: not self.inflight)
         settle(self.ready, self.runner is not None, self.timers)
 
+    def push_weights(self, version: int, named_parameters) -> None:
+        """Nothing to push: the engine is in-process (see loop.setup.sync_weights)."""
+
+    def close(self) -> None:
+        """Nothing to release here (the engine and runner belong to the driver's Parts)."""
+
     # ------------------------------------------------------------------------------- batches
     def batch(self, step: int, sampler) -> tuple[list[Group], dict]:
         """`prompts_per_step` groups for `step`; with dynamic sampling uninformative groups are replaced by

@@ -65,8 +65,14 @@ def make_rollouts(parts: Parts, run_dir: Path):
                           sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads, max_turns=1,
                           max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
                           reward_weights={cfg.data.domain: dict(cfg.rl.reward_weights)})
+    server = None
+    if cfg.episodes.server == "separate" and parts.is_rank0:
+        from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
+
+        server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
+                                      server_hosts(cfg.episodes))
     return DispatchRollouts(parts.engine, parts.runner, parts.tok, compact_prompt, cfg.rl, cfg.seed, cfg.episodes,
-                            worker, Path(run_dir), parts.ctx.pgs.tp)
+                            worker, Path(run_dir), parts.ctx.pgs.tp, server)
 
 
 def trainer_config(cfg: RunConfig):
@@ -98,9 +104,11 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
                  engine, runner, sampler, tasks["heldout"], by_id, Monitor(cfg.monitor, run_dir, rank0), rank0)
 
 
-def sync_weights(parts: Parts, version: int) -> None:
-    """Copy the trainer's weights into the engine by name (same definition and TP layout)."""
+def sync_weights(parts: Parts, rollouts, version: int) -> None:
+    """Copy the trainer's weights into the engine by name (same definition and TP layout), and push them to a
+    separate rollout server when there is one."""
     parts.engine.update_weights(version, parts.policy.named_parameters(), policy="continue")
+    rollouts.push_weights(version, parts.policy.named_parameters())
 
 
 def say(parts: Parts, msg: str) -> None:

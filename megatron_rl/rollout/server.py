@@ -320,6 +320,7 @@ async def update_weights(request: web.Request) -> web.Response:
         return _error(400, f"update_weights: {e}")
     except (ValueError, KeyError) as e:
         return _error(400, str(e))
+    log.info("update_weights: policy version %d, %d tensors from %s", body["version"], n, body["path"])
     return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
 
 
@@ -386,26 +387,64 @@ class ServerThread:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Serve a policy built from ModelConfig defaults (tiny, random weights unless --weights)."""
+    """Serve a policy: ModelConfig/EngineConfig from --config (a JSON/YAML file with `model` and `engine`
+    sections, e.g. a run's config.yaml) or the defaults; random weights unless --weights."""
     import torch
 
     from megatron_rl.distributed import init_distributed
-    from megatron_rl.models.gpt import ModelConfig
     from megatron_rl.parallel import ParallelConfig
-    from megatron_rl.rollout.engine import EngineConfig
 
     p = argparse.ArgumentParser(prog="python -m megatron_rl.rollout.server")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (see --port-file)")
+    p.add_argument("--port-file", help="write the bound port here once listening (atomically)")
+    p.add_argument("--config", help="JSON/YAML with `model` and `engine` sections (other sections are ignored)")
     p.add_argument("--weights", help="torch.save'd state dict with the trainer's parameter names")
-    p.add_argument("--vocab-size", type=int, default=384)
+    p.add_argument("--version", type=int, default=0, help="policy version of --weights")
+    p.add_argument("--vocab-size", type=int, default=384, help="without --config: the default model's vocabulary")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_cfg, engine_cfg = _server_configs(args.config, args.vocab_size)
     ctx = init_distributed(ParallelConfig(), source="single")
-    engine = RolloutEngine.build(ModelConfig(vocab_size=args.vocab_size), EngineConfig(), ParallelConfig(), ctx.pgs)
+    engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs)
     if args.weights:
-        engine.update_weights(0, torch.load(args.weights, map_location="cpu", weights_only=True).items())
-    web.run_app(create_app(engine), host=args.host, port=args.port, handler_cancellation=True)
+        engine.update_weights(args.version, torch.load(args.weights, map_location="cpu", weights_only=True).items())
+    asyncio.run(_serve_forever(create_app(engine), args.host, args.port, args.port_file))
     return 0
+
+
+def _server_configs(path: str | None, vocab_size: int):
+    from megatron_rl.config import from_dict, read_yaml_mapping
+    from megatron_rl.models.gpt import ModelConfig
+    from megatron_rl.rollout.engine import EngineConfig
+
+    if not path:
+        return ModelConfig(vocab_size=vocab_size), EngineConfig()
+    data = read_yaml_mapping(path)
+    return from_dict(ModelConfig, data.get("model", {})), from_dict(EngineConfig, data.get("engine", {}))
+
+
+async def _serve_forever(app: web.Application, host: str, port: int, port_file: str | None) -> None:
+    import os
+    import signal
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("rollout server listening on %s:%d", host, site._server.sockets[0].getsockname()[1])
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(site._server.sockets[0].getsockname()[1]))
+        os.replace(tmp, port_file)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":
