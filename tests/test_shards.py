@@ -397,6 +397,21 @@ def test_duplicate_episode_ids_dropped_across_and_within_shards(tmp_path):
     assert b.stats.dropped_duplicate == 3 and sd.stats.dropped_duplicate == 3 and sd.stats.samples_kept == 7
 
 
+def test_dedup_window_bounds_the_remembered_ids(tmp_path):
+    """Only the last `dedup_window` kept ids are remembered (memory stays bounded); resume keeps the window."""
+    write_range(tmp_path / "a.h5", 0, 5)
+    os.utime(tmp_path / "a.h5", ns=(10**18,) * 2)
+    write_shard(tmp_path / "b.h5", [make_traj(i) for i in (0, 4)])  # 0 fell out of the window, 4 did not
+    os.utime(tmp_path / "b.h5", ns=(10**18 + 1,) * 2)
+    sd = ShardDirectory(tmp_path, dedup_window=3)
+    assert len(sd.next_batch(3).columns) == 5
+    assert sd.state_dict()["seen_episode_ids"] == ["ep-0-2", "ep-0-3", "ep-0-4"]
+    resumed = ShardDirectory(tmp_path, dedup_window=3)
+    resumed.load_state_dict(sd.state_dict())
+    b = resumed.next_batch(3)
+    assert b.columns.episode_id.tolist() == ["ep-0-0"] and b.stats.dropped_duplicate == 1
+
+
 def test_state_dict_resume_skips_consumed_shards(tmp_path):
     for k, name in enumerate(("a.h5", "b.h5", "c.h5")):
         write_range(tmp_path / name, 0, 4, seed=k)

@@ -33,6 +33,7 @@ by another thread (a sandbox spawn) briefly holds the writer's descriptor (seen 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -847,17 +848,21 @@ class ShardDirectoryConfig:
     """Read the next shard in a background thread while the trainer works."""
     quarantine_dir: str = "quarantine"
     """Sub-folder of `root` that unreadable shards are moved into, each with a `<name>.reason.txt`."""
+    dedup_window: int = 1_000_000
+    """Episode ids remembered for duplicate dropping (the most recent ones; retries re-publish recent episodes)."""
 
     def validate(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ConfigError(f"shard max_staleness {self.max_staleness} must be >= 0 or None")
+        if self.dedup_window < 1:
+            raise ConfigError(f"shard dedup_window {self.dedup_window} must be >= 1")
         if not self.quarantine_dir or "/" in self.quarantine_dir:
             raise ConfigError(f"shard quarantine_dir {self.quarantine_dir!r} must be a plain folder name")
 
     def build(self) -> ShardDirectory:
         self.validate()
         return ShardDirectory(self.root, self.max_staleness, prefetch=self.prefetch,
-                              quarantine_dir=self.quarantine_dir)
+                              quarantine_dir=self.quarantine_dir, dedup_window=self.dedup_window)
 
 
 @dataclass
@@ -901,18 +906,20 @@ class ShardDirectory:
     samples the trainer still buffers. Only one consumer per folder. Unreadable shards are quarantined and
     skipped, never raised. Files ending in `.tmp` (unfinished writers) are ignored. Consumed shards are
     remembered by file name, so writers must use a new name per write attempt; an episode re-written by a
-    retry under another name is dropped as a duplicate by its episode_id.
+    retry under another name is dropped as a duplicate by its episode_id (the last `dedup_window` kept ids
+    are remembered, so memory stays bounded on long runs).
     """
 
     def __init__(self, root: str | os.PathLike, max_staleness: int | None = None, *, prefetch: bool = True,
-                 quarantine_dir: str = "quarantine"):
+                 quarantine_dir: str = "quarantine", dedup_window: int = 1_000_000):
         self.root = Path(root)
         self.max_staleness = max_staleness
         self.prefetch = prefetch
         self.quarantine_root = self.root / quarantine_dir
         self.stats = ShardStats()
         self._consumed: set[str] = set()
-        self._seen_ids: set[str] = set()
+        self.dedup_window = dedup_window
+        self._seen_ids: dict[str, None] = {}  # insertion-ordered: the oldest ids leave first
         self._prefetched: tuple[str, queue.Queue] | None = None
 
     # -- listing and state
@@ -931,14 +938,15 @@ class ShardDirectory:
 
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: consumed shard names, seen episode ids, cumulative stats."""
-        return {"version": 1, "consumed": sorted(self._consumed), "seen_episode_ids": sorted(self._seen_ids),
+        return {"version": 1, "consumed": sorted(self._consumed), "seen_episode_ids": list(self._seen_ids),
                 "stats": dict(vars(self.stats))}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != 1:
             raise ValueError(f"ShardDirectory state version {state.get('version')!r} unknown (expected 1)")
         self._consumed = set(state["consumed"])
-        self._seen_ids = set(state["seen_episode_ids"])
+        self._seen_ids = {}
+        self._remember(state["seen_episode_ids"])
         self.stats = ShardStats(**state["stats"])
         self._prefetched = None
 
@@ -990,10 +998,16 @@ class ShardDirectory:
             stats.dropped_stale = int(stale.sum())
             keep &= ~stale
         kept = cols.select(keep)
-        self._seen_ids.update(kept.episode_id.tolist())
+        self._remember(kept.episode_id.tolist())
         stats.samples_kept = len(kept)
         self.stats.add(stats)
         return ShardBatch(path, kept, stats)
+
+    def _remember(self, ids) -> None:
+        for eid in ids:
+            self._seen_ids[eid] = None
+        for eid in list(itertools.islice(self._seen_ids, max(0, len(self._seen_ids) - self.dedup_window))):
+            del self._seen_ids[eid]
 
     def _quarantine(self, path: Path, error: BaseException) -> None:
         self.quarantine_root.mkdir(parents=True, exist_ok=True)
