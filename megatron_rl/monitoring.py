@@ -1,17 +1,23 @@
-"""Run monitoring: per-step metrics to JSONL, TensorBoard (when installed) and W&B (when configured), and alert
-rules that log loudly and can stop the run.
+"""Run monitoring: per-step metrics to JSONL, TensorBoard (when installed), W&B (when configured) and a
+Prometheus endpoint (when a port is configured), a progress bar for long loops, and alert rules that log
+loudly and can stop the run.
 
     monitor = Monitor(MonitorConfig(), run_dir, active=(rank == 0))
-    monitor.log("rl", step, metrics)          # JSONL row {kind, step, time_s, ...}; scalars to TB / W&B
+    monitor.expect("rl", total=45)            # progress bar for kind "rl" (steps 0..44)
+    monitor.log("rl", step, metrics)          # JSONL row {kind, step, time_s, ...}; scalars to TB / W&B / Prometheus
     alerts = monitor.check(step, metrics)     # [] or ["reward collapse: ..."]; monitor.should_stop after
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
@@ -43,6 +49,13 @@ class MonitorConfig:
     """Write TensorBoard event files to <run>/tb when the tensorboard package is installed."""
     wandb_project: str = ""
     """Log to this W&B project when set (needs the wandb package; never required)."""
+    prometheus_port: int = -1
+    """Serve the latest metrics at http://<host>:<port>/metrics (rank 0): -1 off, 0 any free port (written to
+    <run>/prometheus_port)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (0.0.0.0 to be scraped from other nodes)."""
+    progress: bool = True
+    """Show a progress bar for the RL steps on stderr (redrawn on a terminal, a line per 10% in logs)."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
     """Alert rules."""
 
@@ -52,11 +65,17 @@ class Monitor:
 
     def __init__(self, cfg: MonitorConfig, run_dir: Path, active: bool = True):
         self.cfg, self.run_dir, self.active, self.t0 = cfg, Path(run_dir), active, time.time()
-        self.tb = self.wandb = None
+        self.tb = self.wandb = self.prometheus = None
         self.rewards: list[float] = []
         self.should_stop: str | None = None
+        self.bars: dict[str, Progress] = {}
         if active:
             self._open_sinks()
+
+    def expect(self, kind: str, total: int, start: int = 0) -> None:
+        """Show a progress bar for `kind` rows: steps start..total-1."""
+        if self.active and self.cfg.progress and total > 0:
+            self.bars[kind] = Progress(kind, total, start)
 
     def _open_sinks(self) -> None:
         if self.cfg.tensorboard:
@@ -70,6 +89,11 @@ class Monitor:
             import wandb  # optional; configured explicitly, so a missing package is an error
 
             self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.run_dir.name, dir=str(self.run_dir))
+        if self.cfg.prometheus_port >= 0:
+            self.prometheus = PrometheusExporter(self.cfg.prometheus_host, self.cfg.prometheus_port)
+            (self.run_dir / "prometheus_port").write_text(f"{self.prometheus.port}\n")
+            print(f"[megatron-rl] Prometheus metrics at http://{self.cfg.prometheus_host}:{self.prometheus.port}/metrics"
+                  " while the run lasts", flush=True)
 
     def log(self, kind: str, step: int, metrics: dict) -> None:
         if not self.active:
@@ -84,6 +108,11 @@ class Monitor:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+        if self.prometheus is not None:
+            self.prometheus.update(kind, step, scalars)
+        if kind in self.bars:
+            shown = {k: metrics[k] for k in ("reward_mean", "loss") if _is_number(metrics.get(k))}
+            self.bars[kind].update(step + 1, shown)
 
     def check(self, step: int, m: dict) -> list[str]:
         """Evaluate the alert rules on a step's metrics; sets `should_stop` when a stopping rule fires."""
@@ -124,10 +153,14 @@ class Monitor:
               file=sys.stderr, flush=True)
         with open(self.run_dir / "alerts.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "rule": rule, "message": msg, "stop": stop}) + "\n")
+        if self.prometheus is not None:
+            self.prometheus.alert(rule)
         if stop and self.should_stop is None:
             self.should_stop = f"{rule}: {msg}"
 
     def close(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -136,3 +169,97 @@ class Monitor:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class PrometheusExporter:
+    """`GET /metrics` in Prometheus text format: the latest value of every numeric metric of each kind as a gauge
+    `megatron_rl_<kind>_<name>` (names sanitised), the kind's last step, and `megatron_rl_alerts_total{rule}`."""
+
+    def __init__(self, host: str, port: int):
+        self.values: dict[str, float] = {}
+        self.lock = threading.Lock()
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served")
+                    return
+                body = exporter.text().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # no access log on stderr
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="prometheus", daemon=True)
+        self.thread.start()
+
+    def update(self, kind: str, step: int, scalars: dict[str, float]) -> None:
+        with self.lock:
+            self.values[metric_name(kind, "step")] = float(step)
+            for k, v in scalars.items():  # k is "<kind>/<name>"
+                self.values[metric_name(kind, k.split("/", 1)[1])] = v
+
+    def alert(self, rule: str) -> None:
+        key = f'megatron_rl_alerts_total{{rule="{rule}"}}'
+        with self.lock:
+            self.values[key] = self.values.get(key, 0.0) + 1
+
+    def text(self) -> str:
+        with self.lock:
+            items = sorted(self.values.items())
+        lines, typed = [], set()
+        for k, v in items:
+            base = k.split("{")[0]
+            if base not in typed:
+                lines.append(f"# TYPE {base} {'counter' if base.endswith('_total') else 'gauge'}")
+                typed.add(base)
+            lines.append(f"{k} {v if math.isfinite(v) else 'NaN'}")
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def metric_name(kind: str, name: str) -> str:
+    """A valid Prometheus metric name for a metric of `kind` (anything outside [a-zA-Z0-9_] becomes _)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", f"megatron_rl_{kind}_{name}")
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal; in a log file, one line per 10% of the work."""
+
+    def __init__(self, desc: str, total: int, start: int = 0, stream=None, width: int = 24):
+        self.desc, self.total, self.start, self.width = desc, total, start, width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty() and os.environ.get("TERM") != "dumb"
+        self.t0, self.last_decile, self.first = time.monotonic(), start * 10 // total, True
+
+    def render(self, done: int, extra: dict | None = None) -> str:
+        frac = done / self.total
+        fill = int(frac * self.width)
+        rate = (time.monotonic() - self.t0) / max(done - self.start, 1)
+        eta = rate * (self.total - done)
+        tail = "".join(f" {k} {v:.3g}" for k, v in (extra or {}).items())
+        return (f"[{self.desc}] {done}/{self.total} [{'=' * fill}{' ' * (self.width - fill)}] {100 * frac:3.0f}% "
+                f"{rate:.1f} s/step eta {int(eta) // 60}m{int(eta) % 60:02d}s{tail}")
+
+    def update(self, done: int, extra: dict | None = None) -> None:
+        if self.first:  # a resumed run starts past 0: rates count from the first step seen
+            self.first, self.start = False, done - 1
+            self.last_decile = self.start * 10 // self.total
+        line = self.render(done, extra)
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= self.total else ""))
+        elif done * 10 // self.total > self.last_decile or done >= self.total:
+            self.last_decile = done * 10 // self.total
+            self.stream.write(line + "\n")
+        self.stream.flush()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_rl.commands.report import main as report_main
 from megatron_rl.monitoring import AlertConfig, Monitor, MonitorConfig
 
@@ -59,3 +61,44 @@ def test_report_draws_pngs(tmp_path):
     assert [p.name for p in pngs] == ["lengths.png", "rewards.png", "time.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 5000 for p in pngs)
     assert report_main([str(tmp_path / "missing")]) == 2
+
+
+def test_prometheus_endpoint_serves_latest_metrics_and_alerts(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    cfg = MonitorConfig(tensorboard=False, prometheus_port=0, progress=False)
+    m = Monitor(cfg, tmp_path)
+    try:
+        port = int((tmp_path / "prometheus_port").read_text())
+        m.log("rl", 0, {"reward_mean": 0.25, "countdown/count": 16, "note": "text is not a metric"})
+        m.log("rl", 1, {"reward_mean": 0.5, "countdown/count": 16})
+        m.check(1, {"loss": float("nan")})
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "megatron_rl_rl_reward_mean 0.5\n" in text and "megatron_rl_rl_step 1.0\n" in text
+        assert "megatron_rl_rl_countdown_count 16.0\n" in text and "note" not in text
+        assert '# TYPE megatron_rl_alerts_total counter\nmegatron_rl_alerts_total{rule="nan"} 1.0\n' in text
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+    finally:
+        m.close()
+
+
+def test_progress_bar_in_a_log_prints_every_tenth(tmp_path):
+    import io
+
+    from megatron_rl.monitoring import Progress
+
+    out = io.StringIO()
+    bar = Progress("rl", 20, stream=out)
+    for step in range(20):
+        bar.update(step + 1, {"reward_mean": 0.5})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("[rl] 20/20 [" + "=" * 24 + "] 100%")
+    assert "reward_mean 0.5" in lines[0] and lines[0].startswith("[rl] 2/20 ")
+    resumed = io.StringIO()
+    bar = Progress("rl", 20, stream=resumed)
+    bar.update(15)  # a resumed run: the first step seen is 15 of 20 (no decile crossed yet)
+    bar.update(16)
+    (line,) = resumed.getvalue().splitlines()
+    assert line.startswith("[rl] 16/20 [" + "=" * 19 + " " * 5 + "]  80%")

@@ -100,8 +100,10 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
                                  {cfg.data.domain: cfg.rl.reward_weights}) if rank0 else None
     sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
     by_id = {t.id: t for split in tasks.values() for t in split}
+    monitor = Monitor(cfg.monitor, run_dir, rank0)
+    monitor.expect("rl", cfg.rl.steps)
     return Parts(cfg, ctx, ByteTokenizer(cfg.model.vocab_size), policy, RLTrainer(policy, trainer_config(cfg)),
-                 engine, runner, sampler, tasks["heldout"], by_id, Monitor(cfg.monitor, run_dir, rank0), rank0)
+                 engine, runner, sampler, tasks["heldout"], by_id, monitor, rank0)
 
 
 def sync_weights(parts: Parts, rollouts, version: int) -> None:
