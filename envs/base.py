@@ -25,6 +25,7 @@ import logging
 import posixpath
 import re
 import shlex
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -477,6 +478,18 @@ class Environment(abc.ABC):
     def render_prompt(self, task: Task) -> str:
         return f"{task.prompt}\n\n{self.instructions}" if self.instructions else task.prompt
 
+    def tool_summary(self) -> dict[str, float]:
+        """This episode's tool use per tool: `tool.<name>.calls`, `tool.<name>.errors` (calls that did not run:
+        unparsable, unknown tool, bad arguments, or the tool raised; an answer like "error: no such file" is a
+        run) and `tool.<name>.latency_s` (summed); {} for an environment without tools. Names are sanitised."""
+        out: dict[str, float] = {}
+        for name, status, seconds in getattr(self, "tool_log", []):
+            key = "tool." + re.sub(r"[^A-Za-z0-9_-]", "_", name)[:48]
+            out[f"{key}.calls"] = out.get(f"{key}.calls", 0.0) + 1
+            out[f"{key}.errors"] = out.get(f"{key}.errors", 0.0) + (status != "ok")
+            out[f"{key}.latency_s"] = out.get(f"{key}.latency_s", 0.0) + seconds
+        return out
+
     # ---- API
     @property
     def sandbox(self) -> Sandbox:
@@ -493,6 +506,7 @@ class Environment(abc.ABC):
         self.task, self.done, self.turn = task, False, 0
         self.infra_status = "ok"  # set to sandbox_error when a sandbox failed during the episode
         self.transcript: list[tuple[str, str]] = []
+        self.tool_log: list[tuple[str, str, float]] = []  # (tool, status, seconds) of every call this episode
         self.last_action = ""
         self._start(task)
         text = self.render_prompt(task)
@@ -589,8 +603,12 @@ class ToolEnvironment(Environment):
         if not has_tool_call(action):
             return None
         calls = parse_tool_calls(action)
-        parts = [f"<tool_error>{c.error}</tool_error>" if c.error else self._dispatch(c)
-                 for c in calls[: self.max_calls_per_turn]]
+        parts = []
+        for c in calls[: self.max_calls_per_turn]:
+            t0 = time.perf_counter()
+            text, status = (f"<tool_error>{c.error}</tool_error>", "parse_error") if c.error else self._dispatch(c)
+            self.tool_log.append((c.name or "(unparsed)", status, time.perf_counter() - t0))
+            parts.append(text)
         if len(calls) > self.max_calls_per_turn:
             parts.append(f"<tool_error>only {self.max_calls_per_turn} tool calls run per turn; "
                          f"{len(calls) - self.max_calls_per_turn} ignored</tool_error>")
@@ -612,21 +630,23 @@ class ToolEnvironment(Environment):
         notes = [problem[0]] if problem else []
         return res, "; ".join(notes + ([err] if err else []))
 
-    def _dispatch(self, call: ToolCall) -> str:
+    def _dispatch(self, call: ToolCall) -> tuple[str, str]:
+        """(text for the model, status): ok, unknown_tool, bad_arguments or error (the tool raised)."""
         validator = self._validators().get(call.name)
         if validator is None:
             known = ", ".join(t.name for t in self.tools)
-            return f"<tool_error>unknown tool {call.name[:80]!r}; available tools: {known}</tool_error>"
+            return f"<tool_error>unknown tool {call.name[:80]!r}; available tools: {known}</tool_error>", "unknown_tool"
         problems = [f"{'/'.join(map(str, e.path)) or 'arguments'}: {e.message[:160]}"
                     for e in validator.iter_errors(call.arguments)]
         if problems:
-            return f"<tool_error>bad arguments for {call.name}: {'; '.join(sorted(problems)[:3])}</tool_error>"
+            return (f"<tool_error>bad arguments for {call.name}: {'; '.join(sorted(problems)[:3])}</tool_error>",
+                    "bad_arguments")
         try:
             out = getattr(self, f"tool_{call.name}")(**call.arguments)
         except Exception as e:  # a tool failing on odd arguments is the model's problem, not the worker's
             log.debug("tool %s failed", call.name, exc_info=True)
-            return f"<tool_error>{call.name} failed: {e.__class__.__name__}: {str(e)[:200]}</tool_error>"
-        return f'<tool_response name="{call.name}">\n{out}\n</tool_response>'
+            return f"<tool_error>{call.name} failed: {e.__class__.__name__}: {str(e)[:200]}</tool_error>", "error"
+        return f'<tool_response name="{call.name}">\n{out}\n</tool_response>', "ok"
 
 
 # ------------------------------------------------------------------------------------------- config

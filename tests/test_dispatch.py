@@ -77,6 +77,45 @@ def test_worker_token_layout_and_rewards(tmp_path):
     assert 0 < sum(t.reward > 1 for t in trajs.values()) < len(eps)
 
 
+def test_tool_calls_per_tool_reach_the_shards_and_the_loop_metrics(tmp_path):
+    """A multi-turn tool episode: the worker records calls, errors and latency per tool in the trajectory's
+    timings; the RL loop's dispatched rollouts turn them into per-domain, per-tool step metrics."""
+    from envs.base import Budget, make_env
+    from envs.sandbox import SandboxConfig
+    from megatron_rl.data.shards import write_shard
+    from megatron_rl.dispatch import EpisodeSpec
+    from megatron_rl.dispatch.worker import run_episode
+    from megatron_rl.loop.dispatched import DispatchRollouts, read_episodes
+    from megatron_rl.tokenizer import ByteTokenizer
+
+    task = next(t for t in load_domain("tool_use", split="train") if t.id == "tool-calc-mod-0")
+    turns = iter(['<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+                  '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
+                  f"<answer>{task.payload['answer']}</answer>"])
+    tok = ByteTokenizer(384)
+
+    class Scripted:  # three model turns: a good call, a call with bad arguments, the answer
+        def generate(self, prompt_ids, sampling, episode=None, turn=0):
+            ids = tok.encode(next(turns)) + [tok.eos_id]
+            return ids, [-0.5] * len(ids), 2
+
+    sandbox = SandboxConfig(backend="subprocess").build()
+    try:
+        env = make_env("tool_use", sandbox=sandbox, budget=Budget(max_turns=4))
+        ep = EpisodeSpec(episode_id="g0-s0", env="tool_use", task=task.to_dict())
+        traj = run_episode(ep, env, Scripted(), tok)
+    finally:
+        sandbox.close()
+    assert traj.timings["tool.calculator.calls"] == 2 and traj.timings["tool.calculator.errors"] == 1
+    write_shard(tmp_path / "s.h5", [traj])
+    episodes = read_episodes(tmp_path, {"g0-s0"})
+    rollouts = DispatchRollouts.__new__(DispatchRollouts)  # only its tool accounting is exercised here
+    rollouts.tool_stats = {}
+    rollouts._count_tools(episodes.values())
+    calls, errors, seconds = rollouts.tool_stats[("tool_use", "calculator")]
+    assert (calls, errors) == (2.0, 1.0) and 0 <= seconds < 5
+
+
 @pytest.mark.slow
 def test_200_episodes_come_back_exactly_once(tmp_path):
     eps = episodes(200)

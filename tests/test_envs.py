@@ -334,6 +334,17 @@ def test_tool_use_bad_calls_become_error_observations(sandbox):
     assert "only 4 tool calls run per turn" in text
     r = env.step(call("calculator", expression="1/0"))
     assert r.done and r.info["status"] == "truncated" and r.reward == 0.0  # turn budget spent, no answer
+    # per-tool status and latency of the episode (what rollout workers put in the shards' timings)
+    s = env.tool_summary()
+    assert s["tool.rm_rf.calls"] == 1 and s["tool.rm_rf.errors"] == 1
+    assert s["tool._unparsed_.calls"] == 2 and s["tool._unparsed_.errors"] == 2  # not JSON, arguments not an object
+    # 4 calls: 2 with bad arguments (errors); "too large" and 1/0 are answers the tool itself returned
+    assert s["tool.calculator.calls"] == 4 and s["tool.calculator.errors"] == 2
+    assert s["tool.read_file.calls"] == 1 and all(s[k] >= 0 for k in s if k.endswith(".latency_s"))
+    env.reset(task("tool_use", "tool-calc-mod-0"))
+    assert env.tool_summary() == {}
+    env.step(call("calculator", expression="2+3"))
+    assert env.tool_summary()["tool.calculator.calls"] == 1 and env.tool_summary()["tool.calculator.errors"] == 0
 
 
 def test_parse_tool_calls_keeps_order_and_never_raises():

@@ -215,6 +215,7 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
         mask += [0] * len(obs_ids)
         versions += [versions[-1] if versions else 0] * len(obs_ids)
     timings["total"] = time.perf_counter() - t0
+    timings.update(env.tool_summary())                                  # tool.<name>.calls / .errors / .latency_s
     model_versions = [v for v, m in zip(versions, mask[prompt_len:]) if m] or [0]
     rr = res.reward_result
     prov = {k: json.dumps(v, sort_keys=True) for k, v in (rr.provenance if rr else {}).items()}

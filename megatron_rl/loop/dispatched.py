@@ -62,6 +62,8 @@ class DispatchRollouts(Rollouts):
         self.pool = ThreadPoolExecutor(cfg.max_staleness + 1, thread_name_prefix="dispatch") if self.separate else None
         self.counters = {"episodes_dispatched": 0, "episodes_recovered": 0, "episodes_missing": 0,
                          "dispatch_failed_tasks": 0, "dispatch_rounds": 0}
+        self.tool_stats: dict[tuple[str, str], list[float]] = {}
+        """(domain, tool) -> [calls, errors, seconds] of the episodes taken since the last batch()."""
 
     # ------------------------------------------------------------------------------- the Rollouts interface
     def submit(self, step: int, tasks: list) -> None:
@@ -93,7 +95,12 @@ class DispatchRollouts(Rollouts):
     def batch(self, step: int, sampler) -> tuple[list[Group], dict]:
         before = dict(self.counters)
         groups, stats = super().batch(step, sampler)
-        return groups, {**stats, **{k: v - before[k] for k, v in self.counters.items()}}
+        stats.update({k: v - before[k] for k, v in self.counters.items()})
+        for (domain, tool), (calls, errors, seconds) in sorted(self.tool_stats.items()):
+            stats.update({f"tools/{domain}/{tool}/calls": calls, f"tools/{domain}/{tool}/error_frac": errors / calls,
+                          f"tools/{domain}/{tool}/latency_mean_s": seconds / calls})
+        self.tool_stats = {}
+        return groups, stats
 
     # ------------------------------------------------------------------------------- dispatch
     def _run(self, groups: list[Group]) -> None:
@@ -121,11 +128,19 @@ class DispatchRollouts(Rollouts):
             for k in self.counters:
                 self.counters[k] += result["counters"].get(k, 0)
         self._fill(groups, episodes)
+        self._count_tools(episodes.values())
         for g in groups:
             del self.inflight[f"g{g.gid}"]
             self.batch_of.pop(g.gid, None)
             self.ready.append(g)
         self.timers["generate_s"] += time.perf_counter() - t0
+
+    def _count_tools(self, episodes) -> None:
+        for e in episodes:
+            for key, value in e["tools"].items():  # tool.<name>.calls / .errors / .latency_s (Environment)
+                parts = key.split(".")
+                if len(parts) == 3 and parts[2] in _TOOL_SLOTS:
+                    self.tool_stats.setdefault((e["env"], parts[1]), [0.0, 0.0, 0.0])[_TOOL_SLOTS[parts[2]]] += value
 
     def push_weights(self, version: int, named_parameters) -> None:
         """After an update (every rank calls it): rank 0 sends the weights to the separate server."""
@@ -197,6 +212,9 @@ class DispatchRollouts(Rollouts):
                 g.rewards.append((e["reward"], e["components"], status))
 
 
+_TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
+
+
 def server_hosts(episodes_cfg) -> tuple[str, str]:
     """(bind address, address the workers use) of the rollout server."""
     slurm = episodes_cfg.dispatch.executor == "slurm"
@@ -234,7 +252,8 @@ def read_episodes(shard_dir: Path, wanted: set[str]) -> dict[str, dict]:
                                  "logprobs": [float(x) for x in t.logprobs[n:]],
                                  "versions": [int(x) for x in versions], "reward": float(t.reward),
                                  "components": {k: float(v) for k, v in t.reward_components.items()},
-                                 "status": str(t.status)}
+                                 "status": str(t.status), "env": str(t.env),
+                                 "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
     return out
 
 
