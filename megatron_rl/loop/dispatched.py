@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch.distributed as dist
@@ -112,6 +112,7 @@ class DispatchRollouts(Rollouts):
         t0 = time.perf_counter()
         if self.separate:
             names = sorted({self.batch_of[g.gid] for g in groups})
+            self._await([self.futures[n] for n in names] if dist.get_rank() == 0 else [])
             results = [self.futures.pop(n).result() if dist.get_rank() == 0 else None for n in names]
         else:
             shard_dir = self.run_dir / "rl_episodes" / batch_name(groups)
@@ -134,6 +135,17 @@ class DispatchRollouts(Rollouts):
             self.batch_of.pop(g.gid, None)
             self.ready.append(g)
         self.timers["generate_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _await(futures: list[Future], poll_s: float = 5.0) -> None:
+        """Every rank returns when rank 0's `futures` are done; the others hear from rank 0 every `poll_s`, so
+        no collective waits longer than that (a Slurm queue can hold episodes longer than the collective
+        timeout)."""
+        while True:
+            done = [dist.get_rank() != 0 or not wait(futures, timeout=poll_s).not_done]
+            dist.broadcast_object_list(done, src=0)
+            if done[0]:
+                return
 
     def _count_tools(self, episodes) -> None:
         for e in episodes:
