@@ -22,6 +22,7 @@ setup(
         "pyyaml>=6",
         "h5py>=3.10",
         "hdf5plugin>=4.4",
+        "blosc>=1.11.1",  # shard chunks (de)compressed on a thread pool, GIL released (data/chunk_io.py)
         "submitit>=1.5",
         "mpi4py>=3.1",
         "jsonschema>=4.18",  # tool-call arguments are validated against each tool's JSON schema

@@ -4,12 +4,13 @@ Write, same arrays (the target): `write_shard(path, columns)` (validation, compr
 fsync, atomic rename, directory fsync) vs np.save of the columns' tokens/logprobs/loss_mask/offsets, each
 file fsynced, plus a directory fsync. Write, end to end: `write_shard(path, list_of_Trajectory)` vs
 concatenating the same trajectories + the same np.save. Read: `read_arrays` (everything, columnar) vs np.load
-of the four arrays. Before each read the files' pages are dropped from the page cache with
+of the four arrays. Right before each read the files' pages are dropped from the page cache with
 posix_fadvise(DONTNEED) (after fsync they are clean, so this works without root); a VM host may still cache.
 MB/s counts the CSR payload bytes for both sides (the shard's per-sample metadata is extra work for it).
-Medians over --reps interleaved repetitions. Targets (issue): write >= 0.7x, read >= 0.8x raw.
+Medians over --reps rounds after --warmup uncounted ones; rounds alternate which side goes first.
+Targets (issue): write >= 0.7x, read >= 0.8x raw.
 
-    .venv/bin/python benchmarks/shard_io.py [--mb 160] [--reps 5] [--compression blosc-lz4] [--tokens zipf]
+    .venv/bin/python benchmarks/shard_io.py [--mb 160] [--reps 7] [--compression blosc-lz4] [--tokens zipf]
 
 Prints one JSON object.
 """
@@ -96,22 +97,33 @@ def raw_read(d: Path) -> dict[str, np.ndarray]:
     return {name: np.load(d / f"{name}.npy") for name in ARRAYS}
 
 
-def one_round(trajs: list[Trajectory], cols: TrajectoryColumns, d: Path, args) -> dict[str, float]:
-    """All six timings once. Every file gets a fresh name (no timed step frees blocks of an old file);
-    files are fsynced, dropped from the page cache before reads, and deleted (then synced) after the round."""
+def _check(name: str, back, cols: TrajectoryColumns) -> None:
+    tokens, offsets = (back["tokens"], back["offsets"]) if name == "raw_r" else (back.tokens, back.offsets)
+    assert np.array_equal(tokens, cols.tokens) and np.array_equal(offsets, cols.offsets), name
+
+
+def one_round(trajs: list[Trajectory], cols: TrajectoryColumns, d: Path, args, flip: bool) -> dict[str, float]:
+    """All six timings once; `flip` puts the shard side first (rounds alternate, so neither side always runs
+    on the heels of the other). Every file gets a fresh name (no timed step frees blocks of an old file);
+    files are fsynced, dropped from the page cache right before each read, each read is checked and freed
+    before the next, and all files are deleted (then synced) after the round."""
     kw = dict(compression=args.compression, chunk_elems=args.chunk_elems)
+    writes = {"raw_w": lambda: raw_write(cols, d / "raw"),
+              "raw_w_e2e": lambda: raw_write(TrajectoryColumns.from_trajectories(trajs), d / "raw_e2e"),
+              "shard_w": lambda: write_shard(d / "cols.h5", cols, **kw),
+              "shard_w_e2e": lambda: write_shard(d / "trajs.h5", trajs, **kw)}
+    reads = {"raw_r": lambda: raw_read(d / "raw"), "shard_r": lambda: read_arrays(d / "cols.h5")}
     t = {}
-    t["raw_w"], raw_size = timed(raw_write, cols, d / "raw")
-    t["raw_w_e2e"], _ = timed(lambda: raw_write(TrajectoryColumns.from_trajectories(trajs), d / "raw_e2e"))
-    t["shard_w"], _ = timed(lambda: write_shard(d / "cols.h5", cols, **kw))
-    t["shard_w_e2e"], _ = timed(lambda: write_shard(d / "trajs.h5", trajs, **kw))
-    for path in [d / "cols.h5"] + [d / "raw" / f"{name}.npy" for name in ARRAYS]:
-        drop_cache(path)
-    t["raw_r"], back = timed(raw_read, d / "raw")
-    assert np.array_equal(back["tokens"], cols.tokens)
-    t["shard_r"], back = timed(read_arrays, d / "cols.h5")
-    assert np.array_equal(back.tokens, cols.tokens) and np.array_equal(back.offsets, cols.offsets)
-    t["raw_size"], t["shard_size"] = raw_size, (d / "cols.h5").stat().st_size
+    for name in sorted(writes, reverse=flip):  # raw_* first, or shard_* first
+        t[name], _ = timed(writes[name])
+    for name in sorted(reads, reverse=flip):
+        for path in [d / "cols.h5"] + [d / "raw" / f"{a}.npy" for a in ARRAYS]:
+            drop_cache(path)
+        t[name], back = timed(reads[name])
+        _check(name, back, cols)
+        del back
+    t["raw_size"] = sum((d / "raw" / f"{a}.npy").stat().st_size for a in ARRAYS)
+    t["shard_size"] = (d / "cols.h5").stat().st_size
     for child in d.iterdir():
         shutil.rmtree(child) if child.is_dir() else child.unlink()
     os.sync()
@@ -137,7 +149,9 @@ def run(args) -> dict:
     payload = sum(getattr(cols, name).nbytes for name in ARRAYS)
     d = Path(tempfile.mkdtemp(prefix="shard_io.", dir=args.dir))
     try:
-        rounds = [one_round(trajs, cols, d, args) for _ in range(args.reps)]
+        for i in range(args.warmup):  # first touches of memory and files, not counted
+            one_round(trajs, cols, d, args, flip=bool(i % 2))
+        rounds = [one_round(trajs, cols, d, args, flip=bool(i % 2)) for i in range(args.reps)]
     finally:
         shutil.rmtree(d, ignore_errors=True)
     keys = ("raw_w", "shard_w", "raw_w_e2e", "shard_w_e2e", "raw_r", "shard_r")
@@ -147,11 +161,12 @@ def run(args) -> dict:
     return {
         "benchmark": "shard_io", "token_distribution": args.tokens, "compression": args.compression,
         "chunk_elems": args.chunk_elems,
-        "blosc": "lz4 clevel 5 byte-shuffle" if args.compression == "blosc-lz4" else None,
+        "blosc": "lz4 clevel 5, shuffle per dataset (shards.SHUFFLE)" if args.compression == "blosc-lz4" else None,
         "samples": len(trajs), "tokens": cols.num_tokens, "payload_mb": round(payload / 1e6, 1),
         "shard_file_mb": round(rounds[-1]["shard_size"] / 1e6, 1),
         "raw_file_mb": round(rounds[-1]["raw_size"] / 1e6, 1),
         "file_size_ratio": round(rounds[-1]["shard_size"] / rounds[-1]["raw_size"], 3), "reps": args.reps,
+        "warmup_rounds": args.warmup,
         "write_mb_s": {"shard_columns": mbps["shard_w"], "raw_np_save_fsync": mbps["raw_w"],
                        "shard_from_trajectories": mbps["shard_w_e2e"], "raw_concat_np_save_fsync": mbps["raw_w_e2e"]},
         "read_mb_s": {"shard_read_arrays": mbps["shard_r"], "raw_np_load": mbps["raw_r"]},
@@ -169,9 +184,10 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=160, help="CSR payload size in MB (default 160)")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions; medians are reported")
+    parser.add_argument("--reps", type=int, default=7, help="rounds (alternating which side goes first); medians")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
     parser.add_argument("--compression", default="blosc-lz4", choices=["blosc-lz4", "none"])
-    parser.add_argument("--chunk-elems", type=int, default=65536)
+    parser.add_argument("--chunk-elems", type=int, default=262144)
     parser.add_argument("--tokens", default="zipf", choices=["zipf", "uniform"], help="token id distribution")
     parser.add_argument("--dir", default=None, help="folder for the files (default: system temp)")
     print(json.dumps(run(parser.parse_args(argv))))

@@ -334,7 +334,14 @@ def corrupt_shards(root: Path) -> dict[str, str]:
     write_range(root / "csr.h5", 0, 3, length=5)
     with h5py.File(root / "csr.h5", "a") as f:
         f["offsets"][...] = [0, 10, 5, 15]
+    write_range(root / "chunk.h5", 0, 30, length=500)
+    with h5py.File(root / "chunk.h5", "r") as f:
+        stored = f["tokens"].id.get_chunk_info(0)  # StoreInfo(chunk_offset, filter_mask, byte_offset, size)
+    with open(root / "chunk.h5", "r+b") as f:  # the Blosc header of the first token chunk claims 2 GB
+        f.seek(stored.byte_offset + 4)
+        f.write((2**31).to_bytes(4, "little"))
     return {"trunc.h5": "ShardError", "garbage.h5": "cannot open as HDF5", "schema.h5": "schema_version 7",
+            "chunk.h5": "chunk at 0: Blosc header says 2147483648 bytes",
             "foreign.h5": "someone-else/v1", "nooffsets.h5": "missing datasets ['offsets']",
             "shapes.h5": "inconsistent shapes (per-sample ['reward']", "csr.h5": "offsets are not a valid CSR"}
 
