@@ -159,8 +159,9 @@ class ChunkWriter:
     `start + len(arr)` elements, `start` is a chunk boundary, and `arr` is not modified afterwards. A writer
     thread encodes the chunks on the pool exactly as each dataset's own filter would (none, or Blosc with its
     compressor, level and shuffle) and stores them with H5Dwrite_chunk (h5py serialises it with the caller's
-    own h5py calls), starting disk writeback every WRITEBACK_BYTES when given the file's descriptor. `join()` waits for everything and raises the first
-    error; `abort()` drops what is queued. Both end the threads; the file may be closed after either.
+    own h5py calls), starting disk writeback every WRITEBACK_BYTES when given the file's descriptor.
+    `join()` waits for everything and raises the first error; `abort()` drops what is queued. Both end the
+    threads; the file may be closed after either.
     """
 
     def __init__(self, threads: int, writeback_fd: int | None = None):
