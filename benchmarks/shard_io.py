@@ -6,6 +6,7 @@ file fsynced, plus a directory fsync. Write, end to end: `write_shard(path, list
 concatenating the same trajectories + the same np.save. Read: `read_arrays` (everything, columnar) vs np.load
 of the four arrays. Right before each read the files' pages are dropped from the page cache with
 posix_fadvise(DONTNEED) (after fsync they are clean, so this works without root); a VM host may still cache.
+Both reads are then repeated with the files in the page cache ("read_warm", no target).
 MB/s counts the CSR payload bytes for both sides (the shard's per-sample metadata is extra work for it).
 Medians over --reps rounds after --warmup uncounted ones; rounds alternate which side goes first.
 Targets (issue): write >= 0.7x, read >= 0.8x raw.
@@ -122,6 +123,9 @@ def one_round(trajs: list[Trajectory], cols: TrajectoryColumns, d: Path, args, f
         t[name], back = timed(reads[name])
         _check(name, back, cols)
         del back
+    for name in sorted(reads, reverse=flip):  # again, the files now in the page cache
+        t[f"{name}_warm"], back = timed(reads[name])
+        del back
     t["raw_size"] = sum((d / "raw" / f"{a}.npy").stat().st_size for a in ARRAYS)
     t["shard_size"] = (d / "cols.h5").stat().st_size
     for child in d.iterdir():
@@ -135,7 +139,7 @@ TARGETS = {"write": 0.7, "write_end_to_end": 0.7, "read": 0.8}
 
 def ratios(mbps: dict[str, float]) -> dict[str, float]:
     return {"write": mbps["shard_w"] / mbps["raw_w"], "write_end_to_end": mbps["shard_w_e2e"] / mbps["raw_w_e2e"],
-            "read": mbps["shard_r"] / mbps["raw_r"]}
+            "read": mbps["shard_r"] / mbps["raw_r"], "read_warm": mbps["shard_r_warm"] / mbps["raw_r_warm"]}
 
 
 def median_mbps(payload: int, seconds: list[float]) -> float:
@@ -154,7 +158,7 @@ def run(args) -> dict:
         rounds = [one_round(trajs, cols, d, args, flip=bool(i % 2)) for i in range(args.reps)]
     finally:
         shutil.rmtree(d, ignore_errors=True)
-    keys = ("raw_w", "shard_w", "raw_w_e2e", "shard_w_e2e", "raw_r", "shard_r")
+    keys = ("raw_w", "shard_w", "raw_w_e2e", "shard_w_e2e", "raw_r", "shard_r", "raw_r_warm", "shard_r_warm")
     mbps = {k: median_mbps(payload, [r[k] for r in rounds]) for k in keys}
     best = {k: round(payload / min(r[k] for r in rounds) / 1e6, 1) for k in keys}
     ratio = ratios(mbps)
@@ -169,13 +173,15 @@ def run(args) -> dict:
         "warmup_rounds": args.warmup,
         "write_mb_s": {"shard_columns": mbps["shard_w"], "raw_np_save_fsync": mbps["raw_w"],
                        "shard_from_trajectories": mbps["shard_w_e2e"], "raw_concat_np_save_fsync": mbps["raw_w_e2e"]},
-        "read_mb_s": {"shard_read_arrays": mbps["shard_r"], "raw_np_load": mbps["raw_r"]},
+        "read_mb_s": {"shard_read_arrays": mbps["shard_r"], "raw_np_load": mbps["raw_r"],
+                      "shard_read_arrays_page_cache": mbps["shard_r_warm"],
+                      "raw_np_load_page_cache": mbps["raw_r_warm"]},
         "seconds": {k: [round(r[k], 3) for r in rounds] for k in keys},
         "best_mb_s": best,
         "ratio": {k: round(v, 3) for k, v in ratio.items()},
         "ratio_best_of_reps": {k: round(v, 3) for k, v in ratios(best).items()},
         "targets": TARGETS,
-        "meets_targets": {k: v >= TARGETS[k] for k, v in ratio.items()},
+        "meets_targets": {k: v >= TARGETS[k] for k, v in ratio.items() if k in TARGETS},
         "loadavg_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "cpus": os.cpu_count(), "blosc_nthreads_env": os.environ.get("BLOSC_NTHREADS"),
     }
