@@ -1,10 +1,10 @@
 """Dispatch on the real dev Slurm cluster: job arrays, scancel of a task, time-limit checkpoint + requeue,
 mpi4py work sharing under `srun --mpi=pmix`, and every sbatch script in slurm/ run as-is (small settings).
 
-Time limits: Slurm's own warning signal fires on a coarse timer, so these tests send the same signal the
+Time limits: Slurm's own warning signal fires on a coarse timer, so most tests send the same signal the
 time limit would (`scancel --signal=USR2` for submitit tasks, `scancel --signal=USR1 --batch` for the sbatch
-scripts' trap) instead of waiting minutes for it; everything after the signal (checkpoint, requeue,
-resume, finish) is the real path."""
+scripts' trap) instead of waiting for it; everything after the signal (checkpoint, requeue, resume, finish)
+is the real path. One test waits for slurmctld's own timer on a 1-minute limit."""
 from __future__ import annotations
 
 import json
@@ -199,6 +199,24 @@ def test_usr1_checkpoints_and_requeues_the_sbatch_job(slurm_cluster, tmp_path):
     assert state["restarts"] == [0, 1]                     # resumed once, from the saved step
     text = log.read_text()
     assert "USR1: checkpoint requested" in text and "scontrol requeue" in text and "restart 1" in text
+
+
+def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
+    """No scancel: a 1-minute limit with --signal=B:USR1@20 makes slurmctld's own timer send USR1 (between
+    about 10 and 40 s into each run: it checks every 30 s and may signal up to 30 s early). 50 s of work cannot
+    finish in one run; every run saves its step on the signal and the job requeues itself until it is done."""
+    prog, ckpt, log = tmp_path / "stepper.py", tmp_path / "ckpt.json", tmp_path / "train.out"
+    prog.write_text(STEPPER)
+    cmd = shlex.quote(f"{PY} {prog} {ckpt} 200")  # 200 steps x 0.25 s
+    job = sbatch(slurm_cluster, ["-o", str(log), "--ntasks-per-node=1", "--gres=gpu:1", "--time=00:01:00",
+                                 "--signal=B:USR1@20", "slurm/train_multinode.sbatch"],
+                 env=f"MRL_TRAIN_CMD={cmd}", wait=False)
+    wait_for(lambda: sacct(slurm_cluster, job) in (["COMPLETED"], ["TIMEOUT"], ["FAILED"]) and ckpt.exists()
+             and json.loads(ckpt.read_text())["step"] == 200, 400, "the job to finish through its requeues")
+    state, text = json.loads(ckpt.read_text()), log.read_text()
+    assert sacct(slurm_cluster, job) == ["COMPLETED"], text
+    assert state["restarts"][:2] == [0, 1] and state["restarts"] == list(range(len(state["restarts"])))
+    assert text.count("USR1: checkpoint requested") == len(state["restarts"]) - 1, text
 
 
 def test_rl_hetjob_sbatch(slurm_cluster, tmp_path):
