@@ -368,6 +368,36 @@ def test_bad_shards_are_quarantined_and_reading_continues(tmp_path, caplog):
         assert any(name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+def test_one_consumer_per_folder_is_enforced_and_released(tmp_path):
+    write_range(tmp_path / "a.h5", 0, 4)
+    first = ShardDirectory(tmp_path)
+    assert first.next_batch(3) is not None
+    second = ShardDirectory(tmp_path)
+    with pytest.raises(ShardError, match=rf"already read by another consumer \(pid {os.getpid()} on "):
+        second.next_batch(3)
+    first.close()
+    assert second.next_batch(3) is not None  # state is per object: the new consumer starts from scratch
+    del second  # dropping the object releases the folder too
+    with ShardDirectory(tmp_path) as third:
+        assert third.next_batch(3) is not None
+
+
+def test_a_killed_consumer_leaves_the_folder_free(tmp_path):
+    write_range(tmp_path / "a.h5", 0, 4)
+    code = ("import sys, time; from megatron_rl.data import ShardDirectory; d = ShardDirectory(sys.argv[1]); "
+            "d.next_batch(3); print('locked', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(ShardError, match=rf"pid {proc.pid} on "):
+            ShardDirectory(tmp_path).next_batch(3)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ShardDirectory(tmp_path).next_batch(3) is not None
+
+
 def test_newer_schema_error_names_file_and_versions(tmp_path):
     write_range(tmp_path / "s.h5", 0, 2)
     with h5py.File(tmp_path / "s.h5", "a") as f:
@@ -413,6 +443,7 @@ def test_dedup_window_bounds_the_remembered_ids(tmp_path):
     sd = ShardDirectory(tmp_path, dedup_window=3)
     assert len(sd.next_batch(3).columns) == 5
     assert sd.state_dict()["seen_episode_ids"] == ["ep-0-2", "ep-0-3", "ep-0-4"]
+    sd.close()  # as a stopped trainer would
     resumed = ShardDirectory(tmp_path, dedup_window=3)
     resumed.load_state_dict(sd.state_dict())
     b = resumed.next_batch(3)
@@ -428,6 +459,7 @@ def test_state_dict_resume_skips_consumed_shards(tmp_path):
     first = ShardDirectory(tmp_path)
     assert first.next_batch(3).path.name == "a.h5"
     state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON checkpoint
+    first.close()  # one consumer at a time: the first hands the folder over
     resumed = ShardDirectory(tmp_path)
     resumed.load_state_dict(state)
     assert [p.name for p in resumed.list_new()] == ["b.h5", "c.h5"]
@@ -435,6 +467,7 @@ def test_state_dict_resume_skips_consumed_shards(tmp_path):
     c = resumed.next_batch(3)
     assert c.columns.episode_id.tolist() == ["ep-2-1"] and c.stats.dropped_duplicate == 1
     assert resumed.next_batch(3) is None and resumed.stats.shards == 3
+    resumed.close()
     # the original reader, continued, makes the same decisions
     assert [first.next_batch(3).path.name, first.next_batch(3).path.name] == ["b.h5", "c.h5"]
     assert first.state_dict() == resumed.state_dict()

@@ -36,6 +36,7 @@ by another thread (a sandbox spawn) briefly holds the writer's descriptor (seen 
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import logging
@@ -932,11 +933,57 @@ class ShardBatch:
     """What was read, kept and dropped in this shard."""
 
 
+CONSUMER_LOCK = ".consumer.lock"
+"""File in a shard folder that its one consumer holds an exclusive flock on (and names itself in)."""
+
+
+class _ConsumerLock:
+    """Exclusive, non-blocking flock on `<root>/.consumer.lock`, taken by a ShardDirectory on first read, so a
+    second consumer of the same folder fails loudly instead of taking episodes twice or stealing them."""
+
+    _warned: set[str] = set()
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.root / CONSUMER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "holder unknown"
+            os.close(fd)
+            raise ShardError(f"shard folder {self.root} is already read by another consumer ({holder}); give each "
+                             f"trainer its own folder (one consumer per folder keeps every episode exactly once)")
+        except OSError as e:  # a file system without flock (some NFS/Lustre mounts): the rule is not enforced
+            os.close(fd)
+            if str(self.root) not in self._warned:
+                self._warned.add(str(self.root))
+                logger.warning("shard folder %s: cannot lock %s (%s); one consumer per folder is not enforced",
+                               self.root, CONSUMER_LOCK, e)
+            self._fd = -1
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
+
+
 class ShardDirectory:
     """The trainer's view of a shard folder: new shards in publish order, each consumed exactly once.
 
     A shard counts as consumed when `next_batch` returns it; checkpoint `state_dict()` together with any
-    samples the trainer still buffers. Only one consumer per folder. Unreadable shards are quarantined and
+    samples the trainer still buffers. Only one consumer per folder: the first read takes a lock on the folder
+    (`.consumer.lock`, released by `close()`, or when the object or its process goes), and a second
+    ShardDirectory on the same folder raises ShardError naming the holder. Unreadable shards are quarantined and
     skipped, never raised. Files ending in `.tmp` (unfinished writers) are ignored. Consumed shards are
     remembered by file name, so writers must use a new name per write attempt; an episode re-written by a
     retry under another name is dropped as a duplicate by its episode_id (the last `dedup_window` kept ids
@@ -955,6 +1002,21 @@ class ShardDirectory:
         self.dedup_window = dedup_window
         self._seen_ids: dict[str, None] = {}  # insertion-ordered: the oldest ids leave first
         self._prefetched: tuple[str, queue.Queue] | None = None
+        self._lock = _ConsumerLock(self.root)
+
+    def close(self) -> None:
+        """Let another consumer read this folder (e.g. a restarted trainer in the same process)."""
+        self._lock.release()
+
+    def __enter__(self) -> ShardDirectory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_lock"):
+            self._lock.release()
 
     # -- listing and state
     def list_new(self) -> list[Path]:
@@ -987,6 +1049,8 @@ class ShardDirectory:
     # -- reading
     def next_batch(self, current_version: int) -> ShardBatch | None:
         """The next readable shard's kept samples, or None when no new shard is there now."""
+        if self.root.is_dir():
+            self._lock.acquire()
         while True:
             pending = self.list_new()
             if not pending:
