@@ -956,8 +956,9 @@ class _ConsumerLock:
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "holder unknown"
             os.close(fd)
-            raise ShardError(f"shard folder {self.root} is already read by another consumer ({holder}); give each "
-                             f"trainer its own folder (one consumer per folder keeps every episode exactly once)") from None
+            raise ShardError(f"shard folder {self.root} is already read by another consumer ({holder}); give "
+                             f"each trainer its own folder (one consumer per folder keeps every episode exactly "
+                             f"once)") from None
         except OSError as e:  # a file system without flock (some NFS/Lustre mounts): the rule is not enforced
             os.close(fd)
             if str(self.root) not in self._warned:
