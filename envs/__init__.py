@@ -1,10 +1,10 @@
 """Environments, task suites, sandboxes and rewards for megatron-rl.
 
-Importing `envs` registers the built-in environments (code, math, tool_use, terminal, docqa, countdown)
+Importing `envs` registers the built-in environments (arithmetic, code, math, tool_use, terminal, docqa, countdown)
 and reward functions; third-party ones come through the `megatron_rl.environments` and
 `megatron_rl.rewards` entry-point groups.
 """
-from envs import code, countdown, docqa, math, terminal, tool_use  # noqa: F401  (register the built-ins)
+from envs import arithmetic, code, countdown, docqa, math, terminal, tool_use  # noqa: F401  (register the built-ins)
 from envs.base import ENVIRONMENTS, EnvConfig, Environment, Observation, RewardResult, StepResult, Task, make_env
 from envs.rewards import REWARDS
 

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
     "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths and time split to PNG", ""),
     "eval": ("megatron_rl.commands.eval", "evaluate a checkpoint on held-out tasks (pass@k per domain)", ""),
+    "export": ("megatron_rl.commands.export", "write an RL run's policy as a Hugging Face folder (safetensors)", ""),
 }
 
 NOT_BUILT_EXIT = 2

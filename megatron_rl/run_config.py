@@ -9,6 +9,7 @@ from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.rollout.engine import EngineConfig
+from megatron_rl.tokenizer import TokenizerConfig
 from megatron_rl.trainer.policy import OptimConfig
 
 
@@ -22,10 +23,24 @@ class LaunchConfig:
     """torch.distributed backend: auto (gloo on CPU, NCCL on GPU), gloo or nccl."""
     timeout_minutes: int = 30
     """Collective timeout."""
+    threads_per_rank: int = 0
+    """Torch intra-op threads of each rank (OMP_NUM_THREADS); 0 = $OMP_NUM_THREADS, else this machine's cores
+    shared among the local ranks."""
+
+    def rank_threads(self) -> int:
+        import os
+
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        if os.environ.get("OMP_NUM_THREADS"):
+            return int(os.environ["OMP_NUM_THREADS"])
+        return max(1, len(os.sched_getaffinity(0)) // self.nproc_per_node)
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
             raise ConfigError(f"launch.nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.threads_per_rank < 0:
+            raise ConfigError(f"launch.threads_per_rank must be >= 0, got {self.threads_per_rank}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"launch.backend {self.backend!r} is not one of auto, gloo, nccl")
 
@@ -80,6 +95,16 @@ class TrainConfig:
 
 
 @dataclass
+class ExportConfig:
+    """The HF folder written at the end of a run (`megatron-rl export` does the same for any checkpoint)."""
+
+    enabled: bool = True
+    """Export the final policy to <run>/export/hf-step-N when the run finishes."""
+    verify: bool = False
+    """Load the folder with transformers and compare its logits with the policy's (small models)."""
+
+
+@dataclass
 class RunConfig:
     """A whole run."""
 
@@ -94,7 +119,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout of the trainer."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy model."""
+    """The policy model (model.init: a pretrained checkpoint)."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer every component uses (default: the checkpoint's own, else bytes)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -113,9 +140,12 @@ class RunConfig:
     """In-loop evaluation."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Metrics sinks and alerts."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """The HF export at the end of the run."""
 
     def validate(self) -> None:
         self.model.check_parallel(self.parallel)
+        self.tokenizer.build(self.model)  # the tokenizer exists and its ids fit the model
         self.parallel.resolve(self.launch.nproc_per_node)
         if self.train.seq_length > self.model.max_seq_length:
             raise ConfigError(f"train.seq_length={self.train.seq_length} exceeds "

@@ -106,9 +106,9 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.rollout import Rollouts
-    from megatron_rl.loop.setup import compact_prompt, heldout_success
+    from megatron_rl.loop.setup import heldout_success
+    from megatron_rl.prompts import prompt_ids
     from megatron_rl.rollout import RolloutEngine
-    from megatron_rl.tokenizer import ByteTokenizer
     from megatron_rl.trainer.checkpoint import load_checkpoint
     from megatron_rl.trainer.policy import Policy
 
@@ -117,11 +117,11 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1))
     load_checkpoint(policy, checkpoint)
-    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs)
+    rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
     engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
-    rank0, tok = ctx.rank == 0, ByteTokenizer(cfg.model.vocab_size)
     runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers) if rank0 else None
-    rollouts = Rollouts(engine, runner, tok, compact_prompt, cfg.rl, cfg.seed)
+    rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed)
     results = {}
     for domain in domains:
         tasks = _fitting(_heldout(cfg, domain), tok, cfg)
@@ -139,10 +139,10 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
 
 def _fitting(tasks: list, tok, cfg: RunConfig) -> list:
     """Tasks whose prompt leaves room for rl.max_new_tokens in the model's context."""
-    from megatron_rl.loop.setup import compact_prompt
+    from megatron_rl.prompts import prompt_ids
 
     room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
-    return [t for t in tasks if 1 + len(tok.encode(compact_prompt(t))) <= room]
+    return [t for t in tasks if len(prompt_ids(tok, t)) <= room]
 
 
 if __name__ == "__main__":

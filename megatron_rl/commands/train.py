@@ -51,10 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(C.dump_yaml(cfg))
         return 0
-    return drive(cfg, run_dir, args)
+    return drive(cfg, run_dir)
 
 
-def drive(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
+def run(cfg: RunConfig) -> dict:
+    """The Python API's `train`: drive the run of `cfg`; its summary.json, or RuntimeError naming the exit."""
+    run_dir = Path(cfg.output_dir) / cfg.name
+    rc = drive(cfg, run_dir)
+    if rc != 0:
+        raise RuntimeError(f"run {cfg.name!r} ended with exit {rc} (3: stopped early with a checkpoint; run "
+                           f"train(cfg) again to resume); see {run_dir}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def drive(cfg: RunConfig, run_dir: Path) -> int:
     from megatron_rl.loop.state import latest
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -67,16 +77,28 @@ def drive(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
         _say(f"resuming from {latest(run_dir)} (delete {run_dir / 'checkpoints'} to start over)")
     else:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        _prepare(cfg, run_dir)
-    rc = launch_workers(cfg, run_dir, args)
+        if cfg.train.steps > 0:
+            _prepare(cfg, run_dir)
+    rc = launch_workers(cfg, run_dir)
     if rc == 3:
         _say("the run stopped early (signal or alert) after saving a checkpoint; the same command resumes it")
         return rc
     if rc != 0:
         _say(f"training ranks failed (exit {rc}); see the output above")
         return rc
-    summary(cfg, run_dir, time.time() - t0)
+    export_dir = _export(cfg, run_dir) if cfg.export.enabled and cfg.rl.steps > 0 else None
+    summary(cfg, run_dir, time.time() - t0, export_dir)
     return 0
+
+
+def _export(cfg: RunConfig, run_dir: Path) -> Path:
+    """The latest RL checkpoint as an HF folder (`megatron-rl export`), in <run>/export/hf-step-N."""
+    from megatron_rl.commands.export import export_run
+
+    report = export_run(run_dir, step=None, out=None, verify=cfg.export.verify)
+    _say(f"exported the policy of step {report['step']} as an HF folder: {report['out']}"
+         + (f" (verified: max |logit diff| {report['verify']['max_abs_logit_diff']:.2e})" if "verify" in report else ""))
+    return Path(report["out"])
 
 
 def _prepare(cfg: RunConfig, run_dir: Path) -> None:
@@ -89,16 +111,17 @@ def _prepare(cfg: RunConfig, run_dir: Path) -> None:
          f"{data['checked']}; shards in {data['shard_dir']}")
 
 
-def launch_workers(cfg: RunConfig, run_dir: Path, args: argparse.Namespace) -> int:
-    """Start the ranks: in-process when already under a launcher (torchrun, srun), else torchrun here."""
-    module = ["-m", "megatron_rl.commands.train", args.config, *args.overrides, "--worker"]
+def launch_workers(cfg: RunConfig, run_dir: Path) -> int:
+    """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): in-process
+    when already under a launcher (torchrun, srun), else torchrun here."""
+    module = ["-m", "megatron_rl.commands.train", str(run_dir / "config.yaml"), "--worker"]
     if "RANK" in os.environ or "SLURM_STEP_ID" in os.environ:
         return _call([sys.executable, *module], None)
     from megatron_rl.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.rank_threads())}
     return _call(cmd, env)
 
 
@@ -124,7 +147,7 @@ def _call(cmd: list[str], env) -> int:
     return 3 if stopped and rc != 0 else rc
 
 
-def summary(cfg: RunConfig, run_dir: Path, seconds: float) -> None:
+def summary(cfg: RunConfig, run_dir: Path, seconds: float, export_dir: Path | None = None) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     sft = [r for r in rows if r["kind"] == "sft"]
     sft_eval = [r for r in rows if r["kind"] == "sft_eval"]
@@ -135,6 +158,7 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float) -> None:
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))
     _say(f"finished in {seconds:.0f} s wall, {cpu:.0f} s CPU (this process and the ranks, sandboxes included)")
+    write_summary(cfg, run_dir, rows, seconds, cpu, export_dir)
     if sft:
         _say(f"warm-up: {len(sft)} supervised steps, train loss {sft[0]['loss']:.3f} -> {sft[-1]['loss']:.3f}; "
              f"held-out loss {sft_eval[0]['loss']:.3f} -> {sft_eval[-1]['loss']:.3f}")
@@ -155,6 +179,32 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float) -> None:
     plots = make_report(run_dir)
     _say(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots) or 'none'}; "
          f"shards: {run_dir / 'rl_shards'} (megatron-rl inspect DIR); checkpoints: {run_dir / 'checkpoints'}")
+
+
+def write_summary(cfg: RunConfig, run_dir: Path, rows: list[dict], wall: float, cpu: float, export_dir) -> dict:
+    """<run>/summary.json: the model, held-out success before and after RL (overall and per domain), steps, time."""
+    evals = [r for r in rows if r["kind"] == "eval"]
+    k = f"pass@{cfg.eval.k}"
+
+    def heldout(r: dict | None) -> dict | None:
+        if r is None:
+            return None
+        keys = ("success_greedy", "pass@1", k, "tasks")
+        per = {d: {m: r[f"{d}/{m}"] for m in keys if f"{d}/{m}" in r} for d in _domains(r)}
+        return {**{m: r[m] for m in keys if m in r}, "domains": per}
+
+    out = {"name": cfg.name, "model": cfg.model.init or "random (model section)",
+           "domains": sorted({cfg.data.domain}), "heldout_before": heldout(evals[0] if evals else None),
+           "heldout_after": heldout(evals[-1] if len(evals) > 1 else None),
+           "rl_steps": len([r for r in rows if r["kind"] == "rl"]), "warmup_steps": len([r for r in rows
+                                                                                         if r["kind"] == "sft"]),
+           "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "export_dir": str(export_dir) if export_dir else None}
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _domains(row: dict) -> list[str]:
+    return sorted({key.split("/")[0] for key in row if key.endswith("/pass@1")})
 
 
 def _say(msg: str) -> None:

@@ -11,25 +11,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
-from megatron_rl.tokenizer import ByteTokenizer
 
 TRAIN_SHARD, HELDOUT_SHARD = "warmup-train.h5", "warmup-heldout.h5"
 
 
 # ------------------------------------------------------------------------------------------- driver
-def compact_prompt(task) -> str:
-    """A short prompt for tiny byte-level models; the full task prompt otherwise."""
-    p = task.payload
-    if task.domain == "countdown":
-        return f"{' '.join(map(str, p['numbers']))} -> {p['target']}\n"
-    return task.prompt + "\n"
-
-
-def _trajectory(tok: ByteTokenizer, task, answer: str, reward, episode: str):
+def _trajectory(tok, task, answer: str, reward, episode: str):
     from megatron_rl.data.shards import Trajectory
 
-    prompt = [tok.bos_id, *tok.encode(compact_prompt(task))]
+    prompt = prompt_ids(tok, task)
     response = [*tok.encode(answer), tok.eos_id]
     tokens = np.asarray(prompt + response, dtype=np.int32)
     mask = np.asarray([0] * len(prompt) + [1] * len(response), dtype=np.uint8)
@@ -47,7 +39,7 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.setup import task_lists
 
-    tok, shard_dir = ByteTokenizer(cfg.model.vocab_size), run_dir / "shards"
+    tok, shard_dir = cfg.tokenizer.build(cfg.model), run_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers)
     tasks = task_lists(cfg)
@@ -163,12 +155,13 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
 
 def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
     """Supervised training on the verified solutions; returns the trained Policy."""
+    from megatron_rl.models.source import initializer
     from megatron_rl.trainer.policy import Policy
 
-    tok = ByteTokenizer(cfg.model.vocab_size)
+    tok = cfg.tokenizer.build(cfg.model)
     train = _batches(run_dir / "shards" / TRAIN_SHARD, cfg.train.seq_length, tok.pad_id)
     held = _batches(run_dir / "shards" / HELDOUT_SHARD, cfg.train.seq_length, tok.pad_id)
-    policy = Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps)
+    policy = Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps, init=initializer(cfg.model))
     per_step = cfg.train.micro_batch_size * cfg.train.num_microbatches
     gen = torch.Generator().manual_seed(cfg.seed)
     dp_rank, dp = torch.distributed.get_rank(ctx.pgs.dp), ctx.parallel.dp

@@ -97,7 +97,9 @@ class WorkerConfig:
     max_tokens: int = 4096
     """Most tokens per episode (model plus observations)."""
     vocab_size: int = 384
-    """ByteTokenizer vocabulary (must match the policy's)."""
+    """The policy's vocabulary size (the byte tokenizer pads up to it)."""
+    tokenizer: str = ""
+    """HF tokenizer folder of the run (on the shared filesystem); '' = the byte tokenizer."""
     reward_weights: dict[str, dict[str, float]] = field(default_factory=dict)
     """Environment name -> weights of its reward components (e.g. {countdown: {format: 0.0}}); {} = the env's."""
     faults: FaultConfig = field(default_factory=FaultConfig)

@@ -38,7 +38,7 @@ import numpy as np
 from megatron_rl.config import ConfigError
 from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
-from megatron_rl.tokenizer import ByteTokenizer
+from megatron_rl.tokenizer import Tokenizer, from_path
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ScriptedGenerator:
     `payload['solution']`), or a deliberately wrong answer for a seeded fraction of episodes. Its
     log-probs are fixed made-up numbers. It exists so dispatch and shards can be tested without a GPU."""
 
-    def __init__(self, config: GeneratorConfig, tokenizer: ByteTokenizer):
+    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer):
         self.config, self.tok = config, tokenizer
 
     def _wrong(self, episode: EpisodeSpec) -> bool:
@@ -106,7 +106,7 @@ class HttpGenerator:
     versions >= 0): a malformed answer fails the episode, never the worker.
     """
 
-    def __init__(self, config: GeneratorConfig, tokenizer: ByteTokenizer, max_tokens: int = 1 << 30):
+    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: int = 1 << 30):
         from megatron_rl.rollout.client import RolloutClient
 
         self.config, self.tok, self.max_tokens = config, tokenizer, max_tokens
@@ -121,7 +121,7 @@ class HttpGenerator:
         want = int(sampling.get("max_new_tokens", sampling.get("max_tokens", self.config.max_new_tokens)))
         seed = sampling.get("seed", episode.seed if episode is not None else 0)
         body = {"max_tokens": max(1, min(want, self.max_tokens - len(prompt_ids))),
-                "stop_token_ids": sorted({self.tok.eos_id, *sampling.get("stop_token_ids", [])}),
+                "stop_token_ids": sorted({*self.tok.stop_ids, *sampling.get("stop_token_ids", [])}),
                 "seed": int(seed) + turn, "n": 1}
         body.update({k: sampling[k] for k in ("temperature", "top_p", "top_k") if k in sampling})
         return body
@@ -162,7 +162,7 @@ def parse_completion(out) -> tuple[list[int], list[float], list[int]]:
     return ids, lps, versions
 
 
-def build_generator(config: GeneratorConfig, tokenizer: ByteTokenizer, max_tokens: int = 1 << 30) -> Generator:
+def build_generator(config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: int = 1 << 30) -> Generator:
     config.validate()
     if config.kind == "scripted":
         return ScriptedGenerator(config, tokenizer)
@@ -170,7 +170,7 @@ def build_generator(config: GeneratorConfig, tokenizer: ByteTokenizer, max_token
 
 
 # ------------------------------------------------------------------------------------------------- episode
-def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
+def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer):
     """One episode -> Trajectory: reset, [generate -> step]* until done.
 
     A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
@@ -183,7 +183,7 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: ByteTokenizer):
     timings = {"generate": 0.0, "env": 0.0}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
     obs = env.reset(task)
-    tokens = list(ep.prompt_ids) or [tok.bos_id, *tok.encode(obs.text)]  # prompt: loss_mask 0
+    tokens = list(ep.prompt_ids) or tok.prompt_ids([{"role": obs.role, "content": obs.text}], obs.tools or None)
     prompt_len = len(tokens)
     logprobs, mask = [0.0] * prompt_len, [0] * prompt_len
     versions: list[int] = []                                            # per token; prompt filled in below
@@ -343,7 +343,7 @@ class EpisodeRunner:
         self.spec, self.publisher = spec, publisher
         w = spec.worker
         self.threads = w.threads or _default_threads()
-        self.tok = ByteTokenizer(w.vocab_size)
+        self.tok = from_path(w.tokenizer, w.vocab_size)
         self.generator = build_generator(w.generator, self.tok, w.max_tokens)
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
         self._make_env = lambda name: make_env(

@@ -69,7 +69,7 @@ class DispatchRollouts(Rollouts):
     def submit(self, step: int, tasks: list) -> None:
         groups = []
         for task in tasks:
-            g = Group(self.next_gid, step, task, [self.tok.bos_id, *self.tok.encode(self.prompt_fn(task))])
+            g = Group(self.next_gid, step, task, self.prompt_fn(task))
             self.next_gid += 1
             self.inflight[f"g{g.gid}"] = g
             groups.append(g)
@@ -179,7 +179,7 @@ class DispatchRollouts(Rollouts):
                     episode_id=episode_id(g.gid, i), env=g.task.domain, task=g.task.to_dict(), group_id=g.gid,
                     seed=base + 7919 * i, prompt_ids=list(g.prompt),
                     sampling={"temperature": self.cfg.temperature, "max_new_tokens": self.cfg.max_new_tokens,
-                              "seed": base + 7919 * i, "stop_token_ids": [self.tok.eos_id]}))
+                              "seed": base + 7919 * i, "stop_token_ids": list(self.tok.stop_ids)}))
         return out
 
     def _dispatch(self, groups: list[Group], shard_dir: Path, url: str) -> dict:
@@ -218,7 +218,7 @@ class DispatchRollouts(Rollouts):
                     g.rewards.append((0.0, {}, "missing"))
                     continue
                 ids = e["token_ids"]
-                finish = "stop" if ids and ids[-1] == self.tok.eos_id else "length"
+                finish = "stop" if ids and ids[-1] in self.tok.stop_ids else "length"
                 g.samples.append(SampleOutput(i, ids, e["logprobs"], e["versions"], finish))
                 status = e["status"] if ids or e["status"] != "ok" else "error"  # no response: nothing to train
                 g.rewards.append((e["reward"], e["components"], status))
@@ -302,12 +302,14 @@ class RolloutServerProcess:
     when the driver closes it, and (Linux) when its parent dies."""
 
     def __init__(self, run_dir: Path, model_cfg, engine_cfg, threads: int, hosts: tuple[str, str],
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, tokenizer_cfg=None):
         from megatron_rl.config import to_dict
 
         self.dir = Path(run_dir) / "rollout_server"
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(json.dumps({"model": to_dict(model_cfg), "engine": to_dict(engine_cfg)}))
+        conf = {"model": to_dict(model_cfg), "engine": to_dict(engine_cfg),
+                "tokenizer": to_dict(tokenizer_cfg) if tokenizer_cfg else {}}
+        (self.dir / "config.json").write_text(json.dumps(conf))
         self.threads, self.hosts, self.start_timeout_s = threads, hosts, start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""

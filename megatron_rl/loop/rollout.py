@@ -55,6 +55,7 @@ class Rollouts:
     """Submits prompts to the engine, pumps it, scores finished groups and hands out batches."""
 
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int):
+        """prompt_fn(task) -> prompt token ids (`megatron_rl.prompts.prompt_ids` with the run's tokenizer)."""
         self.engine, self.runner, self.tok, self.prompt_fn, self.cfg, self.seed = (
             engine, runner, tok, prompt_fn, cfg, seed)
         self.inflight: dict[str, Group] = {}
@@ -68,11 +69,11 @@ class Rollouts:
     def params(self, gid: int, n: int | None = None, temperature: float | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.cfg.temperature if temperature is None else temperature,
                               max_new_tokens=self.cfg.max_new_tokens, n=n or self.cfg.group_size,
-                              seed=seed_of(self.seed, gid), stop_token_ids=[self.tok.eos_id])
+                              seed=seed_of(self.seed, gid), stop_token_ids=list(self.tok.stop_ids))
 
     def submit(self, step: int, tasks: list) -> None:
         for task in tasks:
-            g = Group(self.next_gid, step, task, [self.tok.bos_id, *self.tok.encode(self.prompt_fn(task))])
+            g = Group(self.next_gid, step, task, self.prompt_fn(task))
             self.next_gid += 1
             self.engine.add_request(g.prompt, self.params(g.gid), request_id=f"g{g.gid}")
             self.inflight[f"g{g.gid}"] = g

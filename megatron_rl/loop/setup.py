@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_rl.commands.warmup import compact_prompt  # noqa: F401  (the prompt format of the run)
+from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
-from megatron_rl.tokenizer import ByteTokenizer
+from megatron_rl.tokenizer import Tokenizer
 
 
 def task_lists(cfg: RunConfig) -> dict[str, list]:
@@ -33,7 +33,7 @@ def task_lists(cfg: RunConfig) -> dict[str, list]:
 class Parts:
     cfg: RunConfig
     ctx: object
-    tok: ByteTokenizer
+    tok: Tokenizer
     policy: object
     trainer: object
     engine: object
@@ -43,6 +43,9 @@ class Parts:
     tasks_by_id: dict
     monitor: object
     is_rank0: bool
+
+    def prompt_fn(self, task) -> list[int]:
+        return prompt_ids(self.tok, task)
 
     def close(self) -> None:
         if self.runner is not None:
@@ -56,7 +59,7 @@ def make_rollouts(parts: Parts, run_dir: Path):
 
     cfg = parts.cfg
     if cfg.episodes.runner == "inprocess":
-        return Rollouts(parts.engine, parts.runner, parts.tok, compact_prompt, cfg.rl, cfg.seed)
+        return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed)
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
     from megatron_rl.loop.dispatched import DispatchRollouts
 
@@ -64,20 +67,21 @@ def make_rollouts(parts: Parts, run_dir: Path):
     worker = WorkerConfig(generator=gen,
                           sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads, max_turns=1,
                           max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
+                          tokenizer=cfg.tokenizer.resolved_path(cfg.model),
                           reward_weights={cfg.data.domain: dict(cfg.rl.reward_weights)})
     server = None
     if cfg.episodes.server == "separate" and parts.is_rank0:
         from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
 
         server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
-                                      server_hosts(cfg.episodes))
-    return DispatchRollouts(parts.engine, parts.runner, parts.tok, compact_prompt, cfg.rl, cfg.seed, cfg.episodes,
+                                      server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer)
+    return DispatchRollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed, cfg.episodes,
                             worker, Path(run_dir), parts.ctx.pgs.tp, server)
 
 
-def trainer_config(cfg: RunConfig):
+def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
     tc = copy.deepcopy(cfg.rl.trainer)
-    tc.temperature = cfg.rl.temperature
+    tc.temperature, tc.valid_vocab = cfg.rl.temperature, valid_vocab
     if cfg.rl.correction() != "none":
         tc.loss.is_correction, tc.old_logprobs = cfg.rl.correction(), "recompute"
     return tc
@@ -86,6 +90,7 @@ def trainer_config(cfg: RunConfig):
 def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from envs.sampler import DomainSampler
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
+    from megatron_rl.models.source import initializer
     from megatron_rl.monitoring import Monitor
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.policy import Policy
@@ -94,15 +99,16 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     tasks, rank0 = task_lists(cfg), ctx.rank == 0
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else None)
-    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs)
+                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
+    tok = cfg.tokenizer.build(cfg.model)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
     runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers,
                                  {cfg.data.domain: cfg.rl.reward_weights}) if rank0 else None
     sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
     by_id = {t.id: t for split in tasks.values() for t in split}
     monitor = Monitor(cfg.monitor, run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
-    return Parts(cfg, ctx, ByteTokenizer(cfg.model.vocab_size), policy, RLTrainer(policy, trainer_config(cfg)),
+    return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
                  engine, runner, sampler, tasks["heldout"], by_id, monitor, rank0)
 
 
@@ -223,8 +229,8 @@ def heldout_success(rollouts, runner, tok, tasks: list, cfg: RunConfig, tag: str
     and returns the metrics, the others {}."""
     from megatron_rl.rollout import SamplingParams
 
-    prompts = [[tok.bos_id, *tok.encode(compact_prompt(t))] for t in tasks]
-    greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=[tok.eos_id])
+    prompts = [prompt_ids(tok, t) for t in tasks]
+    greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=list(tok.stop_ids))
               for _ in prompts]
     sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(prompts))]
     t0 = time.perf_counter()
@@ -232,11 +238,17 @@ def heldout_success(rollouts, runner, tok, tasks: list, cfg: RunConfig, tag: str
     if runner is None:
         return {}
     correct = _score(runner, tok, tasks + tasks, outs)  # [2 * tasks] lists of 0/1
-    n = len(prompts)
-    return {"success_greedy": float(np.mean([c[0] for c in correct[:n]])),
-            "pass@1": float(np.mean([np.mean(c) for c in correct[n:]])),
-            f"pass@{cfg.eval.k}": float(np.mean([max(c) for c in correct[n:]])), "tasks": n,
-            "time_s": time.perf_counter() - t0}
+    n, out = len(prompts), {}
+    for d in sorted({t.domain for t in tasks}):
+        idx = [i for i, t in enumerate(tasks) if t.domain == d]
+        out.update({f"{d}/{k}": v for k, v in _success([correct[i] for i in idx], [correct[n + i] for i in idx],
+                                                       cfg.eval.k).items()})
+    return {**_success(correct[:n], correct[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0}
+
+
+def _success(greedy: list[list[int]], sampled: list[list[int]], k: int) -> dict:
+    return {"success_greedy": float(np.mean([c[0] for c in greedy])), "pass@1": float(np.mean([np.mean(c)
+            for c in sampled])), f"pass@{k}": float(np.mean([max(c) for c in sampled])), "tasks": len(greedy)}
 
 
 def _score(runner, tok, tasks: list, outs: list) -> list[list[int]]:

@@ -52,6 +52,9 @@ class MoEConfig:
 class ModelConfig:
     """Shape and numerics of the policy (and of the frozen reference model, built the same way)."""
 
+    init: str = ""
+    """Pretrained weights: hf:DIR (HF folder) or mcore:DIR (converted checkpoint); the shape then comes from
+    the checkpoint's config.json (models/source.py). '' = random weights of the shape below."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -96,6 +99,10 @@ class ModelConfig:
     """Mixture-of-experts settings."""
 
     def validate(self) -> None:
+        if self.init:
+            from megatron_rl.models.source import resolve
+
+            resolve(self)
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "

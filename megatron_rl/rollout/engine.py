@@ -109,8 +109,9 @@ class RolloutEngine:
     """Paged, continuously batched generation from a Megatron GPTModel (see module docstring)."""
 
     def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0,
-                 summarizer: Summarizer | None = None):
+                 summarizer: Summarizer | None = None, valid_vocab: int | None = None):
         self.cfg = cfg or EngineConfig()
+        self.valid_vocab = valid_vocab  # ids >= this pad the model's vocab: never sampled, not in any log-prob
         self.summarizer = summarizer
         self.cfg.validate()
         self.runner = ModelRunner(model, tp_group, cp_group)
@@ -125,13 +126,15 @@ class RolloutEngine:
         self.counters = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "forward_s": 0.0}
 
     @classmethod
-    def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0):
-        """Build the policy with `build_gpt` (the trainer's definition) and wrap it."""
+    def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0,
+              valid_vocab: int | None = None):
+        """Build the policy with `build_gpt` (the trainer's definition) and wrap it; `valid_vocab`: the
+        tokenizer's size when the model's vocabulary is padded past it."""
         from megatron_rl.models.gpt import build_gpt
         from megatron_rl.parallel import ParallelConfig
 
         model = build_gpt(model_cfg, parallel or ParallelConfig(), pgs)
-        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version)
+        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab)
 
     @property
     def model(self):
@@ -252,7 +255,8 @@ class RolloutEngine:
                 row += 1
         if not samplers:
             return
-        tokens, logps = sample(logits[rows], [s.params for s in samplers], [s.generator for s in samplers])
+        logits = logits[rows] if self.valid_vocab is None else logits[rows, :self.valid_vocab]  # [R', V_valid]
+        tokens, logps = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         tokens, logps = self._tp_broadcast(tokens, logps)
         for seq, tok, lp in zip(samplers, tokens.tolist(), logps.tolist()):
             self._append(seq, tok, lp)

@@ -199,6 +199,11 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("missing 'messages': a non-empty list of {role, content}")
+    if getattr(tokenizer, "has_chat_template", False):
+        try:
+            return tokenizer.prompt_ids(msgs, body.get("tools"))
+        except Exception as e:  # the template rejected the chat (roles out of order, bad tool schema)
+            raise BadRequest(f"the model's chat template cannot render these messages: {e}") from None
     ids = [tokenizer.bos_id]
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -404,12 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=384, help="without --config: the default model's vocabulary")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_cfg, engine_cfg = _server_configs(args.config, args.vocab_size)
+    model_cfg, engine_cfg, tok = _server_configs(args.config, args.vocab_size)
     ctx = init_distributed(ParallelConfig(), source="single")
-    engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs)
+    engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs, valid_vocab=tok.vocab_size)
     if args.weights:
         engine.update_weights(args.version, torch.load(args.weights, map_location="cpu", weights_only=True).items())
-    asyncio.run(_serve_forever(create_app(engine), args.host, args.port, args.port_file))
+    asyncio.run(_serve_forever(create_app(engine, tok), args.host, args.port, args.port_file))
     return 0
 
 
@@ -417,11 +422,14 @@ def _server_configs(path: str | None, vocab_size: int):
     from megatron_rl.config import from_dict, read_yaml_mapping
     from megatron_rl.models.gpt import ModelConfig
     from megatron_rl.rollout.engine import EngineConfig
+    from megatron_rl.tokenizer import TokenizerConfig
 
     if not path:
-        return ModelConfig(vocab_size=vocab_size), EngineConfig()
+        return ModelConfig(vocab_size=vocab_size), EngineConfig(), ByteTokenizer(vocab_size)
     data = read_yaml_mapping(path)
-    return from_dict(ModelConfig, data.get("model", {})), from_dict(EngineConfig, data.get("engine", {}))
+    model = from_dict(ModelConfig, data.get("model", {}))
+    tok = from_dict(TokenizerConfig, data.get("tokenizer", {})).build(model)
+    return model, from_dict(EngineConfig, data.get("engine", {})), tok
 
 
 async def _serve_forever(app: web.Application, host: str, port: int, port_file: str | None) -> None:

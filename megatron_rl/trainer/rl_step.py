@@ -79,6 +79,9 @@ class RLConfig:
     """Optimizer steps over the same global batch (PPO epochs); > 1 needs old_logprobs='recompute'."""
     reference: bool = False
     """Keep a frozen copy of the initial policy for the KL term (required when loss.kl_coef > 0)."""
+    valid_vocab: int | None = None
+    """Ids below this are the tokenizer's; the rest pad the model's vocab and never enter a softmax (the loop
+    sets it from the run's tokenizer; None = every id)."""
 
     def validate(self) -> None:
         self.loss.validate()
@@ -98,6 +101,18 @@ class RLConfig:
                               "the policy before the first update, not the rollout engine)")
         if self.loss.kl_coef > 0 and not self.reference:
             raise ConfigError("loss.kl_coef > 0 needs rl.reference=true (a frozen reference model)")
+
+
+def mask_padding(logits: torch.Tensor, valid_vocab: int | None, tp_group) -> torch.Tensor:
+    """Vocab-parallel logits [..., V/tp] with the padding ids (>= valid_vocab) pushed to -1e30 (out of every
+    softmax, zero gradient); the logits themselves when nothing is padded."""
+    vp = logits.shape[-1]
+    rank = torch.distributed.get_rank(tp_group) if tp_group is not None and torch.distributed.is_initialized() else 0
+    local = None if valid_vocab is None else valid_vocab - rank * vp  # valid ids in this rank's slice
+    if local is None or local >= vp:
+        return logits
+    pad = torch.arange(vp, device=logits.device) >= max(local, 0)  # [V/tp]
+    return logits.masked_fill(pad, -1e30)
 
 
 def token_advantages(cols, cfg: AdvantageConfig) -> np.ndarray:
@@ -191,7 +206,9 @@ class RLTrainer:
         if isinstance(output, HeadOutput):
             hidden = output.hidden.transpose(0, 1)  # [b, S, h], the order of labels [b, S]
             return self.fused(hidden.reshape(-1, hidden.shape[-1]), output.weight, batch["labels"].reshape(-1),
-                              tp_group=self.policy.ctx.pgs.tp, temperature=self.cfg.temperature)  # each [T]
+                              tp_group=self.policy.ctx.pgs.tp, temperature=self.cfg.temperature,
+                              vocab_size=self.cfg.valid_vocab)  # each [T]
+        output = mask_padding(output, self.cfg.valid_vocab, self.policy.ctx.pgs.tp)
         lp, ent = token_logprobs_and_entropy(output, batch["labels"], self.policy.ctx.pgs.tp, self.cfg.temperature,
                                              self.cfg.logprob_chunk_size or None)  # each [1, S]
         return lp.reshape(-1), ent.reshape(-1)

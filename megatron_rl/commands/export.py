@@ -1,0 +1,117 @@
+"""`megatron-rl export RUN_DIR [--step N] [--out DIR] [--verify]`: an RL run's policy as a Hugging Face folder.
+
+Reads the run's checkpoint (the latest, or RL step N) and writes safetensors, config.json (the architecture
+of the run's model: the model.init checkpoint's own config.json with the policy's dtype; or, for a model made
+from random weights, a Llama config of its shape), the tokenizer files of the run's tokenizer and a
+generation_config.json whose eos ids are the tokenizer's stop ids. Only the policy's weights are read (the
+optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
+(default: <run>/export/hf-step-N). `--verify` loads it with transformers' `from_pretrained` and checks that
+every tensor is accounted for and that its logits equal the Megatron policy's on the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-rl export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("run_dir", help="the run's folder (runs/<name>, holding config.yaml and checkpoints/)")
+    p.add_argument("--step", type=int, help="RL step of the checkpoint (default: the latest)")
+    p.add_argument("--out", help="output folder (must not exist; default <run>/export/hf-step-N)")
+    p.add_argument("--verify", action="store_true", help="load with transformers and compare logits")
+    p.add_argument("--tol", type=float, help="largest logit difference for --verify (default by dtype)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tools.convert.arch.base import ConvertError
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        report = export_run(Path(args.run_dir), args.step, args.out, args.verify, args.tol)
+    except (ConvertError, FileNotFoundError) as e:
+        print(f"megatron-rl export: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def checkpoint_of(run_dir: Path, step: int | None) -> Path:
+    from megatron_rl.loop.state import latest
+
+    path = latest(run_dir) if step is None else run_dir / "checkpoints" / f"step-{step:06d}"
+    if path is None or not (path / "metadata.json").is_file():
+        have = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() \
+            else []
+        raise FileNotFoundError(f"no checkpoint {'of step ' + str(step) if step is not None else ''} in {run_dir} "
+                                f"(have: {have or 'none'}); train first or pick a --step from that list")
+    return path
+
+
+def hf_config_of(cfg) -> tuple[dict, str]:
+    """(config.json of the exported folder, tokenizer folder or '') for a run config."""
+    from megatron_rl.models import source
+    from tools.convert.arch import by_name
+
+    if cfg.model.init:
+        hf = dict(source.hf_config(cfg.model.init))
+    else:
+        hf = by_name("llama").hf_config(cfg.model, {"layernorm_epsilon": cfg.model.norm_epsilon,
+                                                     "kv_channels": cfg.model.head_dim})
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = hf["torch_dtype"] = _DTYPE[cfg.model.params_dtype]
+    return hf, cfg.tokenizer.resolved_path(cfg.model)
+
+
+def export_run(run_dir: Path, step: int | None = None, out: str | None = None, verify: bool = False,
+               tol: float | None = None) -> dict:
+    """Write the HF folder; returns {step, out, tensors, side_files, verify?}."""
+    from megatron_rl import config as C
+    from megatron_rl.run_config import RunConfig
+    from tools.convert import runtime
+    from tools.convert.arch import for_hf_config
+    from tools.convert.convert import all_rules, ckpt_layout, export_hf
+    from tools.convert.hf_io import HFWriter, copy_side_files
+
+    cfg = C.load(RunConfig, run_dir / "config.yaml")
+    ckpt = checkpoint_of(run_dir, step)
+    n = int(ckpt.name.split("-")[-1])
+    hf, tok_dir = hf_config_of(cfg)
+    arch = for_hf_config(hf)
+    mcfg, extra = arch.model_config(hf)
+    entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra)
+    dest = Path(out) if out else run_dir / "export" / f"hf-step-{n}"
+    report = {"step": n, "checkpoint": str(ckpt), "out": str(dest), "arch": arch.name}
+    with runtime.atomic_dir(dest) as tmp:
+        writer = HFWriter(tmp)
+        export_hf(ckpt, entries, dtypes, arch, hf, writer, False)
+        report["tensors"] = len(writer.finish())
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        report["side_files"] = copy_side_files(Path(tok_dir), tmp) if tok_dir else []
+        _generation_config(tmp, cfg, hf)
+        if verify:
+            from tools.convert import verify as V
+
+            report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol)
+    return report
+
+
+def _generation_config(folder: Path, cfg, hf: dict) -> None:
+    """generation_config.json: the tokenizer's stop ids as eos (merged into one the model already had)."""
+    tok = cfg.tokenizer.build(cfg.model)
+    f = folder / "generation_config.json"
+    gen = json.loads(f.read_text()) if f.is_file() else {}
+    gen.update({"eos_token_id": list(tok.stop_ids) if len(tok.stop_ids) > 1 else tok.stop_ids[0],
+                "pad_token_id": tok.pad_id, "transformers_version": hf.get("transformers_version", "4.57.6")})
+    if "bos_token_id" in hf:
+        gen["bos_token_id"] = hf["bos_token_id"]
+    f.write_text(json.dumps(gen, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

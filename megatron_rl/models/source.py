@@ -1,0 +1,158 @@
+"""Where a run's policy comes from: `model.init` names a pretrained checkpoint, or nothing (random weights).
+
+    model:
+      init: hf:models/SmolLM2-135M-Instruct      # an HF folder (config.json + safetensors + tokenizer files)
+      init: mcore:runs/x/converted                # a `megatron-rl convert hf-to-mcore` checkpoint
+      init: ""                                    # random weights of the shape given in the config (tiny tests)
+
+The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base, norm eps, tied
+embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json through the converter's
+architecture tables (`tools/convert/arch`), never from hand-copied sizes: `resolve(model_cfg)` fills them
+in, and refuses a run config that sets one of them to a different value. What stays the run's choice:
+max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype, transformer_impl, fp8.
+
+`initializer(model_cfg)` returns the callback the trainer runs on every freshly built model chunk (before
+DDP and the optimizer exist), which copies this rank's shards of every tensor in place, one tensor at a time
+(HF: the converter's rule tables; mcore: dist_checkpointing, which reshards to the run's layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_rl.config import ConfigError
+
+KINDS = ("hf", "mcore")
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
+               "ffn_hidden_size", "vocab_size", "rotary_base", "tie_embeddings", "qkv_bias", "qk_layernorm",
+               "normalization", "activation", "position_embedding", "moe")
+META = "megatron_rl_convert.json"
+
+
+def parse(init: str) -> tuple[str, Path]:
+    """('hf' | 'mcore', folder) of a model.init value; errors name the value and the fix."""
+    kind, sep, path = init.partition(":")
+    if not sep or kind not in KINDS or not path:
+        raise ConfigError(f"model.init={init!r}: use hf:DIR (an HF folder), mcore:DIR (a converted checkpoint) "
+                          f"or '' for random weights")
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        hint = " (the main job's model is made by scripts/setup.sh)" if "SmolLM2" in path else ""
+        raise ConfigError(f"model.init={init!r}: folder {folder} does not exist{hint}")
+    return kind, folder
+
+
+def hf_config(init: str) -> dict:
+    """The checkpoint's HF config.json (for mcore: the one stored at conversion)."""
+    kind, folder = parse(init)
+    if kind == "hf":
+        f = folder / "config.json"
+        if not f.is_file():
+            raise ConfigError(f"model.init={init!r}: {f} not found; an HF model folder needs config.json")
+        return json.loads(f.read_text())
+    f = folder / META
+    if not (folder / "metadata.json").is_file() or not f.is_file():
+        raise ConfigError(f"model.init={init!r}: {folder} is not a `megatron-rl convert hf-to-mcore` checkpoint "
+                          f"(needs metadata.json and {META})")
+    return json.loads(f.read_text())["hf_config"]
+
+
+def tokenizer_folder(init: str) -> str:
+    """The folder holding the checkpoint's tokenizer files ('' when there is none or no checkpoint)."""
+    if not init:
+        return ""
+    kind, folder = parse(init)
+    folder = folder if kind == "hf" else folder / "hf_files"
+    return str(folder) if (folder / "tokenizer.json").is_file() else ""
+
+
+def checkpoint_model_config(init: str, params_dtype: str):
+    """(ModelConfig of the checkpoint's architecture, the converter's Arch) from its config.json."""
+    from tools.convert.arch import for_hf_config
+    from tools.convert.arch.base import ConvertError
+
+    hf = hf_config(init)
+    try:
+        arch = for_hf_config(hf)
+        cfg, extra = arch.model_config(hf, params_dtype)
+    except ConvertError as e:
+        raise ConfigError(f"model.init={init!r}: {e}") from None
+    cfg.norm_epsilon = float(extra.get("layernorm_epsilon", cfg.norm_epsilon))
+    cfg.head_dim = extra.get("kv_channels", cfg.head_dim)
+    if cfg.moe.num_experts and "moe_router_pre_softmax" in extra:
+        cfg.moe.router_pre_softmax = bool(extra["moe_router_pre_softmax"])
+    return cfg, arch
+
+
+def resolve(cfg) -> None:
+    """Fill `cfg` (a ModelConfig with `init` set) with the checkpoint's architecture, in place."""
+    from megatron_rl.models.gpt import ModelConfig
+
+    src, _ = checkpoint_model_config(cfg.init, cfg.params_dtype)
+    defaults = ModelConfig()
+    for name in ARCH_FIELDS:
+        mine, theirs = getattr(cfg, name), getattr(src, name)
+        if mine != theirs and mine != getattr(defaults, name):
+            raise ConfigError(f"model.{name}={mine!r} disagrees with the checkpoint of model.init={cfg.init!r} "
+                              f"({theirs!r}); the shape comes from the checkpoint: remove model.{name}")
+        setattr(cfg, name, dataclasses.replace(theirs) if dataclasses.is_dataclass(theirs) else theirs)
+    _check_tensors(cfg.init)
+    limit = hf_config(cfg.init).get("max_position_embeddings")
+    if limit and cfg.max_seq_length > limit:
+        raise ConfigError(f"model.max_seq_length={cfg.max_seq_length} exceeds the checkpoint's "
+                          f"max_position_embeddings={limit}")
+
+
+def _check_tensors(init: str) -> None:
+    """An HF folder's safetensors hold exactly the tensors its architecture needs (headers only)."""
+    kind, folder = parse(init)
+    if kind != "hf":
+        return
+    from tools.convert import checks
+    from tools.convert.arch import for_hf_config
+    from tools.convert.arch.base import ConvertError
+    from tools.convert.convert import all_rules
+    from tools.convert.hf_io import HFReader
+
+    try:
+        reader = HFReader(folder)
+        arch = for_hf_config(reader.config)
+        checks.hf_names(reader, arch, all_rules(arch, reader.config))
+    except ConvertError as e:
+        raise ConfigError(f"model.init={init!r}: {e}") from None
+
+
+def initializer(cfg) -> Callable | None:
+    """Callback that loads the checkpoint's weights into a freshly built model chunk (None: random init)."""
+    if not cfg.init:
+        return None
+    kind, folder = parse(cfg.init)
+    return _hf_loader(folder) if kind == "hf" else _mcore_loader(folder)
+
+
+def _hf_loader(folder: Path) -> Callable:
+    from tools.convert import checks
+    from tools.convert.arch import for_hf_config
+    from tools.convert.convert import all_rules, fill_model
+    from tools.convert.hf_io import HFReader
+
+    reader = HFReader(folder)
+    arch = for_hf_config(reader.config)
+    rules = all_rules(arch, reader.config)
+    checks.hf_names(reader, arch, rules)
+
+    def load(model) -> None:
+        fill_model(model, reader, arch, rules, show=False)
+
+    return load
+
+
+def _mcore_loader(folder: Path) -> Callable:
+    def load(model) -> None:
+        from megatron.core import dist_checkpointing
+
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(folder)))
+
+    return load
