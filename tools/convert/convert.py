@@ -36,7 +36,8 @@ def fill_rule(arch, hf: dict, rules: dict[str, Rule], name: str) -> Rule:
 
 @torch.no_grad()
 def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool) -> list[str]:
-    """Copy HF tensors into this rank's shards, one canonical tensor at a time; returns dtype casts."""
+    """Copy HF tensors into this rank's shards, one canonical tensor at a time; returns the lossy dtype
+    casts (Megatron keeps some tensors, the local spec's norms, in fp32: a bf16 value fits there exactly)."""
     hf, casts = reader.config, []
     shards = layout.model_shards(model)
     for name in runtime.progress(sorted(shards, key=_order), "hf -> mcore", show):
@@ -45,7 +46,7 @@ def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool
         full = to_mcore(rule, parts, hf)
         for sh in shards[name]:
             checks.shape(name, sh.global_shape, tuple(full.shape), f"made from {', '.join(rule.hf)}")
-            if full.dtype != sh.data.dtype:
+            if full.dtype != sh.data.dtype and not torch.equal(full.to(sh.data.dtype).to(full.dtype), full):
                 casts.append(f"{name}: {full.dtype} -> {sh.data.dtype}")
             sh.data.copy_(full[sh.region])
     return casts
@@ -137,14 +138,16 @@ def ckpt_layout(ckpt: Path, arch, cfg, extra: dict) -> tuple[list, dict]:
 
 
 def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
+    """Write canonical tensors as HF tensors, in the config's dtype (`dtype`) when it names one."""
     rules = {**arch.global_rules(hf), **_layer_rules_for(arch, hf, tensors)}
+    dtype = getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or ""), None)
     for name, t in tensors.items():
         if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
             continue
         if name not in rules:
             raise ConvertError(f"checkpoint tensor {name!r} has no mapping in the {arch.name} table")
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
-            writer.add(hf_name, part)
+            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) else part)
 
 
 def _layer_rules_for(arch, hf, tensors):

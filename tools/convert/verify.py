@@ -21,9 +21,10 @@ VERIFY_SHAPE = (4, 128)
 _MATTER = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
            "vocab_size", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
            "sliding_window", "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok",
-           "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers",
-           "decoder_sparse_step", "attention_bias", "qkv_bias", "dtype")
-"""config.json keys compared verbatim between the source and a written config (where both have them)."""
+           "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "attention_bias",
+           "qkv_bias", "dtype")
+"""config.json keys compared verbatim between the source and a written config (where both set them; the
+ones with several spellings, rope_scaling, layer_types, mlp_only_layers..., through the ModelConfig)."""
 
 
 def tokens(vocab: int) -> torch.Tensor:
@@ -48,10 +49,11 @@ def check_written_config(written: Path, source: dict) -> dict:
         raise ConvertError(f"verify: written {written} describes another model than the source: "
                            f"(source, written) = {diff}")
     src = {**source, "dtype": source.get("dtype") or source.get("torch_dtype")}
-    bad = {k: (src[k], out.get(k)) for k in _MATTER if k in src and k in out and src[k] != out[k]}
+    both = [k for k in _MATTER if src.get(k) is not None and out.get(k) is not None]
+    bad = {k: (src[k], out[k]) for k in both if src[k] != out[k]}
     if bad:
         raise ConvertError(f"verify: written {written} differs from the source config: (source, written) = {bad}")
-    return {"same_model_config": True, "keys_compared": sorted(k for k in _MATTER if k in src and k in out)}
+    return {"same_model_config": True, "keys_compared": sorted(both)}
 
 
 def check_arch_round_trip(arch, cfg, extra: dict) -> dict:
