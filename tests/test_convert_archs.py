@@ -234,3 +234,61 @@ def test_qwen2_moe_shared_expert_gate(tmp_path, capsys):
     tensors = load_file(shard)
     save_file({**tensors, name: torch.zeros_like(tensors[name])}, shard, metadata={"format": "pt"})
     assert (hf_logits(hf) - before).abs().max().item() > 1e-3
+
+
+# -- FP8 block-scaled checkpoints (DeepSeek-V3's format) ----------------------------------------------------
+BLOCK = (16, 16)
+
+
+def quantize_fp8_folder(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """Write `src` as DeepSeek-V3 does: projection weights float8_e4m3fn with one fp32 `weight_scale_inv`
+    per 16x16 block (amax / 448); returns the dequantized weights (the test's own reference)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors, out, ref = hf_tensors(src), {}, {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            bo, bi = BLOCK
+            blocks = w.reshape(w.shape[0] // bo, bo, w.shape[1] // bi, bi)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [out/16, in/16]
+            q = (blocks / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = q, scale
+            ref[name] = (q.float().reshape(blocks.shape) * scale[:, None, :, None]).reshape(w.shape)
+        else:
+            out[name] = ref[name] = w
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").unlink()
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+def test_fp8_block_scaled_weights_are_dequantized_on_import(tmp_path, capsys):
+    src = make_hf_model("qwen3", tmp_path / "src")
+    ref = quantize_fp8_folder(src, tmp_path / "fp8")
+    orig = hf_tensors(src)["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], orig)  # fp8 really lost bits
+    rep = run_ok(["hf-to-mcore", "--hf", str(tmp_path / "fp8"), "--out", str(tmp_path / "mc"), "--verify"],
+                 capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL and rep["dtype_casts"] == []
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"],
+                 capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+    got = hf_tensors(tmp_path / "hf2")
+    assert sorted(got) == sorted(ref) and [k for k in ref if not torch.equal(ref[k], got[k])] == []
+    assert "quantization_config" not in json.loads((tmp_path / "hf2" / "config.json").read_text())
+
+
+def test_other_quantization_is_refused(tmp_path, capsys):
+    hf = make_hf_model("llama", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    assert "gptq" in err and "only FP8 block-scaled" in err

@@ -171,6 +171,7 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
     if not (ckpt_p / "metadata.json").is_file():
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
+    hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)

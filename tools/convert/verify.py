@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tools.convert import checks, layout, runtime
 from tools.convert.arch.base import ConvertError, to_hf
+from tools.convert.hf_io import read_config
 
 DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -100,7 +101,27 @@ def fresh_logits(ckpt: Path, cfg, extra: dict, ctx):
 
 def verify_mcore_against_hf(ckpt: Path, cfg, extra: dict, ctx, hf_dir: str, tol: float | None) -> dict:
     mc, dtype = fresh_logits(ckpt, cfg, extra, ctx)
-    return compare(mc, lambda: hf_logits(load_hf(Path(hf_dir))[0], tokens(cfg.vocab_size)), tol, dtype)
+    load = load_hf_dequantized if "quantization_config" in read_config(Path(hf_dir)) else (lambda p: load_hf(p)[0])
+    return compare(mc, lambda: hf_logits(load(Path(hf_dir)), tokens(cfg.vocab_size)), tol, dtype)
+
+
+def load_hf_dequantized(path: Path):
+    """The HF model of an FP8 block-scaled folder with its weights dequantized (transformers' own FP8
+    loading needs a GPU): the architecture from config.json without quantization_config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tools.convert.hf_io import HFReader
+
+    reader = HFReader(path)
+    hf = {k: v for k, v in reader.config.items() if k not in ("architectures", "quantization_config")}
+    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), torch_dtype=torch.float32,
+                                           attn_implementation="eager")
+    state = {n: reader.get(n) for n in reader.weight_map if not n.endswith("_scale_inv")}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConvertError(f"verify: dequantized reference missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return ref
 
 
 def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: float | None) -> dict:

@@ -151,6 +151,9 @@ class Arch:
             bad.append("mlp_bias=true")
         if hf.get("attention_bias") and self.model_type in ("llama", "mistral", "mixtral"):
             bad.append("attention_bias=true (o_proj bias is not mapped)")
+        q = hf.get("quantization_config")
+        if q and not (q.get("quant_method") == "fp8" and len(q.get("weight_block_size") or []) == 2):
+            bad.append(f"quantization_config {q} (only FP8 block-scaled weights are dequantized on import)")
         if hf.get("partial_rotary_factor", 1.0) != 1.0:
             bad.append(f"partial_rotary_factor={hf['partial_rotary_factor']}")
         if self.window == "none" and (hf.get("use_sliding_window") or (
@@ -267,7 +270,8 @@ class Arch:
     def ignorable(self, hf: dict, name: str) -> bool:
         """HF tensors that carry no information of their own (tied lm_head copy, RoPE buffers)."""
         return name.endswith("rotary_emb.inv_freq") or (bool(hf.get("tie_word_embeddings"))
-                                                        and name == "lm_head.weight")
+                                                        and name == "lm_head.weight") or (
+            name.endswith(".weight_scale_inv") and bool(hf.get("quantization_config")))  # read with the weight
 
 
 def head_dim(hf: dict) -> int:
