@@ -77,3 +77,15 @@ def test_failure_on_one_rank_leaves_nothing(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "logits differ" in proc.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("a")] == []
+
+
+def test_mixed_dense_moe_layers_with_shared_expert_pp2_ep2(tmp_path):
+    """Qwen2-MoE with a dense layer (per-layer checkpoint keys) and the gated shared expert at PP=2 x EP=2."""
+    hf = make_hf_model("qwen2_moe", tmp_path / "hf", num_hidden_layers=4, mlp_only_layers=[1])
+    reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--pp", "2", "--ep", "2",
+                   "--verify")
+    assert reps[0]["world_size"] == 4 and max(logit_diffs(reps)) <= 1e-4
+    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    assert_same_tensors(hf, tmp_path / "hf2", tied=False)
+    reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--ep", "2", "--verify")
+    assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4

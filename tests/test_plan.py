@@ -31,6 +31,8 @@ def _plan(cfg: PlanConfig, arch: Arch, recompute: str | None = None):
     ("llama3_70b", 70.6e9, None, 0.01),
     ("deepseek_v3_671b", 671e9, 37e9, 0.01),
     ("kimi_k2_1t", 1.04e12, 32e9, 0.02),
+    ("qwen3_235b_a22b", 235e9, 22e9, 0.01),
+    ("glm45_355b_a32b", 355e9, None, 0.01),
 ])
 def test_parameter_counts_match_published(name, total, active, tol):
     _, arch = _load(name)
@@ -39,6 +41,23 @@ def test_parameter_counts_match_published(name, total, active, tol):
         # active = matmul parameters per token (input-embedding lookup excluded); published figures are
         # rounded to the nearest billion, so DeepSeek-V3's 36.6B reads "37B" (1.0% off, inside the rounding).
         assert abs(arch.active_params / active - 1) < max(tol, 0.5e9 / active), arch.active_params
+
+
+def test_glm45_active_is_its_decoder_layers():
+    """GLM-4.5's "32B active" counts the decoder layers' per-token parameters (top-8 + shared expert),
+    without the output layer (32.08B); with it the matmul figure is 32.86B."""
+    _, arch = _load("glm45_355b_a32b")
+    assert abs((arch.active_params - arch.embedding) / 32e9 - 1) < 0.01, arch.active_params
+    assert arch.layer_kinds()[:4] == ("dense", "dense", "dense", "moe") and arch.layer_kinds()[-1] == "mtp"
+
+
+def test_model_head_dim_is_honoured():
+    cfg, arch = _load("qwen3_235b_a22b")
+    assert arch.head_dim == 128 != cfg.model.hidden_size // cfg.model.num_attention_heads
+    narrow, _ = _load("qwen3_235b_a22b", "model.head_dim=null")
+    assert Arch(narrow.model, narrow.arch).total_params < 0.99 * arch.total_params   # 231.7B: the old bug
+    with pytest.raises(ConfigError, match="arch.kv_channels=64 contradicts model.head_dim=128"):
+        _load("qwen3_235b_a22b", "arch.kv_channels=64")
 
 
 def test_deepseek_v3_mtp_is_counted_separately():
@@ -138,6 +157,25 @@ def test_search_returns_only_fitting_layouts_sorted():
     assert {p.layout.recompute for p in plans} >= {"selective", "full"}
 
 
+def test_search_proposes_only_layouts_the_trainer_accepts():
+    """94 layers: pp * vpp must divide 94 for the trainer; the search must not offer pp=4 or pp=8."""
+    from tools.plan.search import candidate_layouts
+
+    cfg, arch = _load("qwen3_235b_a22b")
+    refused = []
+    for par in candidate_layouts(cfg, arch):
+        try:
+            cfg.model.check_parallel(par)
+        except ConfigError:
+            refused.append(par)
+    assert any(p.pp in (4, 8) for p in refused)  # the candidates do include layouts the trainer refuses
+    plans, _ = search(cfg, arch, "selective")
+    assert plans
+    for p in plans:
+        cfg.model.check_parallel(p.layout.parallel)    # raises if the trainer would refuse it
+        assert 94 % (p.layout.parallel.pp * p.layout.vpp) == 0 and p.trainer_error is None
+
+
 def test_search_pins_recompute(capsys):
     assert main([str(CONFIGS / "tiny_cpu.yaml"), "--search", "--recompute", "full", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -156,6 +194,22 @@ def test_cli_deepseek_text_and_json(capsys):
     assert set(out["plan"]["memory_gb"]) == {"weights", "gradients", "optimizer", "activations", "overhead"}
     assert out["rollout"]["kv_bytes_per_token"] == (512 + 64) * 61 * 2           # MLA latent cache
     assert out["rollout"]["weight_sync_gb"] == pytest.approx(2 * out["model"]["total_params"] / 1e9)
+
+
+def test_readme_deepseek_example_fits_and_keeps_the_degrees(capsys):
+    """`--layout tp=2,pp=8,vpp=4,ep=64` (README): etp=1 and sequence parallel kept from the config."""
+    argv = [str(CONFIGS / "deepseek_v3_671b.yaml"), "--gpus", "1024", "--gpu", "h100", "--json"]
+    assert main([*argv, "--layout", "tp=2,pp=8,vpp=4,ep=64"]) == 0
+    out = json.loads(capsys.readouterr().out)["plan"]
+    assert out["fits"] and out["layout"]["etp"] == 1 and out["layout"]["sequence_parallel"] is True
+    assert not out["trainer_accepts"] and "pp*vpp = 32" in out["trainer_error"]   # 61 layers: uneven split
+    main([*argv, "--layout", "tp=2,pp=8,vpp=4,ep=64,etp=2,sp=0"])
+    out = json.loads(capsys.readouterr().out)["plan"]["layout"]
+    assert (out["etp"], out["sequence_parallel"], out["vpp"]) == (2, False, 4)
+    main([*argv, "--layout", "ep=32"])                      # the other degrees stay the config's
+    out = json.loads(capsys.readouterr().out)["plan"]["layout"]
+    assert (out["tp"], out["pp"], out["vpp"], out["ep"], out["etp"]) == (2, 8, 4, 32, 1)
+    assert main([*argv, "--layout", "pp=4,sp=2"]) == 2 and "sp=2" in capsys.readouterr().err
 
 
 def test_cli_not_fitting_exits_1(capsys):
@@ -202,9 +256,13 @@ def test_cli_entry_wired(capsys):
 
 
 def test_shipped_configs_fit():
-    for name in ("tiny_cpu", "llama3_8b", "llama3_70b", "deepseek_v3_671b", "kimi_k2_1t"):
+    for name in ("tiny_cpu", "llama3_8b", "llama3_70b", "deepseek_v3_671b", "kimi_k2_1t", "qwen3_235b_a22b",
+                 "glm45_355b_a32b"):
         cfg, arch = _load(name)
         assert _plan(cfg, arch).fits, name
+    for name in ("qwen3_235b_a22b", "glm45_355b_a32b"):  # the new ones also at a layout the trainer builds
+        cfg, arch = _load(name)
+        assert _plan(cfg, arch).trainer_error is None, name
 
 
 def test_config_error_type():

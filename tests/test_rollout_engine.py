@@ -217,3 +217,35 @@ def test_bad_input_is_rejected_with_a_reason(model, pgs):
     with pytest.raises(KeyError, match="no parameter"):
         eng.update_weights(1, [("decoder.nope.weight", torch.zeros(1))])
     assert eng.abort("unknown") is False
+
+
+@pytest.mark.parametrize("rope", [dict(kind="yarn", factor=4.0, original_max_position_embeddings=16),
+                                  dict(kind="llama3", factor=8.0, original_max_position_embeddings=32),
+                                  dict(kind="linear", factor=2.0)], ids=["yarn", "llama3", "linear"])
+def test_rope_scaling_logprobs_equal_full_forward(pgs, rope):
+    """Long-context RoPE (YaRN's concentration factor included) is applied in the engine as in training."""
+    from dataclasses import replace
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.models.gpt import RopeScaling
+
+    cfg = replace(MODEL, rope_scaling=RopeScaling(**rope))
+    model = build_gpt(cfg, ParallelConfig(), pgs)
+    init_weights_by_name(model, seed=3)
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight.mul_(3)
+    model.eval()
+    plain = make_model(pgs, seed=3)
+    prompt = PROMPTS[3] * 3  # 54 tokens: past the original context of the scaled kinds
+    assert (full_logits(model, prompt) - full_logits(plain, prompt)).abs().max() > 1e-3  # scaling in effect
+    out = engine(model, pgs).generate([prompt], SamplingParams(temperature=0.9, max_new_tokens=12, seed=5))[0]
+    ref = recomputed_logprobs(model, prompt, out.samples[0].token_ids, 0.9)
+    torch.testing.assert_close(torch.tensor(out.samples[0].logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_sliding_window_model_is_refused_by_the_engine(pgs):
+    from dataclasses import replace
+
+    model = build_gpt(replace(MODEL, sliding_window=8), ParallelConfig(), pgs)
+    with pytest.raises(ValueError, match="sliding-window"):
+        engine(model, pgs)

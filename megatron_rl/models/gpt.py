@@ -40,12 +40,46 @@ class MoEConfig:
     """Use grouped GEMM experts (needs TE or grouped_gemm; GPU only)."""
     router_pre_softmax: bool = False
     """Softmax over all experts before top-k (Mixtral-style False: top-k, then softmax; Qwen3-MoE True)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x @ gate) (Qwen2-MoE); needs a shared expert."""
+    layer_pattern: list[int] | None = None
+    """Per layer 1 = MoE, 0 = dense MLP (model.ffn_hidden_size); None: every layer is MoE."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
             raise ConfigError(f"moe.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts and not 1 <= self.topk <= self.num_experts:
             raise ConfigError(f"moe.topk={self.topk} must be in [1, num_experts={self.num_experts}]")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ConfigError("moe.shared_expert_gate needs moe.shared_expert_ffn_hidden_size (a shared expert)")
+        if self.layer_pattern is not None and set(self.layer_pattern) - {0, 1}:
+            raise ConfigError(f"moe.layer_pattern must hold only 0 (dense) and 1 (MoE), got {self.layer_pattern}")
+
+
+@dataclass
+class RopeScaling:
+    """RoPE frequency scaling of long-context checkpoints (HF `rope_scaling`), in Megatron-Core's terms."""
+
+    kind: Literal["none", "linear", "llama3", "yarn"] = "none"
+    """none; linear (positions / factor); llama3 (Llama 3.1 band-wise scaling); yarn (YaRN, with mscale)."""
+    factor: float = 1.0
+    """Context extension factor."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3 and yarn: the pre-training context length."""
+    beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated band."""
+    beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated band."""
+    mscale: float | None = None
+    """yarn: attention factor numerator coefficient (with mscale_all_dim; None: 0.1 ln(factor) + 1)."""
+    mscale_all_dim: float | None = None
+    """yarn: attention factor denominator coefficient."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
 
 
 @dataclass
@@ -81,6 +115,12 @@ class ModelConfig:
     """Position encoding."""
     rotary_base: int = 10000
     """RoPE base."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """RoPE frequency scaling (Llama 3.1 and YaRN long-context checkpoints)."""
+    sliding_window: int | None = None
+    """Sliding-window attention: each token sees itself and the window - 1 tokens before it; None: full."""
+    sliding_window_layers: list[int] | None = None
+    """Per layer 1 = sliding window, 0 = full attention; None: the window applies to every layer."""
     tie_embeddings: bool = True
     """Share the input embedding and the output layer weights."""
     qkv_bias: bool = False
@@ -110,6 +150,12 @@ class ModelConfig:
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                               f"num_query_groups={self.num_query_groups}")
+        if self.sliding_window_layers is not None and len(self.sliding_window_layers) != self.num_layers:
+            raise ConfigError(f"model.sliding_window_layers has {len(self.sliding_window_layers)} entries for "
+                              f"num_layers={self.num_layers}")
+        if self.moe.layer_pattern is not None and len(self.moe.layer_pattern) != self.num_layers:
+            raise ConfigError(f"model.moe.layer_pattern has {len(self.moe.layer_pattern)} entries for "
+                              f"num_layers={self.num_layers}")
         if self.fp8 != "none" and self.transformer_impl != "transformer_engine":
             raise ConfigError("model.fp8 needs model.transformer_impl=transformer_engine (FP8 runs through TE)")
 
@@ -118,8 +164,8 @@ class ModelConfig:
                              num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
 
 
-def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
-    """Megatron-Core TransformerConfig for this model and layout."""
+def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: dict | None = None):
+    """Megatron-Core TransformerConfig for this model and layout (`overrides`: extra TransformerConfig fields)."""
     from megatron.core.transformer import TransformerConfig
 
     moe = cfg.moe
@@ -139,6 +185,8 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
         pipeline_dtype=_DTYPES[cfg.params_dtype], use_cpu_initialization=not torch.cuda.is_available(),
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
+        window_size=(cfg.sliding_window - 1, 0) if cfg.sliding_window else None,
+        window_attn_skip_freq=list(cfg.sliding_window_layers) if cfg.sliding_window_layers is not None else None,
     )
     if moe.num_experts:
         kw.update(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
@@ -146,44 +194,125 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig):
                   moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
                   moe_token_dispatcher_type=moe.dispatcher, moe_aux_loss_coeff=moe.aux_loss_coeff,
                   moe_z_loss_coeff=moe.z_loss_coeff, moe_grouped_gemm=moe.grouped_gemm,
-                  moe_router_pre_softmax=moe.router_pre_softmax,
+                  moe_router_pre_softmax=moe.router_pre_softmax, moe_shared_expert_gate=moe.shared_expert_gate,
+                  moe_layer_freq=list(moe.layer_pattern) if moe.layer_pattern is not None else 1,
                   moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none")
     if cfg.fp8 != "none":
         kw.update(fp8="hybrid" if cfg.fp8 == "delayed" else "e4m3", fp8_recipe=cfg.fp8)
-    return TransformerConfig(**kw)
+    kw.update(overrides or {})
+    top1_after = kw.get("num_moe_experts") and kw["moe_router_topk"] == 1 and not kw["moe_router_pre_softmax"]
+    if top1_after:  # Megatron refuses this combination up front (see below): validate as pre-softmax
+        kw["moe_router_pre_softmax"] = True
+    tc = TransformerConfig(**kw)
+    if top1_after:
+        # Top-1 routing with softmax after top-k gives every token weight 1.0 (Mixtral, Qwen-MoE with
+        # norm_topk_prob at k=1). Megatron refuses it because the router then gets no gradient from the
+        # loss -- exactly as in the HF model; pre-softmax would scale each expert's output by p < 1 instead.
+        tc.moe_router_pre_softmax = False
+    _set_yarn(tc, cfg)
+    return tc
 
 
-def layer_spec(cfg: ModelConfig, cp: int = 1):
+def _set_yarn(tc, cfg: ModelConfig) -> None:
+    """GPTModel(position_embedding_type='yarn') and attention read these from the config (not fields of
+    TransformerConfig in 0.16.1: MLATransformerConfig's names)."""
+    rs = cfg.rope_scaling
+    if rs.kind != "yarn":
+        return
+    tc.yarn_rotary_scaling_factor = rs.factor
+    tc.yarn_original_max_position_embeddings = rs.original_max_position_embeddings
+    tc.yarn_beta_fast, tc.yarn_beta_slow = rs.beta_fast, rs.beta_slow
+    # Megatron's concentration factor falls back to 0.1 ln(factor) + 1 when either is None, as HF does
+    # when either is missing or zero
+    both = bool(rs.mscale) and bool(rs.mscale_all_dim)
+    tc.yarn_mscale, tc.yarn_mscale_all_dim = (rs.mscale, rs.mscale_all_dim) if both else (None, None)
+    tc.yarn_correction_range_round_to_int = rs.truncate
+
+
+def rope_kwargs(cfg: ModelConfig) -> dict:
+    """GPTModel keyword arguments for the position embedding and its RoPE scaling."""
+    rs = cfg.rope_scaling
+    if cfg.position_embedding != "rope" or rs.kind == "none":
+        return {"position_embedding_type": cfg.position_embedding}
+    if rs.kind == "linear":
+        return {"position_embedding_type": "rope", "seq_len_interpolation_factor": rs.factor}
+    if rs.kind == "llama3":
+        return {"position_embedding_type": "rope", "rope_scaling": True, "rope_scaling_factor": rs.factor}
+    return {"position_embedding_type": "yarn"}
+
+
+def finish_rope(model, cfg: ModelConfig) -> None:
+    """llama3 scaling with band limits other than Megatron's fixed (1, 4, 8192): recompute the frequencies
+    with Megatron's own `RotaryEmbedding._apply_scaling`, passing the checkpoint's limits."""
+    rs = cfg.rope_scaling
+    rot = getattr(model, "rotary_pos_emb", None)
+    if rs.kind != "llama3" or rot is None or (rs.low_freq_factor, rs.high_freq_factor,
+                                              rs.original_max_position_embeddings) == (1.0, 4.0, 8192):
+        return
+    dim = model.config.kv_channels
+    base = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim/2]
+    rot.inv_freq = rot._apply_scaling(base, factor=rs.factor, low_freq_factor=rs.low_freq_factor,
+                                      high_freq_factor=rs.high_freq_factor,
+                                      original_max_position_embeddings=rs.original_max_position_embeddings
+                                      ).to(rot.inv_freq.device)
+    rot.forward.cache_clear()
+
+
+def layer_spec(cfg: ModelConfig, cp: int = 1, tcfg=None, *, vp_stage: int | None = None,
+               pp_rank: int | None = None):
     """The per-layer module spec: local modules on CPU, Transformer Engine modules on GPU.
 
     Context parallelism (cp > 1): TE's attention does it natively (THD + cu_seqlens); the local spec's
     DotProductAttention refuses it, so its core attention is swapped for `CPDotProductAttention` (K/V
     all-gathered in the CP group; no parameters, so weights and checkpoints are unchanged).
+    Mixed dense/MoE layers (`moe.layer_pattern`): Megatron's block spec of this stage's layers, built from
+    the TransformerConfig `tcfg` (its moe_layer_freq list), `vp_stage` and `pp_rank`.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     n_exp = cfg.moe.num_experts or None
-    if cfg.transformer_impl == "transformer_engine":
+    te = cfg.transformer_impl == "transformer_engine"
+    if n_exp and cfg.moe.layer_pattern is not None:
+        block = specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te, normalization=cfg.normalization,
+                                                 vp_stage=vp_stage, pp_rank=pp_rank)
+        for spec in block.layer_specs if cp > 1 and not te else []:
+            _use_cp_attention(spec)
+        return block
+    if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm, qk_layernorm=cfg.qk_layernorm)
     spec = specs.get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm,
                                           qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
     if cp > 1:
-        from megatron_rl.models.cp_attention import CPDotProductAttention
-
-        spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
+        _use_cp_attention(spec)
     return spec
 
 
+def _use_cp_attention(spec) -> None:
+    from megatron_rl.models.cp_attention import CPDotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
+
+
 def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_process: bool = True,
-              post_process: bool = True, vp_stage: int | None = None):
-    """One (pipeline-stage) chunk of the policy as a Megatron-Core GPTModel."""
+              post_process: bool = True, vp_stage: int | None = None, config_overrides: dict | None = None):
+    """One (pipeline-stage) chunk of the policy as a Megatron-Core GPTModel.
+
+    `config_overrides`: extra TransformerConfig fields (the converter's, for settings ModelConfig lacks).
+    """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     cfg.check_parallel(parallel)
-    return GPTModel(
-        config=transformer_config(cfg, parallel), transformer_layer_spec=layer_spec(cfg, parallel.cp),
+    tcfg = transformer_config(cfg, parallel, config_overrides)
+    pp_rank = None
+    if cfg.moe.layer_pattern is not None:  # the block spec slices this stage's layers
+        pp_rank = pgs.pp.rank() if getattr(pgs, "pp", None) is not None else \
+            parallel_state.get_pipeline_model_parallel_rank()
+    model = GPTModel(
+        config=tcfg, transformer_layer_spec=layer_spec(cfg, parallel.cp, tcfg, vp_stage=vp_stage, pp_rank=pp_rank),
         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_length, pre_process=pre_process,
         post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type=cfg.position_embedding, rotary_base=cfg.rotary_base, pg_collection=pgs,
-        vp_stage=vp_stage)
+        rotary_base=cfg.rotary_base, pg_collection=pgs, vp_stage=vp_stage, **rope_kwargs(cfg))
+    finish_rope(model, cfg)
+    return model

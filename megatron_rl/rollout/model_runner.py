@@ -61,6 +61,9 @@ class ModelRunner:
     """Runs a `GPTModel` (one pipeline stage holding the whole model) over paged batches."""
 
     def __init__(self, model, tp_group=None, cp_group=None):
+        if getattr(model.config, "window_size", None):
+            raise ValueError(f"rollout engine: sliding-window attention (window_size={model.config.window_size}) "
+                             f"is not supported by the paged attention yet; serve a full-attention model")
         self.model = model.eval()
         self.tp_group = tp_group if tp_group is not None and dist.is_initialized() and tp_group.size() > 1 else None
         self.cp_group = cp_group
@@ -81,7 +84,8 @@ class ModelRunner:
         if getattr(self.model, "rotary_pos_emb", None) is None:
             return None
         if self._freqs is None:
-            self._freqs = self.model.rotary_pos_emb(self.model.max_sequence_length)  # [max, 1, 1, d]
+            freqs = self.model.rotary_pos_emb(self.model.max_sequence_length)  # [max, 1, 1, d]
+            self._freqs = freqs[0] if isinstance(freqs, tuple) else freqs  # YaRN: (freqs, mscale)
         return self._freqs[positions]
 
     @torch.inference_mode()
@@ -120,8 +124,13 @@ class ModelRunner:
 
     def _apply_rope(self, t: Tensor, freqs: Tensor) -> Tensor:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            _yarn_get_concentration_factor_from_config as yarn_mscale,
+        )
 
-        return apply_rotary_pos_emb(t, freqs, config=self.model.config, cp_group=self.cp_group)
+        # YaRN scales cos/sin by its concentration factor, as Megatron's attention does (1.0 otherwise)
+        return apply_rotary_pos_emb(t, freqs, config=self.model.config, cp_group=self.cp_group,
+                                    mscale=yarn_mscale(self.model.config))
 
     def _attention(self, layer: int, q: Tensor, batch: Batch, cache: PagedKVCache) -> Tensor:
         """Causal attention of packed queries q [T, np, d] over each sequence's cached K/V -> [T, np*d]."""

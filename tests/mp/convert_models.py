@@ -17,10 +17,14 @@ CONFIGS = {
                                          moe_intermediate_size=16, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=None)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                         norm_topk_prob=False)),
 }
 
 
-def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides) -> Path:
+def make_hf_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Save a random tiny model of `arch` into `path` (sharded safetensors + index, plus a tokenizer file)."""
     import transformers
 
@@ -32,7 +36,7 @@ def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, max_shard_size="20KB", safe_serialization=True)
+    model.to(dtype).save_pretrained(path, max_shard_size="20KB", safe_serialization=True)
     (Path(path) / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64, "seed": seed}))
     return Path(path)
 

@@ -32,10 +32,13 @@ def expected_hf_shape(name: str, hf: dict, cfg) -> tuple[int, ...]:
     h, d = hf["hidden_size"], head_dim(hf)
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     ffn = cfg.moe.ffn_hidden_size if (cfg.moe.num_experts and ".experts." in name) else cfg.ffn_hidden_size
+    if ".shared_expert." in name:
+        ffn = cfg.moe.shared_expert_ffn_hidden_size
     table = {"embed_tokens.weight": (hf["vocab_size"], h), "lm_head.weight": (hf["vocab_size"], h),
              "q_proj.weight": (heads * d, h), "k_proj.weight": (groups * d, h), "v_proj.weight": (groups * d, h),
              "q_proj.bias": (heads * d,), "k_proj.bias": (groups * d,), "v_proj.bias": (groups * d,),
              "o_proj.weight": (h, heads * d), "q_norm.weight": (d,), "k_norm.weight": (d,),
+             "shared_expert_gate.weight": (1, h),
              "gate.weight": (cfg.moe.num_experts, h), "gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h),
              "down_proj.weight": (h, ffn), "w1.weight": (ffn, h), "w3.weight": (ffn, h), "w2.weight": (h, ffn)}
     for suffix, shp in table.items():
@@ -52,13 +55,16 @@ def hf_shapes(reader, arch, rules: dict, cfg, extra: dict) -> None:
 
 def ckpt_against_model(ckpt: Path, md: dict, entries: list, cfg) -> None:
     """A checkpoint holds every tensor of the model, with the model's shapes, and nothing else."""
-    counts = {1: (cfg.num_layers,), 2: (cfg.num_layers, cfg.moe.num_experts)}
+    known = set()
     for ent in entries:
-        if ent.key not in md:
-            raise ConvertError(f"checkpoint {ckpt} lacks tensor {ent.key!r}: written for another model?")
-        shape(ent.key, counts.get(ent.prepend, ()) + ent.shape, tuple(md[ent.key].global_shape),
-              f"in checkpoint {ckpt} vs the model of the HF config")
-    known = {e.key for e in entries}
+        lead = ((cfg.num_layers,) if ent.layer_axis else ()) + ((cfg.moe.num_experts,) if "{e}" in ent.template
+                                                                 else ())
+        for key in ent.keys(cfg.num_layers):
+            if key not in md:
+                raise ConvertError(f"checkpoint {ckpt} lacks tensor {key!r}: written for another model?")
+            shape(key, lead + ent.shape, tuple(md[key].global_shape),
+                  f"in checkpoint {ckpt} vs the model of the HF config")
+            known.add(key)
     extra = sorted(k for k in md if k not in known and not k.startswith(_IGNORED_CKPT_PREFIXES))
     if extra:
         raise ConvertError(f"checkpoint {ckpt} has tensor {extra[0]!r} that this model does not "

@@ -36,7 +36,8 @@ def fill_rule(arch, hf: dict, rules: dict[str, Rule], name: str) -> Rule:
 
 @torch.no_grad()
 def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool) -> list[str]:
-    """Copy HF tensors into this rank's shards, one canonical tensor at a time; returns dtype casts."""
+    """Copy HF tensors into this rank's shards, one canonical tensor at a time; returns the lossy dtype
+    casts (Megatron keeps some tensors, the local spec's norms, in fp32: a bf16 value fits there exactly)."""
     hf, casts = reader.config, []
     shards = layout.model_shards(model)
     for name in runtime.progress(sorted(shards, key=_order), "hf -> mcore", show):
@@ -45,7 +46,7 @@ def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool
         full = to_mcore(rule, parts, hf)
         for sh in shards[name]:
             checks.shape(name, sh.global_shape, tuple(full.shape), f"made from {', '.join(rule.hf)}")
-            if full.dtype != sh.data.dtype:
+            if full.dtype != sh.data.dtype and not torch.equal(full.to(sh.data.dtype).to(full.dtype), full):
                 casts.append(f"{name}: {full.dtype} -> {sh.data.dtype}")
             sh.data.copy_(full[sh.region])
     return casts
@@ -86,6 +87,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
             from tools.convert import verify as V
 
             report["verify"] = V.verify_mcore_against_hf(tmp, cfg, extra, ctx, hf_dir, tol)
+            report["verify"]["config"] = V.check_arch_round_trip(arch, cfg, extra)
     return report
 
 
@@ -107,26 +109,45 @@ def resolve_hf_config(ckpt: Path, hf_config: str | None) -> tuple[dict, Path | N
     return meta["hf_config"], side
 
 
+def ckpt_dtype(ckpt: Path) -> str:
+    """The parameter dtype of a checkpoint (its most common tensor dtype), as HF names it."""
+    from collections import Counter
+
+    from megatron.core import dist_checkpointing
+
+    md = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    counts = Counter(str(v.dtype).removeprefix("torch.") for k, v in md.items() if not k.startswith("optimizer."))
+    return counts.most_common(1)[0][0]
+
+
+def source_config(ckpt: Path, fallback: dict) -> dict:
+    """The HF config.json the checkpoint was converted from (its META), else `fallback`."""
+    meta = ckpt / META
+    return json.loads(meta.read_text())["hf_config"] if meta.is_file() else fallback
+
+
 def ckpt_layout(ckpt: Path, arch, cfg, extra: dict) -> tuple[list, dict]:
     """Checkpoint entries of this model (from a one-layer stand-in), checked against the checkpoint."""
     from megatron.core import dist_checkpointing
 
     ctx = runtime.start()
-    entries = layout.ckpt_entries(layout.build_model(cfg, extra, ctx, num_layers=1))
+    entries = layout.ckpt_entries(layout.build_model(cfg, extra, ctx, num_layers=1), cfg.moe.layer_pattern)
     md = dist_checkpointing.load_tensors_metadata(str(ckpt))
     checks.ckpt_against_model(ckpt, md, entries, cfg)
     return entries, {k: v.dtype for k, v in md.items()}
 
 
 def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
+    """Write canonical tensors as HF tensors, in the config's dtype (`dtype`) when it names one."""
     rules = {**arch.global_rules(hf), **_layer_rules_for(arch, hf, tensors)}
+    dtype = getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or ""), None)
     for name, t in tensors.items():
         if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
             continue
         if name not in rules:
             raise ConvertError(f"checkpoint tensor {name!r} has no mapping in the {arch.name} table")
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
-            writer.add(hf_name, part)
+            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) else part)
 
 
 def _layer_rules_for(arch, hf, tensors):
@@ -150,11 +171,12 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
     if not (ckpt_p / "metadata.json").is_file():
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
+    hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
+    hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)
     entries, dtypes = ckpt_layout(ckpt_p, arch, cfg, extra)
-    hf = {**hf, "torch_dtype": str(next(iter(dtypes.values()))).removeprefix("torch.")}
-    report = {"arch": arch.name}
+    report = {"arch": arch.name, "dtype": hf["dtype"]}
     with runtime.atomic_dir(out) as tmp:
         writer = HFWriter(tmp, max_shard_bytes)
         export_hf(ckpt_p, entries, dtypes, arch, hf, writer, True)
@@ -165,6 +187,8 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
             from tools.convert import verify as V
 
             report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol)
+            report["verify"]["config"] = V.check_written_config(
+                tmp / "config.json", {**source_config(ckpt_p, hf), "dtype": hf["dtype"], "torch_dtype": hf["dtype"]})
     return report
 
 

@@ -62,10 +62,44 @@ class HFReader:
         return tuple(self._file(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file(name).get_tensor(name)
+        """The tensor `name`; FP8 block-scaled weights (`name` + `_scale_inv` present) come dequantized."""
+        t = self._file(name).get_tensor(name)
+        scale = name + "_scale_inv"
+        if scale in self.weight_map:
+            t = dequantize_fp8_blocks(t, self._file(scale).get_tensor(scale), fp8_block(self.config),
+                                      _torch_dtype(self.config))
+        return t
 
     def close(self) -> None:
         self._open.clear()
+
+
+def fp8_block(hf: dict) -> tuple[int, int]:
+    """Block shape of an FP8 block-scaled checkpoint (DeepSeek-V3: quantization_config.weight_block_size)."""
+    q = hf.get("quantization_config") or {}
+    if q.get("quant_method") != "fp8" or len(q.get("weight_block_size") or []) != 2:
+        raise ConvertError(f"quantization_config {q} is not supported: only FP8 with a 2-D weight_block_size "
+                           f"(DeepSeek-V3's block-scaled e4m3) is dequantized on import")
+    return tuple(q["weight_block_size"])
+
+
+def _torch_dtype(hf: dict) -> torch.dtype:
+    from tools.convert.arch.base import hf_dtype
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[hf_dtype(hf)]
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                          dtype: torch.dtype) -> torch.Tensor:
+    """w [out, in] (float8) * scale_inv [ceil(out / bo), ceil(in / bi)] broadcast over each block, in fp32."""
+    bo, bi = block
+    out, inn = w.shape
+    want = (-(-out // bo), -(-inn // bi))
+    if tuple(scale_inv.shape) != want:
+        raise ConvertError(f"FP8 scale_inv of shape {list(scale_inv.shape)} does not fit a weight of shape "
+                           f"{[out, inn]} in blocks of {list(block)} (expected {list(want)})")
+    s = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]  # [out, in]
+    return (w.float() * s).to(dtype)
 
 
 class HFWriter:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 
 import torch
 
@@ -33,31 +34,51 @@ class CkptEntry:
     template: str
     """Canonical name with {l} for the layer and {e} for the expert."""
     key: str
-    """dist_checkpointing key (layers and experts stacked along prepended axes)."""
+    """dist_checkpointing key: layers stacked along a prepended axis, or `{l}` in the key where the layers
+    differ (mixed dense/MoE layers); experts stacked along a prepended axis."""
     prepend: int
-    """Number of prepended axes: 0 (global), 1 (layer), 2 (layer, expert)."""
+    """Number of prepended axes: 0 (global, or a layer named in the key), 1 (layer or expert), 2 (both)."""
     shape: tuple[int, ...]
     """Shape of one canonical tensor (without the prepended axes)."""
+    layers: tuple[int, ...] | None = None
+    """Layers holding this tensor when they differ (mixed dense/MoE); None: every layer (or not a layer's)."""
+
+    @property
+    def per_layer(self) -> bool:
+        return "{l}" in self.template
+
+    @property
+    def layer_axis(self) -> bool:
+        return self.per_layer and "{l}" not in self.key
+
+    def keys(self, n_layers: int) -> list[str]:
+        """Every checkpoint key of this entry."""
+        if "{l}" not in self.key:
+            return [self.key]
+        return [self.key.format(l=i) for i in (self.layers if self.layers is not None else range(n_layers))]
+
+    def has_layer(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 
 
 def build_model(cfg, extra: dict, ctx, num_layers: int | None = None):
-    """This rank's GPTModel chunk for `cfg` with TransformerConfig overrides `extra` (eps, head_dim...)."""
-    from dataclasses import replace as dc_replace
+    """This rank's GPTModel chunk for `cfg` with TransformerConfig overrides `extra`.
 
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_rl.models.gpt import layer_spec, transformer_config
+    With `num_layers` (a stand-in for reading checkpoint keys): that many layers, or with mixed dense/MoE
+    layers one layer of each kind present.
+    """
+    from megatron_rl.models.gpt import build_gpt
 
     if num_layers is not None:
-        cfg = dc_replace(cfg, num_layers=num_layers)
-    cfg.check_parallel(ctx.parallel)
-    tcfg = dc_replace(transformer_config(cfg, ctx.parallel), **extra)
+        pattern = cfg.moe.layer_pattern
+        if pattern is not None:
+            pattern = sorted(set(pattern))
+            num_layers = len(pattern)
+        cfg = dc_replace(cfg, num_layers=num_layers, sliding_window_layers=None,
+                         moe=dc_replace(cfg.moe, layer_pattern=pattern))
     pp_rank, pp_size = torch.distributed.get_rank(ctx.pgs.pp), ctx.parallel.pp
-    return GPTModel(config=tcfg, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
-                    max_sequence_length=cfg.max_seq_length, pre_process=pp_rank == 0,
-                    post_process=pp_rank == pp_size - 1, parallel_output=True,
-                    share_embeddings_and_output_weights=cfg.tie_embeddings, position_embedding_type="rope",
-                    rotary_base=cfg.rotary_base, pg_collection=ctx.pgs)
+    return build_gpt(cfg, ctx.parallel, ctx.pgs, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                     config_overrides=extra)
 
 
 def _shards(item) -> list:
@@ -69,14 +90,25 @@ def _shards(item) -> list:
     return [item] if isinstance(item, ShardedTensor) else []
 
 
+def _axes(sd_key: str, sh) -> tuple[int | None, int | None]:
+    """(global layer, global expert) of a sharded-state-dict entry: the layer from a stacked axis or from
+    the checkpoint key (mixed dense/MoE layers name each layer), the expert from the next stacked axis."""
+    axis, layer, expert = 0, None, None
+    named = _LAYER.match(sh.key)
+    if named:
+        layer = int(named.group(1))
+    elif _LAYER.match(sd_key) and sh.prepend_axis_num >= 1:
+        layer, axis = sh.global_offset[0], 1
+    if _EXPERT.search(sd_key) and sh.prepend_axis_num > axis:
+        expert = sh.global_offset[axis]
+    return layer, expert
+
+
 def canonical_name(sd_key: str, sh) -> str:
     """Canonical name of a sharded-state-dict entry: local layer/expert indices made global."""
-    name = sd_key
-    if sh.prepend_axis_num >= 1 and _LAYER.match(name):
-        name = _LAYER.sub(f"decoder.layers.{sh.global_offset[0]}.", name)
-    if sh.prepend_axis_num >= 2 and _EXPERT.search(name):
-        name = _EXPERT.sub(f".local_experts.{sh.global_offset[1]}.", name)
-    return name
+    layer, expert = _axes(sd_key, sh)
+    name = sd_key if layer is None else _LAYER.sub(f"decoder.layers.{layer}.", sd_key)
+    return name if expert is None else _EXPERT.sub(f".local_experts.{expert}.", name)
 
 
 def model_shards(model) -> dict[str, list[Shard]]:
@@ -90,16 +122,42 @@ def model_shards(model) -> dict[str, list[Shard]]:
     return out
 
 
-def ckpt_entries(standin) -> list[CkptEntry]:
-    """Checkpoint keys of every canonical tensor, from a one-layer stand-in model (EP=1, TP=1)."""
+def ckpt_entries(model, pattern: list[int] | None = None) -> list[CkptEntry]:
+    """Checkpoint keys of every canonical tensor, from a model (a stand-in of one layer per kind is
+    enough). `pattern`: the full model's MoE layer pattern (1 = MoE, 0 = dense) when layers differ."""
+    stand_pattern = model.config.moe_layer_freq if isinstance(model.config.moe_layer_freq, list) else None
     entries: dict[str, CkptEntry] = {}
-    for key, item in standin.sharded_state_dict().items():
+    kinds: dict[str, set] = {}
+    for key, item in model.sharded_state_dict().items():
         for sh in _shards(item):
-            n = sh.prepend_axis_num
-            template = _EXPERT.sub(".local_experts.{e}.", _LAYER.sub("decoder.layers.{l}.", key)) if n else key
-            shape = tuple(sh.global_shape[n:])
-            entries[template] = CkptEntry(template, sh.key, n, shape)
-    return list(entries.values())
+            layer, _ = _axes(key, sh)
+            template = _EXPERT.sub(".local_experts.{e}.", _LAYER.sub("decoder.layers.{l}.", key))
+            ck = _LAYER.sub("decoder.layers.{l}.", sh.key) if _LAYER.match(sh.key) else sh.key
+            entries[template] = CkptEntry(template if layer is not None else key, ck, sh.prepend_axis_num,
+                                          tuple(sh.global_shape[sh.prepend_axis_num:]))
+            if layer is not None and stand_pattern is not None:
+                kinds.setdefault(template, set()).add(stand_pattern[layer])
+    if pattern is None or set(pattern) == {1} or stand_pattern is None:
+        return list(entries.values())
+    out = []
+    for t, ent in entries.items():
+        if t in kinds and kinds[t] != set(pattern):
+            ent = dc_replace(ent, layers=tuple(i for i, k in enumerate(pattern) if k in kinds[t]))
+        out.append(ent)
+    return out
+
+
+def merge_entries(parts: list[list[CkptEntry]]) -> list[CkptEntry]:
+    """Entries gathered from several ranks (pipeline stages): one per template, their layers united."""
+    out: dict[str, CkptEntry] = {}
+    for ent in (e for part in parts for e in part):
+        have = out.get(ent.template)
+        if have is not None and have.layers is not None and ent.layers is not None:
+            ent = dc_replace(ent, layers=tuple(sorted(set(have.layers) | set(ent.layers))))
+        elif have is not None:
+            ent = dc_replace(ent, layers=None)
+        out[ent.template] = ent
+    return list(out.values())
 
 
 def load_canonical(ckpt: str, entries: list[CkptEntry], layer: int | None, counts: tuple[int, int],
@@ -110,22 +168,26 @@ def load_canonical(ckpt: str, entries: list[CkptEntry], layer: int | None, count
     dist_checkpointing's own load cannot read a partial region in a single process.
     """
     n_layers, n_experts = counts
-    picked = [e for e in entries if (e.prepend == 0) == (layer is None)]
+    picked = [e for e in entries if e.per_layer != (layer is None) and (layer is None or e.has_layer(layer))]
     bufs, state = {}, {}
     for ent in picked:
-        lead = ((1,) if ent.prepend else ()) + ((n_experts,) if ent.prepend == 2 else ())
-        buf = bufs[ent.template] = torch.empty(lead + ent.shape, dtype=dtypes[ent.key])  # [1, (E,) ...]
-        offsets = ((layer,) if ent.prepend else ()) + (0,) * (buf.dim() - (1 if ent.prepend else 0))
-        state[ent.key] = (buf, offsets)
+        key = ent.key.format(l=layer) if layer is not None else ent.key
+        expert = "{e}" in ent.template
+        lead = ((1,) if ent.layer_axis else ()) + ((n_experts,) if expert else ())
+        dtype = dtypes.get(key, dtypes.get(ent.key))
+        buf = bufs[ent.template] = torch.empty(lead + ent.shape, dtype=dtype)  # [(1,) (E,) ...]
+        offsets = ((layer,) if ent.layer_axis else ()) + (0,) * (buf.dim() - (1 if ent.layer_axis else 0))
+        state[key] = (buf, offsets)
     if state:
         _read_regions(ckpt, state)
     out = {}
     for ent in picked:
         buf = bufs[ent.template]
-        if ent.prepend == 2:
-            out.update({ent.template.format(l=layer, e=e): buf[0, e] for e in range(n_experts)})
+        buf = buf[0] if ent.layer_axis else buf
+        if "{e}" in ent.template:
+            out.update({ent.template.format(l=layer, e=e): buf[e] for e in range(n_experts)})
         else:
-            out[ent.template.format(l=layer)] = buf[0] if ent.prepend else buf
+            out[ent.template.format(l=layer) if layer is not None else ent.template] = buf
     return out
 
 

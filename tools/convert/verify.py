@@ -12,12 +12,58 @@ import torch.distributed as dist
 
 from tools.convert import checks, layout, runtime
 from tools.convert.arch.base import ConvertError, to_hf
+from tools.convert.hf_io import read_config
 
 DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
+VERIFY_SHAPE = (4, 128)
+"""Sequences x tokens compared: long enough for sliding windows and RoPE scaling to show."""
+_MATTER = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+           "vocab_size", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
+           "sliding_window", "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok",
+           "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "attention_bias",
+           "qkv_bias", "dtype")
+"""config.json keys compared verbatim between the source and a written config (where both set them; the
+ones with several spellings, rope_scaling, layer_types, mlp_only_layers..., through the ModelConfig)."""
+
+
 def tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(vocab, (2, 12), generator=torch.Generator().manual_seed(0))  # [b, s]
+    return torch.randint(vocab, VERIFY_SHAPE, generator=torch.Generator().manual_seed(0))  # [b, s]
+
+
+def _model_cfg(hf: dict):
+    from tools.convert.arch import for_hf_config
+
+    return for_hf_config(hf).model_config(hf)[0]
+
+
+def check_written_config(written: Path, source: dict) -> dict:
+    """The written config.json describes the source model: the same ModelConfig (every setting the
+    model uses) and the same values of the keys that matter, where both configs have them."""
+    import json
+
+    out = json.loads(Path(written).read_text())
+    a, b = _model_cfg(out), _model_cfg(source)
+    if a != b:
+        diff = {k: (getattr(b, k), getattr(a, k)) for k in vars(a) if getattr(a, k) != getattr(b, k)}
+        raise ConvertError(f"verify: written {written} describes another model than the source: "
+                           f"(source, written) = {diff}")
+    src = {**source, "dtype": source.get("dtype") or source.get("torch_dtype")}
+    both = [k for k in _MATTER if src.get(k) is not None and out.get(k) is not None]
+    bad = {k: (src[k], out[k]) for k in both if src[k] != out[k]}
+    if bad:
+        raise ConvertError(f"verify: written {written} differs from the source config: (source, written) = {bad}")
+    return {"same_model_config": True, "keys_compared": sorted(both)}
+
+
+def check_arch_round_trip(arch, cfg, extra: dict) -> dict:
+    """An export by architecture name (`mcore-to-hf --hf-config ARCH`) would describe this same model."""
+    again = arch.model_config(arch.hf_config(cfg, extra))[0]
+    if again != cfg:
+        diff = {k: (getattr(cfg, k), getattr(again, k)) for k in vars(cfg) if getattr(cfg, k) != getattr(again, k)}
+        raise ConvertError(f"verify: {arch.name}'s config.json writer loses settings: (model, rewritten) = {diff}")
+    return {"arch_round_trip": True}
 
 
 def hf_logits(model, toks: torch.Tensor) -> torch.Tensor:
@@ -55,7 +101,27 @@ def fresh_logits(ckpt: Path, cfg, extra: dict, ctx):
 
 def verify_mcore_against_hf(ckpt: Path, cfg, extra: dict, ctx, hf_dir: str, tol: float | None) -> dict:
     mc, dtype = fresh_logits(ckpt, cfg, extra, ctx)
-    return compare(mc, lambda: hf_logits(load_hf(Path(hf_dir))[0], tokens(cfg.vocab_size)), tol, dtype)
+    load = load_hf_dequantized if "quantization_config" in read_config(Path(hf_dir)) else (lambda p: load_hf(p)[0])
+    return compare(mc, lambda: hf_logits(load(Path(hf_dir)), tokens(cfg.vocab_size)), tol, dtype)
+
+
+def load_hf_dequantized(path: Path):
+    """The HF model of an FP8 block-scaled folder with its weights dequantized (transformers' own FP8
+    loading needs a GPU): the architecture from config.json without quantization_config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tools.convert.hf_io import HFReader
+
+    reader = HFReader(path)
+    hf = {k: v for k, v in reader.config.items() if k not in ("architectures", "quantization_config")}
+    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), torch_dtype=torch.float32,
+                                           attn_implementation="eager")
+    state = {n: reader.get(n) for n in reader.weight_map if not n.endswith("_scale_inv")}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConvertError(f"verify: dequantized reference missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return ref
 
 
 def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: float | None) -> dict:
@@ -91,8 +157,9 @@ def hf_reference(ckpt: Path, model, arch, hf: dict):
     from tools.convert.convert import all_rules
 
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, layout.ckpt_entries(model))
-    entries = list({e.template: e for p in parts for e in p}.values())
+    pattern = model.config.moe_layer_freq if isinstance(model.config.moe_layer_freq, list) else None
+    dist.all_gather_object(parts, layout.ckpt_entries(model, pattern))
+    entries = layout.merge_entries(parts)
     md_dtypes = {e.key: model.config.params_dtype for e in entries}
     counts = (hf["num_hidden_layers"], hf.get(arch.moe.num_experts_key, 0) if arch.moe else 0)
     rules, state = all_rules(arch, hf), {}

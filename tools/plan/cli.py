@@ -16,7 +16,7 @@ from tools.plan.memory import TERMS, Plan, plan_layout, resolve_layout
 from tools.plan.search import rollout_figures, search
 from tools.plan.spec import PlanConfig, gpu_spec, load_plan_config
 
-LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
+LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="plan config (configs/deepseek_v3_671b.yaml) or run config (configs/demo_cpu.yaml)")
     p.add_argument("--gpus", type=int, help="trainer GPUs (default: cluster.gpus of the config)")
     p.add_argument("--gpu", help="GPU kind: h100, h200 or b200 (default: cluster.gpu)")
-    p.add_argument("--layout", help="e.g. tp=2,pp=8,vpp=4,ep=64,cp=1,etp=1 (replaces the config's parallel)")
+    p.add_argument("--layout", help="e.g. tp=2,pp=8,vpp=4,ep=64,cp=1,etp=1,sp=1 (sp: sequence parallel 0/1); "
+                                    "degrees not given keep the config's parallel values")
     p.add_argument("--precision", choices=("bf16", "fp8"))
     p.add_argument("--recompute", choices=("none", "selective", "full"))
     p.add_argument("--micro-batch-size", type=int)
@@ -41,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_layout(text: str) -> ParallelConfig:
-    """'tp=2,pp=8,vpp=4,ep=64' -> ParallelConfig (sequence parallel on when tp > 1)."""
+def parse_layout(text: str, base: ParallelConfig | None = None) -> ParallelConfig:
+    """'tp=2,pp=8,vpp=4,ep=64' -> ParallelConfig: every degree given is kept; the others come from `base`
+    (the config's parallel), except vpp when pp changes and sequence parallel when tp changes (then on
+    exactly when tp > 1)."""
+    base = base or ParallelConfig()
     values: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, val = item.partition("=")
@@ -52,8 +56,17 @@ def parse_layout(text: str) -> ParallelConfig:
             values[key] = int(val)
         except ValueError:
             raise ConfigError(f"--layout: {key}={val!r} is not an integer") from None
-    par = from_dict(ParallelConfig, values, prefix="parallel")
-    par.sequence_parallel = par.tp > 1
+    sp = values.pop("sp", None)
+    if sp not in (None, 0, 1):
+        raise ConfigError(f"--layout: sp={sp} must be 0 or 1 (sequence parallel off/on)")
+    kept = {k: getattr(base, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp")}
+    if "pp" in values and values["pp"] != base.pp:
+        kept["vpp"] = None
+    par = from_dict(ParallelConfig, {**kept, **values}, prefix="parallel")
+    if sp is not None:
+        par.sequence_parallel = bool(sp)
+    else:
+        par.sequence_parallel = base.sequence_parallel if par.tp == base.tp else par.tp > 1
     return par
 
 
@@ -66,7 +79,7 @@ def apply_args(cfg: PlanConfig, args: argparse.Namespace) -> PlanConfig:
         gpu_spec(args.gpu, key="--gpu")
         cfg.cluster.gpu = args.gpu.lower()
     if args.layout:
-        cfg.parallel = parse_layout(args.layout)
+        cfg.parallel = parse_layout(args.layout, cfg.parallel)
     for name in ("precision", "recompute", "micro_batch_size", "seq_length", "global_batch_size"):
         if getattr(args, name) is not None:
             setattr(cfg.train, name, getattr(args, name))
@@ -81,11 +94,13 @@ def apply_args(cfg: PlanConfig, args: argparse.Namespace) -> PlanConfig:
 def plan_dict(cfg: PlanConfig, arch: Arch, plan: Plan) -> dict:
     lay = plan.layout
     return {"layout": {"tp": lay.parallel.tp, "pp": lay.parallel.pp, "vpp": lay.vpp, "cp": lay.parallel.cp,
-                       "ep": lay.parallel.ep, "etp": lay.etp, "dp": lay.dp, "expert_dp": lay.expert_dp,
+                       "ep": lay.parallel.ep, "etp": lay.etp, "sequence_parallel": lay.parallel.sequence_parallel,
+                       "dp": lay.dp, "expert_dp": lay.expert_dp,
                        "microbatches": lay.microbatches, "recompute": lay.recompute},
             "memory_gb": {k: round(v, 3) for k, v in plan.memory_gb.items()},
             "total_gb": round(plan.total_gb, 3), "usable_gb": round(plan.usable_gb, 3), "fits": plan.fits,
-            "reason": plan.reason, "worst_pipeline_rank": plan.worst_rank, "step": plan.step}
+            "reason": plan.reason, "worst_pipeline_rank": plan.worst_rank, "step": plan.step,
+            "trainer_accepts": plan.trainer_error is None, "trainer_error": plan.trainer_error}
 
 
 def model_dict(cfg: PlanConfig, arch: Arch) -> dict:
@@ -109,6 +124,8 @@ def format_plan(cfg: PlanConfig, arch: Arch, plan: Plan, rollout: dict) -> str:
         f"per-GPU memory (worst pipeline rank {plan.worst_rank}):"]
     lines += [f"  {k:<12}{plan.memory_gb[k]:8.2f} GB" for k in TERMS]
     lines.append(f"  {'total':<12}{plan.total_gb:8.2f} GB   {plan.reason}")
+    if plan.trainer_error:
+        lines.append(f"note: the trainer refuses this layout: {plan.trainer_error}")
     s = plan.step
     lines.append(f"step: {s['tokens']:.3g} tokens, {s['model_flops']:.3g} model FLOPs "
                  f"({s['hardware_flops']:.3g} with recompute), bubble {s['bubble']:.1%}, est. "

@@ -57,7 +57,7 @@ class Arch:
 
     @property
     def head_dim(self) -> int:
-        return self.spec.kv_channels or self.h // self.heads
+        return self.model.head_dim or self.spec.kv_channels or self.h // self.heads
 
     @property
     def ffn(self) -> int:

@@ -57,7 +57,8 @@ class Layout:
     def label(self) -> str:
         p = self.parallel
         moe = f"ep={p.ep} etp={self.etp} " if p.ep > 1 or p.etp is not None else ""
-        return f"tp={p.tp} pp={p.pp} vpp={self.vpp} cp={p.cp} {moe}dp={self.dp} recompute={self.recompute}"
+        sp = " sp" if p.sequence_parallel else ""
+        return f"tp={p.tp}{sp} pp={p.pp} vpp={self.vpp} cp={p.cp} {moe}dp={self.dp} recompute={self.recompute}"
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Plan:
     fits: bool
     reason: str
     step: dict[str, float] = field(default_factory=dict)
+    trainer_error: str | None = None
+    """Why megatron-rl's trainer would refuse this layout for the model (None: it accepts it)."""
 
     @property
     def total_gb(self) -> float:
@@ -105,6 +108,16 @@ def resolve_layout(cfg: PlanConfig, arch: Arch, parallel: ParallelConfig, recomp
                           f"train.micro_batch_size * dp = {t.micro_batch_size} * {p.dp}")
     m = t.global_batch_size // (t.micro_batch_size * p.dp)
     return Layout(p, world, p.dp, world // (p.expert_tp * p.ep * p.pp), m, recompute)
+
+
+def trainer_error(cfg: PlanConfig, parallel: ParallelConfig) -> str | None:
+    """The trainer's own check of a layout against the model (`ModelConfig.check_parallel`: heads and query
+    groups by tp, layers by pp * vpp, experts by ep), as a message; None when it accepts the layout."""
+    try:
+        cfg.model.check_parallel(parallel)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def chunk_sizes(n_slots: int, n_chunks: int) -> list[int]:
@@ -245,6 +258,7 @@ def plan_layout(cfg: PlanConfig, arch: Arch, lay: Layout, gpu: GPUSpec | None = 
               f"{mem_gb[big]:.1f} GB{_hint(big)}")
     plan = Plan(lay, worst, mem_gb, usable, gpu.memory_gb, fits, reason)
     plan.step = step_estimate(cfg, arch, lay, gpu)
+    plan.trainer_error = trainer_error(cfg, lay.parallel)
     return plan
 
 

@@ -3,8 +3,9 @@
 Search enumerates tp (powers of two up to a node, dividing the heads / query groups), pp (dividing the
 GPUs, at most the layer count), vpp (powers of two, pp * vpp <= layers), cp (powers of two up to a node),
 ep (powers of two dividing the experts), etp in {1, tp}, and recompute in {none, selective, full} unless
-pinned; dp follows from the GPU count. Layouts that do not resolve (divisibility, batch) or do not fit are
-dropped; the rest are sorted by estimated step time, then by memory.
+pinned; dp follows from the GPU count. Layouts that do not resolve (divisibility, batch), that the trainer
+refuses for the model (`ModelConfig.check_parallel`: layers by pp * vpp, heads by tp, experts by ep) or that
+do not fit are dropped; the rest are sorted by estimated step time, then by memory.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
 from tools.plan.count import Arch
-from tools.plan.memory import GB, Plan, plan_layout, resolve_layout
+from tools.plan.memory import GB, Plan, plan_layout, resolve_layout, trainer_error
 from tools.plan.spec import PlanConfig, gpu_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -48,6 +49,8 @@ def search(cfg: PlanConfig, arch: Arch, recompute: str | None = None) -> tuple[l
     gpu = gpu_spec(cfg.cluster.gpu)
     plans, tried = [], 0
     for par in candidate_layouts(cfg, arch):
+        if trainer_error(cfg, par) is not None:
+            continue
         for rc in (recompute,) if recompute else RECOMPUTE:
             try:
                 lay = resolve_layout(cfg, arch, par, rc)

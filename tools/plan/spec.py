@@ -83,7 +83,8 @@ class ArchSpec:
     """Planner-only architecture details beyond `ModelConfig` (which stays what the trainer builds)."""
 
     kv_channels: int | None = None
-    """Attention head dimension; None means hidden_size / num_attention_heads (ignored with MLA)."""
+    """Attention head dimension (prefer model.head_dim, which the trainer builds); None means model.head_dim,
+    else hidden_size / num_attention_heads (ignored with MLA)."""
     mla: MLAConfig | None = None
     """Multi-head latent attention instead of (grouped-query) attention; None for GQA/MHA."""
     first_k_dense_layers: int = 0
@@ -198,6 +199,9 @@ class PlanConfig:
 
     def validate(self) -> None:
         moe = self.model.moe
+        hd, kv = self.model.head_dim, self.arch.kv_channels
+        if hd is not None and kv is not None and hd != kv:
+            raise ConfigError(f"arch.kv_channels={kv} contradicts model.head_dim={hd}; keep model.head_dim only")
         if self.arch.first_k_dense_layers and not moe.num_experts:
             raise ConfigError("arch.first_k_dense_layers needs a MoE model (model.moe.num_experts > 0)")
         if self.arch.first_k_dense_layers > self.model.num_layers:

@@ -1,0 +1,294 @@
+"""Converter features of real checkpoints, each on a tiny random HF model built locally: RoPE scaling
+(linear, llama3, yarn, default), sliding windows, the source dtype, top-1 routing, Qwen3-MoE routing without
+renormalisation, mixed dense/MoE layers, Qwen2-MoE's gated shared expert; and the refusals.
+
+Each conversion is checked by `--verify` (logits on 4 x 128 tokens vs the HF model, written config vs the
+source) and, where the feature changes the logits, the test also shows that the HF model's logits without
+the feature differ (so a converter ignoring it would fail).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.mp.convert_models import hf_tensors, make_hf_model
+from tests.test_convert import run_err, run_ok
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+
+
+def hf_logits(path: Path, **config_changes) -> torch.Tensor:
+    """Logits of the HF model in `path` on the verify tokens, with config entries changed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tools.convert.verify import tokens
+
+    cfg = AutoConfig.from_pretrained(path, **config_changes)
+    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, torch_dtype=torch.float32,
+                                                 attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(tokens(cfg.vocab_size)).logits
+
+
+def assert_feature_matters(path: Path, **without) -> None:
+    diff = (hf_logits(path) - hf_logits(path, **without)).abs().max().item()
+    assert diff > 1e-3, f"the test model does not exercise the feature ({without}): logits differ by {diff}"
+
+
+def assert_same_inv_freq(hf: Path, capsys) -> None:
+    """Megatron's RoPE frequencies (with positions scaled as Megatron scales them) equal HF's."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tools.convert import layout, runtime
+    from tools.convert.arch import for_hf_config
+
+    src = json.loads((hf / "config.json").read_text())
+    cfg, extra = for_hf_config(src).model_config(src)
+    rot = layout.build_model(cfg, extra, runtime.start()).rotary_pos_emb
+    ours = rot.get_freqs_non_repeated(2)[1]  # position 1: [dim/2] angles = inv_freq (/ interpolation factor)
+    conf = AutoConfig.from_pretrained(hf)
+    theirs, _ = ROPE_INIT_FUNCTIONS[conf.rope_scaling["rope_type"]](conf, "cpu")
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+
+
+def convert_both_ways(hf: Path, tmp: Path, capsys, arch_name: str | None = None) -> tuple[dict, dict]:
+    """hf-to-mcore --verify, then mcore-to-hf --verify (by architecture name when given); tensors bitwise."""
+    a = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp / "mc"), "--verify"], capsys)
+    assert a["verify"]["max_abs_logit_diff"] <= TOL and a["dtype_casts"] == []
+    argv = ["mcore-to-hf", "--ckpt", str(tmp / "mc"), "--out", str(tmp / "hf2"), "--verify"]
+    b = run_ok(argv + (["--hf-config", arch_name] if arch_name else []), capsys)
+    assert b["verify"]["max_abs_logit_diff"] <= TOL and b["verify"]["config"]["same_model_config"]
+    x, y = hf_tensors(hf), hf_tensors(tmp / "hf2")
+    assert sorted(x) == sorted(y) and [k for k in x if not torch.equal(x[k], y[k])] == []
+    return a, json.loads((tmp / "hf2" / "config.json").read_text())
+
+
+def written_logits_diff(tmp: Path, src: Path) -> float:
+    return (hf_logits(tmp / "hf2") - hf_logits(src)).abs().max().item()
+
+
+# -- RoPE scaling ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.1's own values: Megatron's built-in limits
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},  # other band limits: recomputed with Megatron's _apply_scaling
+    {"rope_type": "linear", "factor": 4.0},
+], ids=["llama3-8192", "llama3-64", "linear"])
+def test_llama_rope_scaling(rope, tmp_path, capsys):
+    hf = make_hf_model("llama", tmp_path / "hf", rope_scaling=rope, head_dim=16, num_attention_heads=2,
+                       num_key_value_heads=1)
+    if rope["original_max_position_embeddings" if "llama3" in rope["rope_type"] else "rope_type"] != 8192:
+        assert_feature_matters(hf, rope_scaling=None)  # 8192: the scaled bands only show past ~2k tokens
+    assert_same_inv_freq(hf, capsys)
+    _, cfg = convert_both_ways(hf, tmp_path, capsys, "llama")
+    assert cfg["rope_scaling"] == {k: v for k, v in rope.items()}
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_qwen3_yarn(tmp_path, capsys):
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    hf = make_hf_model("qwen3", tmp_path / "hf", rope_scaling=rope)
+    assert_feature_matters(hf, rope_scaling=None)
+    _, cfg = convert_both_ways(hf, tmp_path, capsys, "qwen3")
+    assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 4.0
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_yarn_with_mscale(tmp_path, capsys):
+    """DeepSeek-style mscale / mscale_all_dim: Megatron's concentration factor equals HF's attention factor."""
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+            "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2}
+    hf = make_hf_model("qwen2", tmp_path / "hf", rope_scaling=rope)
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+
+
+def test_default_rope_type_is_plain_rope(tmp_path, capsys):
+    hf = make_hf_model("qwen2", tmp_path / "hf", rope_scaling={"rope_type": "default"})
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+
+
+@pytest.mark.parametrize("rope, words", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported"),
+    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0}, "attention_factor=2.0 differs"),
+    ({"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0], "long_factor": [1.0]}, "'longrope'"),
+])
+def test_rope_kinds_megatron_cannot_express_are_refused(rope, words, tmp_path, capsys):
+    hf = make_hf_model("llama", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rope}))
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    assert words in err and not (tmp_path / "mc").exists()
+
+
+# -- sliding windows ---------------------------------------------------------------------------------------
+FULL = dict(sliding_window=None, use_sliding_window=False, layer_types=["full_attention"] * 2)
+
+
+@pytest.mark.parametrize("arch, kw", [
+    ("mixtral", dict(sliding_window=32)),
+    ("mistral", dict(sliding_window=32)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),  # layer 0 full, 1 windowed
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=32)),
+])
+def test_sliding_window_in_effect(arch, kw, tmp_path, capsys):
+    hf = make_hf_model(arch, tmp_path / "hf", **kw)
+    assert_feature_matters(hf, **FULL)
+    _, cfg = convert_both_ways(hf, tmp_path, capsys, arch)
+    assert cfg["sliding_window"] == 32
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_qwen2_moe_sliding_window_is_refused(tmp_path, capsys):
+    hf = make_hf_model("qwen2_moe", tmp_path / "hf", use_sliding_window=True, sliding_window=32)
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    assert "qwen2_moe" in err and "sliding_window=32" in err
+
+
+# -- dtype -------------------------------------------------------------------------------------------------
+def test_bf16_checkpoint_stays_bf16(tmp_path, capsys):
+    hf = make_hf_model("llama", tmp_path / "hf", dtype=torch.bfloat16)
+    src = json.loads((hf / "config.json").read_text())
+    assert src.get("dtype") == "bfloat16" and "torch_dtype" not in src  # transformers 4.57's key
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["dtype_casts"] == [] and rep["verify"]["max_abs_logit_diff"] <= 5e-2
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--hf-config",
+                  "llama", "--verify"], capsys)
+    assert rep["dtype"] == "bfloat16" and rep["verify"]["dtypes"] == ["BF16"]
+    out = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert out["dtype"] == out["torch_dtype"] == "bfloat16"
+    x, y = hf_tensors(hf), hf_tensors(tmp_path / "hf2")
+    assert all(y[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x)
+
+
+# -- routing -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, kw", [
+    ("mixtral", dict(num_experts_per_tok=1)),
+    ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=True)),  # weight 1: softmax after top-1
+    ("qwen3_moe", dict(num_experts_per_tok=1, norm_topk_prob=False)),  # weight p: pre-softmax
+], ids=["mixtral", "qwen3_moe-norm", "qwen3_moe-nonorm"])
+def test_top1_routing(arch, kw, tmp_path, capsys):
+    hf = make_hf_model(arch, tmp_path / "hf", **kw)
+    convert_both_ways(hf, tmp_path, capsys, arch)
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_qwen3_moe_without_topk_renormalisation_exports_it(tmp_path, capsys):
+    hf = make_hf_model("qwen3_moe", tmp_path / "hf", norm_topk_prob=False)
+    assert_feature_matters(hf, norm_topk_prob=True)
+    _, cfg = convert_both_ways(hf, tmp_path, capsys, "qwen3_moe")
+    assert cfg["norm_topk_prob"] is False
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_written_config_is_compared_with_the_source(tmp_path):
+    from tools.convert.arch.base import ConvertError
+    from tools.convert.verify import check_written_config
+
+    hf = make_hf_model("qwen3_moe", tmp_path / "hf", norm_topk_prob=False)
+    src = json.loads((hf / "config.json").read_text())
+    (tmp_path / "w.json").write_text(json.dumps({**src, "norm_topk_prob": True}))
+    with pytest.raises(ConvertError, match="router_pre_softmax"):
+        check_written_config(tmp_path / "w.json", src)
+    (tmp_path / "w.json").write_text(json.dumps({**src, "rope_theta": 5e5}))
+    with pytest.raises(ConvertError, match="rotary_base"):
+        check_written_config(tmp_path / "w.json", src)
+    assert check_written_config(hf / "config.json", src)["same_model_config"]
+
+
+# -- mixed dense / MoE layers and shared experts -----------------------------------------------------------
+@pytest.mark.parametrize("arch, kw", [
+    ("qwen3_moe", dict(num_hidden_layers=4, mlp_only_layers=[0, 2])),
+    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),  # layers 1 and 3 MoE
+    ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+], ids=["mlp_only_layers", "decoder_sparse_step", "qwen2_moe-mixed"])
+def test_mixed_dense_and_moe_layers(arch, kw, tmp_path, capsys):
+    hf = make_hf_model(arch, tmp_path / "hf", **kw)
+    names = hf_tensors(hf)
+    dense = [i for i in range(kw["num_hidden_layers"]) if f"model.layers.{i}.mlp.gate_proj.weight" in names]
+    assert dense and len(dense) < kw["num_hidden_layers"]
+    _, cfg = convert_both_ways(hf, tmp_path, capsys, arch)
+    assert cfg["mlp_only_layers"] == dense and cfg["decoder_sparse_step"] == 1
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_qwen2_moe_shared_expert_gate(tmp_path, capsys):
+    hf = make_hf_model("qwen2_moe", tmp_path / "hf")
+    rep, cfg = convert_both_ways(hf, tmp_path, capsys, "qwen2_moe")
+    assert cfg["shared_expert_intermediate_size"] == 24 and cfg["norm_topk_prob"] is False
+    assert written_logits_diff(tmp_path, hf) <= TOL
+    # the gate matters: zeroing it (sigmoid 0.5 everywhere) changes the HF logits beyond the tolerance
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.mlp.shared_expert_gate.weight"
+    shard = hf / index["weight_map"][name]
+    before = hf_logits(hf)
+    tensors = load_file(shard)
+    save_file({**tensors, name: torch.zeros_like(tensors[name])}, shard, metadata={"format": "pt"})
+    assert (hf_logits(hf) - before).abs().max().item() > 1e-3
+
+
+# -- FP8 block-scaled checkpoints (DeepSeek-V3's format) ----------------------------------------------------
+BLOCK = (16, 16)
+
+
+def quantize_fp8_folder(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """Write `src` as DeepSeek-V3 does: projection weights float8_e4m3fn with one fp32 `weight_scale_inv`
+    per 16x16 block (amax / 448); returns the dequantized weights (the test's own reference)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    tensors, out, ref = hf_tensors(src), {}, {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            bo, bi = BLOCK
+            blocks = w.reshape(w.shape[0] // bo, bo, w.shape[1] // bi, bi)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [out/16, in/16]
+            q = (blocks / scale[:, None, :, None]).reshape(w.shape).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = q, scale
+            ref[name] = (q.float().reshape(blocks.shape) * scale[:, None, :, None]).reshape(w.shape)
+        else:
+            out[name] = ref[name] = w
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").unlink()
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref
+
+
+def test_fp8_block_scaled_weights_are_dequantized_on_import(tmp_path, capsys):
+    src = make_hf_model("qwen3", tmp_path / "src")
+    ref = quantize_fp8_folder(src, tmp_path / "fp8")
+    orig = hf_tensors(src)["model.layers.0.mlp.up_proj.weight"]
+    assert not torch.equal(ref["model.layers.0.mlp.up_proj.weight"], orig)  # fp8 really lost bits
+    rep = run_ok(["hf-to-mcore", "--hf", str(tmp_path / "fp8"), "--out", str(tmp_path / "mc"), "--verify"],
+                 capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL and rep["dtype_casts"] == []
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"],
+                 capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+    got = hf_tensors(tmp_path / "hf2")
+    assert sorted(got) == sorted(ref) and [k for k in ref if not torch.equal(ref[k], got[k])] == []
+    assert "quantization_config" not in json.loads((tmp_path / "hf2" / "config.json").read_text())
+
+
+def test_other_quantization_is_refused(tmp_path, capsys):
+    hf = make_hf_model("llama", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    assert "gptq" in err and "only FP8 block-scaled" in err
