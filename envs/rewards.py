@@ -230,16 +230,18 @@ def answer_match_reward(ctx: RewardContext, answer_key: str = "answer", rel_tol:
 
 # -------------------------------------------------------------------------------------- unit tests
 def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,
-                   per_test_s: float = 2.0) -> tuple[list[tuple[bool, str]], str, str]:
+                   per_test_s: float = 2.0, site: bool = False) -> tuple[list[tuple[bool, str]], str, str]:
     """Run `tests` against `code`: candidate and verifier in separate sandboxes (`envs.code.verifier`)."""
     from envs.code.verifier import run_unit_tests as run
 
-    return run(sandbox, code, tests, limits, per_test_s)
+    return run(sandbox, code, tests, limits, per_test_s, site)
 
 
 @reward("unit_tests", version="2")
-def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0) -> RewardOutput:
-    """Fraction of the payload's unit tests that pass against the code extracted from the response."""
+def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0,
+                      site: bool = False) -> RewardOutput:
+    """Fraction of the payload's unit tests that pass against the code extracted from the response (`site`:
+    the solution may import site packages; else the standard library only)."""
     tests = list(ctx.task.payload.get(tests_key, []))
     code = ctx.state.get("code") if "code" in ctx.state else extract_code(ctx.response)
     if not tests:
@@ -248,7 +250,7 @@ def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: 
         return RewardOutput(0.0, "no code found (put it in a ```python block)")
     if ctx.sandbox is None:
         return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
-    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s)
+    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s, site)
     passed = sum(p for p, _ in results)
     fails = "; ".join(dict.fromkeys(m for p, m in results if not p))[:300]
     prov = {"sandbox": getattr(ctx.sandbox, "name", "?"), "tests": len(tests)}

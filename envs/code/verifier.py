@@ -3,9 +3,10 @@
 THREAT MODEL (what the `unit_tests` reward trusts)
 Trusted: the task's tests (Python statements, usually asserts), the worker, and the two harness scripts
 below. Untrusted: the solution and everything its process writes.
-- Candidate sandbox (first): `python3 -I runner.py` loads `solution.py` and calls its functions with the
-  ARGUMENTS the tests pass (`.mrl_calls.json`), nothing else: it never sees the test statements, expected
-  values or assertions, so it cannot read `tests.json` and hard-code answers. Each return value (and each
+- Candidate sandbox (first): `python3 -I -S runner.py` (`site=True`: with site packages) loads
+  `solution.py` and calls its functions with the ARGUMENTS the tests pass (`.mrl_calls.json`), nothing else:
+  it never sees the test statements, expected values or assertions, so it cannot read them and hard-code
+  answers. Each return value (and each
   argument after the call, to catch mutation) is serialised to tagged JSON of plain data (None, bool, int,
   float, str, bytes, list, tuple, dict, set, frozenset, complex); anything else is reported as not
   comparable. The runner shares the candidate's process, so everything it writes is only the candidate's
@@ -39,7 +40,32 @@ MAX_ROUNDS = 4
 """Most candidate runs per reward (a test whose calls depend on earlier answers needs one per step)."""
 
 _CODEC = r'''
-import base64, sys
+import builtins, sys
+try:  # the C parts of json: importing json itself (and re) would double the start-up time of these scripts
+    import _json, _signal as signal
+    class _Ctx:
+        strict, object_hook, object_pairs_hook, parse_float, parse_int = True, None, None, float, int
+        @staticmethod
+        def parse_constant(name):
+            raise ValueError("non-standard JSON constant " + name)
+    def _refuse(o):
+        raise TypeError("not JSON")
+    _scan = _json.make_scanner(_Ctx())
+    _dump = _json.make_encoder(None, _refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, False)
+    def loads(text):
+        i = len(text) - len(text.lstrip())
+        try:
+            obj, end = _scan(text, i)
+        except StopIteration:
+            raise ValueError("not JSON") from None
+        if text[end:].strip():
+            raise ValueError("extra data after JSON")
+        return obj
+    def dumps(obj):
+        return "".join(_dump(obj, 0))
+except (ImportError, AttributeError, TypeError):
+    import json, signal
+    loads, dumps = json.loads, lambda obj: json.dumps(obj, separators=(",", ":"))
 sys.set_int_max_str_digits(100000)
 _DEPTH = 200
 
@@ -65,7 +91,7 @@ def enc(x, d=0):
     if t is set or t is frozenset:
         return {"s" if t is set else "fs": [enc(v, d + 1) for v in x]}
     if t is bytes:
-        return {"b": base64.b64encode(x).decode()}
+        return {"b": x.hex()}
     if t is complex:
         return {"c": [repr(x.real), repr(x.imag)]}
     raise Uncomparable("a %s cannot be compared by the verifier: return plain data (None, bool, int, float, "
@@ -87,7 +113,7 @@ def dec(x, d=0):
     if k == "f" and type(v) is str:
         return float(v)
     if k == "b" and type(v) is str:
-        return base64.b64decode(v, validate=True)
+        return bytes.fromhex(v)
     if k == "c" and type(v) is list and len(v) == 2 and all(type(p) is str for p in v):
         return complex(float(v[0]), float(v[1]))
     if type(v) is not list:
@@ -101,13 +127,21 @@ def dec(x, d=0):
     if k == "d" and all(type(p) is list and len(p) == 2 for p in v):
         return {dec(a, d + 1): dec(b, d + 1) for a, b in v}
     raise ValueError("malformed value")
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return loads(f.read())
+
+def write(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(dumps(obj))
 '''
 
 # The candidate sandbox: load the solution, answer the calls. Everything here is the candidate's to subvert.
 _RUNNER = _CODEC + r'''
-import builtins, json, os, signal, time
-spec = json.load(open(".mrl_calls.json"))
-os.unlink(".mrl_calls.json")
+import time, posix
+spec = read(".mrl_calls.json")
+posix.unlink(".mrl_calls.json")
 PER, TOTAL = spec["per_call_s"], spec["total_s"]
 def alarm(*_):
     raise TimeoutError("test timed out")
@@ -124,7 +158,7 @@ def message(e):
         return ""
 def describe(e):
     return "%s: %s" % (type(e).__name__, message(e))
-sys.stdout = open(os.devnull, "w")
+sys.stdout = open("/dev/null", "w")
 g = {"__name__": "solution", "__builtins__": builtins}
 load = None
 try:
@@ -167,43 +201,60 @@ for calls in spec["tests"]:
         except BaseException as e:
             answers.append(["bad", describe(e)])
     out.append(answers)
-with open(".mrl_results.json", "w") as f:
-    json.dump({"tests": out}, f)
+write(".mrl_results.json", {"tests": out})
 '''
 
 # The verifier sandbox: only this harness, the pristine tests and decoded plain data. Nothing of the candidate
 # runs here; its results file is data.
 _VERIFIER = _CODEC + r'''
-import ast, builtins, json, os, signal, time
-spec = json.load(open(".mrl_verify.json"))
+import time
+spec = read(".mrl_verify.json")
 try:
-    with open("candidate/results.json") as f:
-        claimed = json.load(f)["tests"]
-except (OSError, ValueError, KeyError, TypeError):
+    claimed = read("candidate/results.json")["tests"]
+except (OSError, ValueError, KeyError, TypeError, RecursionError):
     claimed = None
 PER, TOTAL = spec["per_test_s"], spec["total_s"]
 
 class Pending(BaseException):
-    """A call the candidate has not answered yet: the test is replayed after another candidate run."""
+    """A value the candidate has not given yet was used: the test is replayed after another candidate run."""
+
+def _pending(*_args, **_kwargs):
+    raise Pending()
+
+class Placeholder:
+    """What an unanswered call returns: recording goes on (a comprehension of calls is planned in one round)
+    until the value is used in any way."""
+    __slots__ = ()
+    __hash__ = None
+for _op in ("eq ne lt le gt ge bool len iter next getitem setitem delitem contains call str repr format bytes "
+            "int float complex index round abs neg pos invert add radd sub rsub mul rmul truediv rtruediv "
+            "floordiv rfloordiv mod rmod pow rpow and rand or ror xor rxor lshift rlshift rshift rrshift "
+            "matmul rmatmul divmod rdivmod enter exit reversed getattr").split():
+    setattr(Placeholder, "__%s__" % _op, _pending)
+Placeholder.__hash__ = _pending
+
+def has_placeholder(x, d=0):
+    if isinstance(x, Placeholder):
+        return True
+    if d < 50 and type(x) in (list, tuple, set, frozenset):
+        return any(has_placeholder(v, d + 1) for v in x)
+    if d < 50 and type(x) is dict:
+        return any(has_placeholder(k, d + 1) or has_placeholder(v, d + 1) for k, v in x.items())
+    return False
 
 def alarm(*_):
     raise TimeoutError("test timed out")
 signal.signal(signal.SIGALRM, alarm)
 
-def free_names(tree):
-    stored, loaded = set(), set()
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name):
-            (loaded if isinstance(n.ctx, ast.Load) else stored).add(n.id)
-        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            stored.add(n.name)
-        elif isinstance(n, ast.alias):
-            stored.add((n.asname or n.name).split(".")[0])
-        elif isinstance(n, ast.ExceptHandler) and n.name:
-            stored.add(n.name)
-        elif isinstance(n, ast.arg):
-            stored.add(n.arg)
-    return sorted(n for n in loaded - stored if not hasattr(builtins, n))
+def free_names(code):
+    """Global names a test's code (and the functions and comprehensions in it) may load; attribute names
+    come along too (harmless: a stub only answers when called)."""
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return sorted(n for n in names if not hasattr(builtins, n))
 
 def update_in_place(orig, after):
     if type(orig) is list and type(after) is list:
@@ -239,19 +290,23 @@ def run_test(src, plan, answers):
     state = {"pending": False}
     def stub_for(name):
         def stub(*args, **kwargs):
+            if has_placeholder(args) or has_placeholder(kwargs):
+                state["pending"] = True
+                raise Pending()
             k = len(made)
             made.append([name, enc(list(args)), enc(kwargs)])
-            if k < len(plan) and plan[k] == made[k] and answers is not None and k < len(answers):
+            if not state["pending"] and k < len(plan) and plan[k] == made[k] and answers is not None \
+                    and k < len(answers):
                 return answer(answers[k], args, kwargs)
             state["pending"] = True
-            raise Pending()
+            return Placeholder()
         stub.__name__ = name
         return stub
-    tree = ast.parse(src)
+    code = compile(src, "test", "exec")
     g = {"__builtins__": builtins, "__name__": "test"}
-    g.update({n: stub_for(n) for n in free_names(tree)})
+    g.update({n: stub_for(n) for n in free_names(code)})
     try:
-        exec(compile(tree, "test", "exec"), g)
+        exec(code, g)
         outcome = ["pass", ""]
     except Pending:
         outcome = ["pending", ""]
@@ -266,7 +321,7 @@ def run_test(src, plan, answers):
     return outcome + [made]
 
 real_stdout = sys.stdout
-sys.stdout = open(os.devnull, "w")
+sys.stdout = open("/dev/null", "w")
 deadline = time.monotonic() + TOTAL
 verdict, stop = [], None
 for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
@@ -287,8 +342,7 @@ for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
     if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
         stop = "not run: an earlier test timed out"
     verdict.append(v)
-with open(".mrl_verdict.json", "w") as f:
-    json.dump(verdict, f)
+write(".mrl_verdict.json", verdict)
 '''
 
 _plans: OrderedDict[str, list] = OrderedDict()
@@ -324,8 +378,10 @@ def _loads(data: bytes | None):
 
 
 def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,
-                   per_test_s: float = 2.0) -> tuple[list[tuple[bool, str]], str, str]:
+                   per_test_s: float = 2.0, site: bool = False) -> tuple[list[tuple[bool, str]], str, str]:
     """Run `tests` against `code`: the candidate's calls in one sandbox, the tests in a later, separate one.
+    `site`: run the solution with Python's site packages (slower start; for tasks that need installed
+    packages); without it the standard library only.
 
     Returns ([(passed, message)] per test, reason, status). Every test fails when the solution does not load
     or its run gives no result; after a call times out the remaining ones are not run (a hanging solution
@@ -339,7 +395,7 @@ def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None =
     note = ""
     for _ in range(MAX_ROUNDS + 1):
         if any(plan):
-            res = _candidate_run(sandbox, code, plan, limits, per_test_s)
+            res = _candidate_run(sandbox, code, plan, limits, per_test_s, site)
             problem = sandbox_problem(res)
             if problem and problem[1] != "ok":
                 return [(False, problem[0])] * len(tests), problem[0], problem[1]
@@ -363,10 +419,12 @@ def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None =
     return results, note, "ok"
 
 
-def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_test_s: float) -> SandboxResult:
+def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_test_s: float,
+                   site: bool) -> SandboxResult:
     calls = {"per_call_s": float(per_test_s), "total_s": 0.8 * limits.wall_s, "tests": plan}
     files = {"solution.py": code, "runner.py": _RUNNER, ".mrl_calls.json": json.dumps(calls)}
-    return sandbox.run(["python3", "-I", "runner.py"], files=files, limits=limits, collect=[".mrl_results.json"])
+    argv = ["python3", "-I", "runner.py"] if site else ["python3", "-I", "-S", "runner.py"]
+    return sandbox.run(argv, files=files, limits=limits, collect=[".mrl_results.json"])
 
 
 def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | None, limits: Limits,
