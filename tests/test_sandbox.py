@@ -486,3 +486,91 @@ def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
                    cwd=repo_root, check=True)
     assert not os.path.exists(base) and f"{base}/" not in open("/proc/mounts").read()
     assert not [g for g in groups if os.path.exists(g)]
+
+
+# ------------------------------------------------------------------------------------- slot cleanup
+def test_attack_deep_tree_and_planted_modules_do_not_poison_the_slot():
+    """1500 nested directories (deeper than Python's recursion limit) in every writable place, plus a planted
+    json.py: the next runs in the same slots start empty and import the real json."""
+    deep = ("for d in /work /tmp /dev/shm; do cd $d; i=0; while [ $i -lt 1500 ]; do mkdir d; cd d; i=$((i+1)); done; "
+            "done; printf 'print(\"POISONED\")\\n' > /work/json.py; cp /work/json.py /tmp/json.py; echo made")
+    with BwrapSandbox() as s:
+        for _ in range(2):  # both prespawn slots get the tree
+            r = s.run(deep, limits=Limits(wall_s=60, pids=16))
+            assert r.stdout == "made\n", r
+        for _ in range(2):
+            r = s.run('ls -A /work /tmp /dev/shm; python3 -c "import json; print(json.__file__)"')
+            assert r.ok and r.stdout.split()[:3] == ["/dev/shm:", "/tmp:", "/work:"], r
+            assert r.stdout.split()[3].startswith("/usr/lib/python3"), r
+        assert s.counts["retired"] == 0
+
+
+def test_dev_shm_is_inside_the_capped_scratch(sb):
+    r = sb.run("for i in $(seq 20); do head -c 1000000 /dev/zero > /dev/shm/f$i || exit 1; done", limits=TIGHT)
+    assert "file_size" in r.violations and "No space left" in r.stderr, r
+    assert sb.run('[ -z "$(ls -A /dev/shm)" ]').ok
+
+
+def test_a_slot_that_cannot_be_emptied_is_retired_and_replaced():
+    """A mount inside scratch (here made by the test as root, standing in for any cause) makes the slot
+    impossible to empty: it is retired - its directory and uid never used again - and a new slot serves."""
+    with BwrapSandbox(prespawn=False) as s:
+        (old,) = s._s.cells
+        old_dir, old_uid = old.dir, old.uid
+        stop = threading.Event()
+
+        def mount_when_ready():
+            while not stop.is_set() and not os.path.isdir(os.path.join(old.work, "sub")):
+                time.sleep(0.01)
+            if not stop.is_set():
+                subprocess.run(["mount", "-t", "tmpfs", "none", os.path.join(old.work, "sub")], check=True)
+
+        t = threading.Thread(target=mount_when_ready)
+        t.start()
+        try:
+            r = s.run("mkdir sub; sleep 1; echo x > sub/f", limits=TIGHT)
+        finally:
+            stop.set()
+            t.join()
+        assert r.ok, r
+        assert s.counts["retired"] == 1
+        (new,) = s._s.cells
+        assert new.dir != old_dir and new.uid != old_uid and not os.path.exists(old_dir)
+        assert f"{old_dir}/" not in open("/proc/mounts").read()
+        r = s.run('ls -A /work; id -u')
+        assert r.ok and r.stdout == "1000\n" and s.uids == [new.uid], r
+
+
+def test_stale_sweep_never_follows_symlinks(tmp_path):
+    """Stale folders of dead workers are swept, but a planted symlink (as the folder, its cell, or its fs) is
+    never followed: the mount it points to stays mounted."""
+    from envs.sandbox import bwrap as bw
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(victim)], check=True)
+    (victim / "keep").write_text("x")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    base = Path(tempfile.gettempdir())
+    planted = [base / f"{bw._PREFIX}{dead.pid}{tail}" for tail in ("-fs", "-cell", "")]
+    try:
+        (planted[0] / "cell0").mkdir(parents=True)
+        os.symlink(victim, planted[0] / "cell0" / "fs")
+        planted[1].mkdir()
+        (tmp_path / "c").mkdir()
+        os.symlink(tmp_path / "c", planted[1] / "cell0")
+        os.symlink(victim, tmp_path / "c" / "fs")
+        os.symlink(victim, planted[2])
+        bw._stale_done = False
+        bw._remove_stale_once()
+        assert str(victim) in open("/proc/mounts").read() and (victim / "keep").read_text() == "x"
+        assert not planted[0].exists() and not planted[1].exists()
+        assert (tmp_path / "c" / "fs").is_symlink()  # the link's target directory was not entered
+    finally:
+        for p in planted:
+            if p.is_symlink():
+                p.unlink()
+            elif p.exists():
+                shutil.rmtree(p)
+        subprocess.run(["umount", "-l", str(victim)], check=False)

@@ -10,10 +10,15 @@ Covered, per run:
   entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
   or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
   user - or a domain-provided root directory
-  mounted read-only. The only writable places are /work (scratch) and /tmp, both directories on the slot's
-  own tmpfs (capped at `scratch_mb`, `nosuid`, `nodev`, inode-capped), emptied after the run. Host /root,
-  /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are read without
-  following symlinks.
+  mounted read-only. The only writable places are /work (scratch), /tmp and /dev/shm, all three directories
+  on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
+  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are
+  read without following symlinks.
+- Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
+  subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
+  retired (closed; its directory and uid are never used again) and replaced by a fresh slot, so nothing a
+  run leaves can reach a later run. The sweep of folders left by dead workers touches only real
+  directories owned by this uid, finds mounts without following links and unmounts with UMOUNT_NOFOLLOW.
 - Network: a network namespace of the slot's own with only loopback (created once per slot and reused by
   its runs, one at a time; the program has no capability over it, and no socket outlives its processes;
   a fresh one per run via `--unshare-net` where it cannot be created): host ports, host abstract unix
@@ -55,6 +60,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -73,6 +79,7 @@ from envs.sandbox._common import (
     largest_file,
     pump,
     rlimits_for,
+    tree_bytes,
     write_files,
 )
 from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
@@ -145,16 +152,17 @@ class _Launch:
 class _Cell:
     """One slot: a uid of its own, cgroups, a scratch tmpfs with /work and /tmp; one run at a time."""
 
-    def __init__(self, base: str, index: int, group: str, uid_base: int, scratch_mb: int):
+    def __init__(self, base: str, index: int | str, group: str, uid_base: int, scratch_mb: int):
         self.root = os.geteuid() == 0
+        self.index, self.group, self.uid_base = index, group, uid_base
         self.notes: list[str] = []
         self.lease = _linux.UidLease(uid_base) if self.root else None
         self.uid = self.lease.uid if self.lease else os.getuid()
         self.gid = self.uid if self.lease else os.getgid()
         self.dir = os.path.join(base, f"cell{index}")
         self.fs = os.path.join(self.dir, "fs")
-        self.work, self.tmp, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
-                                         os.path.join(self.dir, "ctl"))
+        self.work, self.tmp, self.shm, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
+                                                   os.path.join(self.fs, "shm"), os.path.join(self.dir, "ctl"))
         for d in (self.dir, self.fs, self.ctl):
             os.makedirs(d, exist_ok=True)
             os.chmod(d, 0o711 if d != self.ctl else 0o755)
@@ -174,7 +182,10 @@ class _Cell:
             self.notes += [n for n in cg_notes if "cpuacct" in n or "memory" in n or "pids" in n]
             self.cg.set_limits(Limits(), _BWRAP_TASKS)
         self.mount(scratch_mb)  # before any bwrap binds /work: later size changes are remounts
-        self.fresh_dirs()
+        problems = self.fresh_dirs()
+        if problems:
+            self.close()
+            raise OSError(f"sandbox slot {self.dir} could not be prepared: {'; '.join(problems[:3])}")
 
     def mount(self, scratch_mb: int) -> None:
         """Size the scratch tmpfs (mount once, remount when the size changes)."""
@@ -189,27 +200,26 @@ class _Cell:
         os.chmod(self.fs, 0o711)
         self.scratch_mb = scratch_mb
 
-    def fresh_dirs(self) -> None:
-        """Empty /work and /tmp (recreated: the program may have changed their modes)."""
+    def fresh_dirs(self) -> list[str]:
+        """Empty /work, /tmp and /dev/shm (removed without recursion or following links, then recreated: the
+        program may have changed their modes); returns what could not be done (then retire the slot)."""
         self.dirty = False
-        for d in (self.work, self.tmp):
-            shutil.rmtree(d, ignore_errors=True)
-            os.mkdir(d, 0o700 if d == self.work else 0o1777)
-            os.chmod(d, 0o700 if d == self.work else 0o1777)
+        for d in (self.work, self.tmp, self.shm):
+            problems = _linux.remove_tree(d)
+            if problems:
+                return problems
+            mode = 0o700 if d == self.work else 0o1777
+            os.mkdir(d, mode)
+            os.chmod(d, mode)
             if self.root:
                 os.chown(d, self.uid, self.gid)
+        return []
 
     def scratch_full(self, scratch_mb: int) -> bool:
         if self.tmpfs:
             st = os.statvfs(self.fs)
             return st.f_bavail == 0 or st.f_favail == 0
-        used = 0
-        for d in (self.work, self.tmp):
-            for dirpath, _, names in os.walk(d):
-                for n in names:
-                    with contextlib.suppress(OSError):
-                        used += os.lstat(os.path.join(dirpath, n)).st_size
-        return used > scratch_mb << 20
+        return sum(tree_bytes(d) for d in (self.work, self.tmp, self.shm)) > scratch_mb << 20
 
     def preexec(self, rlimits, network: bool):
         attach = self.cg.attach_files if self.cg else ()
@@ -240,7 +250,7 @@ class _Cell:
                 _linux.umount(self.fs)
             except OSError as e:
                 problems.append(str(e))
-        shutil.rmtree(self.dir, ignore_errors=True)
+        problems += _linux.remove_tree(self.dir)
         if self.lease:
             self.lease.release()
         return problems
@@ -255,6 +265,7 @@ class _State:
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.next: concurrent.futures.Future | None = None
         self.closed = False
+        self.generation = 0
         self.owner = os.getpid()
 
     def close(self) -> None:
@@ -270,7 +281,8 @@ class _State:
             for p in c.close():
                 log.warning("bwrap sandbox cleanup: %s", p)
         if self.base:
-            shutil.rmtree(self.base, ignore_errors=True)
+            for p in _linux.remove_tree(self.base):
+                log.warning("bwrap sandbox cleanup: %s", p)
 
 
 def _dispose(launch: _Launch) -> list[str]:
@@ -370,7 +382,7 @@ def _shared_etc(network: bool) -> str:
                 _linux.mount_tmpfs(base, 16, 4096, mode="0755")
             atexit.register(_remove_shared, base, os.getpid())
         d = os.path.join(base, "etc-net" if network else "etc")
-        shutil.rmtree(d, ignore_errors=True)
+        _linux.remove_tree(d)
         os.mkdir(d, 0o755)
         names = list(_ETC) + [os.path.basename(g) for pat in _ETC_GLOBS for g in glob.glob("/etc/" + pat)]
         for name in dict.fromkeys(names + (list(_ETC_NET) if network else [])):
@@ -400,7 +412,7 @@ def _remove_shared(base: str, owner: int) -> None:
         return
     with contextlib.suppress(OSError):
         _linux.umount(base)
-    shutil.rmtree(base, ignore_errors=True)
+    _linux.remove_tree(base)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -425,11 +437,31 @@ def _remove_stale_once() -> None:
         pid = os.path.basename(d)[len(_PREFIX):].split("-")[0]
         if not pid.isdigit() or _pid_alive(int(pid)):
             continue
-        for fs in glob.glob(os.path.join(d, "cell*", "fs")) + [d]:
+        try:
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue  # a symlink, or not ours: never followed, never touched
+        for fs in _stale_mounts(d) + [d]:
             with contextlib.suppress(OSError):
-                _linux.umount(fs)
-        shutil.rmtree(d, ignore_errors=True)
+                _linux.umount(fs)  # UMOUNT_NOFOLLOW
+        for p in _linux.remove_tree(d):
+            log.warning("bwrap sandbox: stale folder %s: %s", d, p)
     remove_stale_groups(_PREFIX, _pid_alive)
+
+
+def _stale_mounts(d: str) -> list[str]:
+    """`d/cell*/fs` of a stale folder, found without following a symlink at any level."""
+    out = []
+    with contextlib.suppress(OSError), os.scandir(d) as it:
+        for e in it:
+            if e.name.startswith("cell") and e.is_dir(follow_symlinks=False):
+                fs = os.path.join(e.path, "fs")
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.lstat(fs).st_mode):
+                        out.append(fs)
+    return out
 
 
 def _bwrap_version(path: str) -> tuple[int, ...]:
@@ -471,8 +503,9 @@ class BwrapSandbox(Sandbox):
         self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
         self._prespawn = prespawn and self._has_sh
         self._lock = threading.Lock()
-        self.counts = {"prespawned": 0, "cold": 0}
-        """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run)."""
+        self.counts = {"prespawned": 0, "cold": 0, "retired": 0}
+        """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run),
+        and slots retired because they could not be emptied."""
         self._s = _State()
         self._finalizer = weakref.finalize(self, self._s.close)
         self.subreaper = _linux.set_child_subreaper()
@@ -536,7 +569,7 @@ class BwrapSandbox(Sandbox):
         cell = launch.cell if launch else self._s.cells[self._turn]
         try:
             if launch is None and cell.dirty:
-                self._reset_cell(cell)
+                cell = self._reset_cell(cell)
             cell.mount(limits.scratch_mb)
             write_files(cell.work, files, cell.uid if cell.root else None)
             if self._has_sh:
@@ -617,17 +650,31 @@ class BwrapSandbox(Sandbox):
             v.append("pids")
         limit = limits.file_size_mb << 20
         if (code == -signal.SIGXFSZ or cell.scratch_full(limits.scratch_mb)
-                or max(largest_file(cell.work), largest_file(cell.tmp)) >= limit):
+                or max(largest_file(cell.work), largest_file(cell.tmp), largest_file(cell.shm)) >= limit):
             v.append("file_size")
         return SandboxResult(exit_code=code, stdout=decode(p.stdout), stderr=stderr, wall_s=p.wall_s,
                              cpu_s=cpu_s or 0.0, violations=list(dict.fromkeys(v)),
                              peak_memory_mb=stats.get("peak_mb", 0.0))
 
-    def _reset_cell(self, cell: _Cell) -> None:
+    def _reset_cell(self, cell: _Cell) -> _Cell:
+        """Empty a used slot. A slot that cannot be emptied (whatever the reason) is retired - closed, its
+        uid and directory never used again by this sandbox - and replaced by a new one, which is returned."""
         try:
-            cell.fresh_dirs()
-        except OSError as e:
-            log.warning("bwrap sandbox: could not reset scratch of %s: %s", cell.dir, e)
+            problems = cell.fresh_dirs()
+        except Exception as e:
+            problems = [f"{e.__class__.__name__}: {e}"]
+        if not problems:
+            return cell
+        log.warning("bwrap sandbox: retiring slot %s, it could not be emptied: %s", cell.dir, "; ".join(problems[:3]))
+        idx = self._s.cells.index(cell)
+        self._s.generation += 1
+        new = _Cell(self._s.base, f"{idx}r{self._s.generation}", cell.group, cell.uid_base,
+                    self.default_limits.scratch_mb)
+        self._s.cells[idx] = new
+        self.counts["retired"] += 1
+        for p in cell.close():
+            log.warning("bwrap sandbox: retired slot %s: %s", cell.dir, p)
+        return new
 
     # ----------------------------------------------------------------------------------- launching
     def _key(self, limits: Limits, cell: _Cell) -> tuple:
@@ -691,7 +738,7 @@ class BwrapSandbox(Sandbox):
 
     def _reset_and_spawn(self, cell: _Cell, limits: Limits) -> _Launch:
         if cell.dirty:
-            self._reset_cell(cell)
+            cell = self._reset_cell(cell)
         return self._spawn(cell, limits)
 
     def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command) -> list[str]:
@@ -705,7 +752,8 @@ class BwrapSandbox(Sandbox):
         if network not in self._root:
             self._root[network] = self._root_args(network)
         a += self._root[network]
-        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.work, "/work", "--bind", cell.tmp, "/tmp",
+        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.shm, "/dev/shm", "--bind", cell.work, "/work",
+              "--bind", cell.tmp, "/tmp",
               "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
         for k, v in self._env.items():
             a += ["--setenv", k, v]
