@@ -35,9 +35,12 @@ Covered, per run:
   process; total CPU time of the tree polled from cpuacct; wall timeout; stdout/stderr capped (the run is
   killed at the cap). Scratch files live in RAM and count toward the memory limit. Violations are named:
   wall, cpu, memory, pids, file_size, output, setup.
+- System calls: a seccomp filter (`envs.sandbox._seccomp`, list and reasons there) refuses keyrings,
+  ptrace and process_vm_*, mount-family and namespace calls, bpf, perf_event_open, userfaultfd, io_uring,
+  module/kexec/reboot and other host administration with EPERM; other architectures' call tables are killed.
 Not covered:
-- Kernel attack surface: no seccomp filter is installed; a kernel exploit reachable through ordinary
-  syscalls (in a user namespace) escapes. Use a VM/gVisor boundary for adversarial red-teaming.
+- Kernel attack surface beyond that filter: a kernel exploit reachable through ordinary syscalls (in a user
+  namespace) escapes. Use a VM/gVisor boundary for adversarial red-teaming.
 - /proc inside shows host-wide information (CPU, memory, uptime, kernel version, and pid 1's command
   line with the host scratch path); /usr is readable (installed software is visible, as it is meant to
   be used).
@@ -68,7 +71,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from envs.sandbox import _linux
+from envs.sandbox import _linux, _seccomp
 from envs.sandbox._cgroup import SlotCgroups, remove_stale_groups
 from envs.sandbox._common import (
     apply_rlimits,
@@ -480,6 +483,7 @@ class BwrapSandbox(Sandbox):
     /etc copy (e.g. an unpacked image; readable by the slot uids); it needs /bin/sh for prespawn.
     prespawn: set the next run's sandbox up while the current one runs (hides bwrap's setup latency).
     env: extra environment variables. uid_base: start of the host uid range for slots.
+    seccomp: install the filter of `envs.sandbox._seccomp` (default; off only to debug with strace/gdb).
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -487,7 +491,8 @@ class BwrapSandbox(Sandbox):
     name = "bwrap"
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
-                 env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None):
+                 env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
+                 seccomp: bool = True):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -501,6 +506,9 @@ class BwrapSandbox(Sandbox):
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
                      "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(env or {})}
         self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
+        self._seccomp = _seccomp.program() if seccomp and _seccomp.supported() else None
+        self._notes = [] if self._seccomp or not seccomp else [
+            f"no seccomp filter for architecture {os.uname().machine}: keyrings, ptrace, mount, bpf etc. open"]
         self._prespawn = prespawn and self._has_sh
         self._lock = threading.Lock()
         self.counts = {"prespawned": 0, "cold": 0, "retired": 0}
@@ -621,7 +629,7 @@ class BwrapSandbox(Sandbox):
         stats = cg.end() if cg is not None else {}
         result = self._result(launch, limits, p, stats)
         result.files = collect_files(cell.work, collect, limits.file_size_mb << 20)
-        result.notes = cell.notes + p.notes + problems
+        result.notes = self._notes + cell.notes + p.notes + problems
         if cell.cg is not None and cell.cg.tasks_alive_or_zombie() > 0:
             result.notes.append("tasks still charged to the slot cgroup after cleanup")
         cell.dirty = True
@@ -698,15 +706,19 @@ class BwrapSandbox(Sandbox):
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             fds = [block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w]
-            argv = self._argv(cell, limits.network, block_r, status_w, command)
-            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(block_r, status_w),
+            seccomp_r = _seccomp.program_fd(self._seccomp) if self._seccomp else -1
+            if seccomp_r >= 0:
+                fds.append(seccomp_r)
+            argv = self._argv(cell, limits.network, block_r, status_w, command, seccomp_r)
+            passed = (block_r, status_w) + ((seccomp_r,) if seccomp_r >= 0 else ())
+            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=passed,
                                     preexec_fn=cell.preexec(key[0], limits.network), env={"PATH": "/usr/bin:/bin"},
                                     cwd="/")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        for fd in (block_r, status_w, in_r, out_w, err_w):
+        for fd in (block_r, status_w, in_r, out_w, err_w) + ((seccomp_r,) if seccomp_r >= 0 else ()):
             os.close(fd)
         return _Launch(cell=cell, proc=proc, pidfd=os.pidfd_open(proc.pid), block_w=block_w, stdin_w=in_w,
                        stdout_r=out_r, stderr_r=err_r, status_r=status_r, key=key)
@@ -741,7 +753,8 @@ class BwrapSandbox(Sandbox):
             cell = self._reset_cell(cell)
         return self._spawn(cell, limits)
 
-    def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command) -> list[str]:
+    def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command,
+              seccomp_fd: int = -1) -> list[str]:
         a = [self.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox"]
@@ -757,6 +770,8 @@ class BwrapSandbox(Sandbox):
               "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
         for k, v in self._env.items():
             a += ["--setenv", k, v]
+        if seccomp_fd >= 0:
+            a += ["--seccomp", str(seccomp_fd)]
         a += ["--json-status-fd", str(status_fd), "--block-fd", str(block_fd), "--"]
         if self._has_sh:
             return a + ["/bin/sh", "-c", _TRAMPOLINE]
