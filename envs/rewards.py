@@ -178,23 +178,21 @@ def _math_verify_version() -> str:
         return "unknown"
 
 
-def math_equal(gold: str, answer: str) -> bool:
-    """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals)."""
-    import math_verify
+def math_equal(gold: str, answer: str, timeout_s: float = 5.0) -> bool:
+    """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals), decided in
+    a worker process killed at `timeout_s` (`envs.math.verify_pool`): never in this process, from any thread.
+    Raises MathVerifyTimeout past the deadline, MathVerifyError when the worker fails."""
+    from envs.math.verify_pool import default_pool
 
-    # math-verify times out with SIGALRM, which only works in the main thread
-    main = threading.current_thread() is threading.main_thread()
-    t = 5 if main else None
-    g = math_verify.parse(f"${gold}$" if "$" not in gold else gold, parsing_timeout=t)
-    a = math_verify.parse(f"${answer}$" if "$" not in answer else answer, parsing_timeout=t)
-    if not a:
-        a = math_verify.parse(answer, parsing_timeout=t)
-    return bool(g and a and math_verify.verify(g, a, timeout_seconds=t))
+    return default_pool().equal(gold, answer, timeout_s)
 
 
-@reward("math_verify", version="1")
-def math_verify_reward(ctx: RewardContext, answer_key: str = "answer") -> RewardOutput:
-    """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify)."""
+@reward("math_verify", version="2")
+def math_verify_reward(ctx: RewardContext, answer_key: str = "answer", timeout_s: float = 5.0) -> RewardOutput:
+    """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify, in a worker
+    process with a `timeout_s` deadline; an answer that runs past it scores 0, noted in reason and provenance)."""
+    from envs.math.verify_pool import MathVerifyError, MathVerifyTimeout
+
     prov = {"math_verify": _math_verify_version()}
     gold = str(ctx.task.payload.get(answer_key, ""))
     ans = extract_boxed(ctx.response) or extract_answer_line(ctx.response)
@@ -202,7 +200,13 @@ def math_verify_reward(ctx: RewardContext, answer_key: str = "answer") -> Reward
         return RewardOutput(0.0, "no final answer (\\boxed{} or 'Answer:' line)", prov)
     if len(ans) > 500:
         return RewardOutput(0.0, "final answer too long", prov)
-    ok = math_equal(gold, ans)
+    try:
+        ok = math_equal(gold, ans, timeout_s)
+    except MathVerifyTimeout as e:
+        prov["timeout_s"] = timeout_s
+        return RewardOutput(0.0, f"answer {ans[:60]!r}: {e} (scored 0)", prov)
+    except MathVerifyError as e:
+        return RewardOutput(0.0, f"math-verify failed: {e}", prov, status="error")
     return RewardOutput(float(ok), f"answer {ans[:60]!r} {'==' if ok else '!='} {gold!r}", prov)
 
 
