@@ -136,3 +136,13 @@ def test_terminal_honest_fix_still_passes_next_to_planted_files(sandbox):
            "    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\nEOF")
     reward, reason = terminal_reward(sandbox, [fix, ATTACKS["stdlib_shadow"][0], ATTACKS["unittest_main_shadow"][0]])
     assert reward == 1.0 and "2 tests passed" in reason and "1 tests passed" in reason, reason
+
+
+def test_code_set_arguments_plan_the_same_call_in_every_process(sandbox):
+    """Set iteration order differs between processes (hash randomisation): the call plan must not."""
+    sol = "def size(s, extra=frozenset()):\n    return len(s | extra)\n"
+    from envs.code.verifier import run_unit_tests
+
+    tests = ["assert size({'a', 'b', 'c', 'd', 'e'}) == 5", "assert size({'x'}, extra=frozenset({'y', 'z'})) == 3"]
+    results, _, status = run_unit_tests(sandbox, sol, tests)
+    assert status == "ok" and results == [(True, ""), (True, "")], results

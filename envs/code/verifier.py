@@ -66,7 +66,8 @@ try:  # the C parts of json: importing json itself (and re) would double the sta
 except (ImportError, AttributeError, TypeError):
     import json, signal
     loads, dumps = json.loads, lambda obj: json.dumps(obj, separators=(",", ":"))
-sys.set_int_max_str_digits(100000)
+if hasattr(sys, "set_int_max_str_digits"):
+    sys.set_int_max_str_digits(100000)
 _DEPTH = 200
 
 class Uncomparable(TypeError):
@@ -89,7 +90,7 @@ def enc(x, d=0):
     if t is dict:
         return {"d": [[enc(k, d + 1), enc(v, d + 1)] for k, v in x.items()]}
     if t is set or t is frozenset:
-        return {"s" if t is set else "fs": [enc(v, d + 1) for v in x]}
+        return {"s" if t is set else "fs": sorted((enc(v, d + 1) for v in x), key=dumps)}  # canonical order
     if t is bytes:
         return {"b": x.hex()}
     if t is complex:
