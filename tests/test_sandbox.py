@@ -492,11 +492,19 @@ def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
 def test_attack_deep_tree_and_planted_modules_do_not_poison_the_slot():
     """1500 nested directories (deeper than Python's recursion limit) in every writable place, plus a planted
     json.py: the next runs in the same slots start empty and import the real json."""
-    deep = ("for d in /work /tmp /dev/shm; do cd $d; i=0; while [ $i -lt 1500 ]; do mkdir d; cd d; i=$((i+1)); done; "
-            "done; printf 'print(\"POISONED\")\\n' > /work/json.py; cp /work/json.py /tmp/json.py; echo made")
+    deep = ("import os\n"
+            "for top in ('/work', '/tmp', '/dev/shm'):\n"
+            "    fd = os.open(top, os.O_RDONLY)\n"
+            "    for _ in range(1500):\n"
+            "        os.mkdir('d', dir_fd=fd)\n"
+            "        fd, old = os.open('d', os.O_RDONLY, dir_fd=fd), fd\n"
+            "        os.close(old)\n"
+            "for p in ('/work/json.py', '/tmp/json.py'):\n"
+            "    open(p, 'w').write('print(\"POISONED\")')\n"
+            "print('made')\n")
     with BwrapSandbox() as s:
         for _ in range(2):  # both prespawn slots get the tree
-            r = s.run(deep, limits=Limits(wall_s=60, pids=16))
+            r = s.run_python(deep, limits=Limits(wall_s=60, pids=16))
             assert r.stdout == "made\n", r
         for _ in range(2):
             r = s.run('ls -A /work /tmp /dev/shm; python3 -c "import json; print(json.__file__)"')
@@ -628,3 +636,28 @@ def test_seccomp_program_is_well_formed():
         assert len(prog) % 8 == 0 and len(prog) // 8 < 256
     with pytest.raises(ValueError, match="no seccomp filter for architecture"):
         _seccomp.program("riscv64")
+
+
+def test_remove_tree_any_depth_no_links_no_leaks(tmp_path):
+    from envs.sandbox._linux import remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    root = tmp_path / "tree"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY)
+    for i in range(3000):  # deeper than any recursion limit and than PATH_MAX allows as one path
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+        if i % 700 == 0:
+            os.symlink(outside, "link", dir_fd=fd)
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+    os.close(fd)
+    os.chmod(root / "d" / "d", 0)
+    fds = len(os.listdir("/proc/self/fd"))
+    assert remove_tree(str(root)) == [] and not root.exists()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert (outside / "keep").read_text() == "x" and remove_tree(str(root)) == []

@@ -64,9 +64,11 @@ class _Worker:
 
     def readline(self, deadline: float) -> str | None:
         fd = self.proc.stdout.fileno()
+        poller = select.poll()  # not select(): fds above 1024 are common in a trainer
+        poller.register(fd, select.POLLIN)
         while "\n" not in self.buf:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
                 return None
             chunk = os.read(fd, 1 << 16).decode("utf-8", "replace")
             if not chunk:

@@ -130,7 +130,7 @@ def _open_dir(name: str, parent: int) -> int:
 
 def _entries(fd: int) -> list[tuple[str, bool]]:
     """(name, is a real directory) of every entry of the directory `fd` (listed before any is changed)."""
-    with os.scandir(os.dup(fd)) as it:  # scandir closes the fd it was given
+    with os.scandir(fd) as it:  # scandir works on a duplicate of `fd`; `fd` stays open
         return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
 
 
