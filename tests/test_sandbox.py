@@ -3,6 +3,7 @@ must be contained, reported as a violation by name, and leave the sandbox servin
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import socket
@@ -661,3 +662,39 @@ def test_remove_tree_any_depth_no_links_no_leaks(tmp_path):
     assert remove_tree(str(root)) == [] and not root.exists()
     assert len(os.listdir("/proc/self/fd")) == fds
     assert (outside / "keep").read_text() == "x" and remove_tree(str(root)) == []
+
+
+# ------------------------------------------------------------------------------------- normal users
+_AS_NOBODY = """
+import json, sys
+from envs.sandbox.base import Limits
+from envs.sandbox.bwrap import BwrapSandbox
+out = {}
+with BwrapSandbox() as s:
+    r = s.run_python("import os, time\\nn = 0\\nfor _ in range(200):\\n    try:\\n        if os.fork() == 0:\\n"
+                     "            time.sleep(2)\\n            os._exit(0)\\n        n += 1\\n    except OSError:\\n"
+                     "        break\\nprint(n)\\n", limits=Limits(pids=16, wall_s=20))
+    out["forks"], out["notes"] = int(r.stdout), r.notes
+    out["bomb"] = s.run("f() { f | f & }; f; sleep 1", limits=Limits(pids=16, wall_s=10)).violations
+    r = s.run_python("import threading\\nts = [threading.Thread(target=print) for _ in range(8)]\\n"
+                     "[t.start() for t in ts]\\n[t.join() for t in ts]\\n", limits=Limits(pids=16))
+    out["threads_ok"] = r.ok
+    out["keyctl"] = s.run(["python3", "-c", "import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+                           "print(l.syscall(250, 0, -3, 1), ctypes.get_errno())"]).stdout.split()
+    out["uid"] = s.run(["id", "-u"]).stdout.strip()
+print(json.dumps(out))
+"""
+
+
+def test_normal_user_worker_caps_processes_per_run(repo_root):
+    """As uid 65534 (no root, no writable cgroups) a run's process count is still capped - RLIMIT_NPROC set in the
+    run's own user namespace counts only its processes - and seccomp holds; the notes say what is degraded."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo_root), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    who = dict(user=65534, group=65534, extra_groups=[]) if os.geteuid() == 0 else {}  # else: already a normal user
+    r = subprocess.run(["/usr/bin/python3", "-c", _AS_NOBODY], env=env, cwd="/", capture_output=True, text=True,
+                       timeout=120, **who)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["forks"] <= 16 and "pids" in out["bomb"] and out["threads_ok"], out
+    assert out["keyctl"] == ["-1", "1"] and out["uid"] == "1000"
+    assert any("RLIMIT_NPROC" in n for n in out["notes"]) and any("cgroup" in n for n in out["notes"])

@@ -31,7 +31,9 @@ Covered, per run:
   killing every descendant, `setsid` daemons included; the slot cgroup is then checked empty (and
   SIGKILLed until it is) and orphans are reaped (the worker is a child subreaper).
 - Resources: cgroup v1 memory+swap, pids and CPU quota for the whole process tree (when the hierarchies
-  are writable; else RLIMIT_AS / RLIMIT_NPROC, noted in the result); RLIMIT_CPU/FSIZE/NOFILE/CORE per
+  are writable; else RLIMIT_AS / RLIMIT_NPROC, noted in the result - for a worker that is not root the
+  RLIMIT_NPROC is set by the trampoline inside the run's own user namespace, where it counts only that run's
+  processes); RLIMIT_CPU/FSIZE/NOFILE/CORE per
   process; total CPU time of the tree polled from cpuacct; wall timeout; stdout/stderr capped (the run is
   killed at the cap). Scratch files live in RAM and count toward the memory limit. Violations are named:
   wall, cpu, memory, pids, file_size, output, setup.
@@ -45,8 +47,10 @@ Not covered:
   line with the host scratch path); /usr is readable (installed software is visible, as it is meant to
   be used).
 - Side channels (timing, cache), CPU frequency and memory bandwidth contention between slots.
-- I/O bandwidth is not limited. Without cgroups, the memory and pid limits are per-process rlimits and
-  a program can exceed them in aggregate with many processes.
+- I/O bandwidth is not limited. Without cgroups, the memory limit is a per-process rlimit (RLIMIT_AS) and a
+  program can exceed it in aggregate with many processes. A worker that is not root gets no scratch tmpfs:
+  scratch is a host directory whose size is checked after the run (files are capped by RLIMIT_FSIZE);
+  cgroup v2 delegation is not used yet.
 - With prespawn (default) the next run's sandbox is set up (namespaces, mounts; no untrusted code yet)
   while the current one runs, in a second slot with its own uid, cgroups and tmpfs; it is used only if
   the next run asks for the same rlimits and network setting, else discarded and the run starts cold.
@@ -176,7 +180,8 @@ class _Cell:
         except OSError:
             self.netns = None  # each run gets a fresh one from bwrap (--unshare-net)
         if not self.root:
-            self.notes.append("not root: one uid for all slots, scratch size checked after the run only")
+            self.notes.append("not root: one uid for all slots, scratch size checked after the run only, process "
+                              "limit set inside the sandbox's user namespace (RLIMIT_NPROC)")
         self.cg, cg_notes = SlotCgroups.create(group, f"cell{index}-uid{self.uid}")
         if self.cg is None:
             self.notes.append("no writable cgroup v1 memory/pids: memory and pid limits are per-process "
@@ -582,7 +587,7 @@ class BwrapSandbox(Sandbox):
             write_files(cell.work, files, cell.uid if cell.root else None)
             if self._has_sh:
                 with open(os.path.join(cell.ctl, "cmd"), "w") as f:
-                    f.write(script)
+                    f.write(_inner_limits(cell, limits) + script)
             if launch is None:
                 launch = self._spawn(cell, limits, command)
                 self.counts["cold"] += 1
@@ -819,6 +824,17 @@ def _script(command) -> str:
     raise ValueError(f"sandbox command must be a non-empty list of strings or a shell string, got {command!r}")
 
 
+def _inner_limits(cell: _Cell, limits: Limits) -> str:
+    """Shell lines the trampoline runs first, inside the sandbox. Not root: RLIMIT_NPROC set there, in the run's
+    own user namespace, counts only that run's processes (per-namespace rlimit counts, Linux >= 5.14), while
+    the same limit set before bwrap would count every process of the worker's uid. `ulimit -p` is dash's name,
+    `-u` bash's; both set soft and hard limits, so the program cannot raise it."""
+    if cell.root or _has(cell, "pids"):
+        return ""
+    n = limits.pids + 1  # + bwrap's pid 1 (the trampoline shell execs the program)
+    return f"ulimit -p {n} 2>/dev/null || ulimit -u {n} 2>/dev/null\n"
+
+
 def _has(cell: _Cell, controller: str) -> bool:
     return cell.cg is not None and cell.cg.has(controller)
 
@@ -828,7 +844,8 @@ def _memory_error(stderr: str) -> bool:
 
 
 def _fork_error(stderr: str) -> bool:
-    return "fork" in stderr.lower() and ("Resource temporarily unavailable" in stderr or "retry" in stderr)
+    low = stderr.lower()
+    return "cannot fork" in low or ("fork" in low and ("resource temporarily unavailable" in low or "retry" in low))
 
 
 def _exists_in_root(root: str, rel: str, depth: int = 0) -> bool:
