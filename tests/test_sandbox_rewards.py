@@ -154,3 +154,17 @@ def test_code_set_arguments_plan_the_same_call_in_every_process(sandbox):
     tests = ["assert size({'a', 'b', 'c', 'd', 'e'}) == 5", "assert size({'x'}, extra=frozenset({'y', 'z'})) == 3"]
     results, _, status = run_unit_tests(sandbox, sol, tests)
     assert status == "ok" and results == [(True, ""), (True, "")], results
+
+
+def test_code_calls_that_depend_on_earlier_answers_are_replayed(sandbox):
+    from envs.code.verifier import run_unit_tests
+
+    tests = ["assert inc(inc(1)) == 3", "assert inc(1) == 2 and inc(5) == 6",
+             "assert [inc(i) for i in range(4)] == [1, 2, 3, 4]",
+             "xs = [3, 1, 2]\nsort_in_place(xs)\nassert inc(xs[0]) == 2"]
+    good = "def inc(x):\n    return x + 1\ndef sort_in_place(xs):\n    xs.sort()\n"
+    results, _, status = run_unit_tests(sandbox, good, tests)
+    assert status == "ok" and [p for p, _ in results] == [True] * 4, results
+    bad = "def inc(x):\n    return x + 2\ndef sort_in_place(xs):\n    pass\n"
+    results, _, status = run_unit_tests(sandbox, bad, tests)
+    assert status == "ok" and [p for p, _ in results] == [False] * 4, results

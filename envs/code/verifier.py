@@ -349,6 +349,7 @@ write(".mrl_verdict.json", verdict)
 _plans: OrderedDict[str, list] = OrderedDict()
 _plans_lock = threading.Lock()
 _PLAN_CACHE = 4096
+_PLAN_MAX_CHARS = 1 << 16
 
 
 def _plan_key(tests: list[str]) -> str:
@@ -364,6 +365,10 @@ def _cached_plan(key: str, n: int) -> list[list]:
 
 
 def _remember_plan(key: str, plan: list[list]) -> None:
+    """Cache a suite's calls; a plan that a candidate's answers made large (`f(f(1))` with a huge f(1)) is not
+    kept, so one candidate cannot make later ones pay for it."""
+    if len(json.dumps(plan)) > _PLAN_MAX_CHARS:
+        return
     with _plans_lock:
         _plans[key] = [list(p) for p in plan]
         _plans.move_to_end(key)
