@@ -4,9 +4,11 @@ The program is what the code environment runs: a function and five asserts. Meas
 - bare: `python3 main.py` as a plain subprocess (pipes captured), the baseline;
 - sandbox latency: back-to-back `BwrapSandbox.run` calls (default prespawn on; and cold, prespawn off),
   interleaved in blocks with the bare runs so that all three see the same background load;
+- code reward: `envs.code.verifier.run_unit_tests` of the same function and asserts (a candidate sandbox
+  run, then a separate verifier sandbox run; the task's call plan cached as in training), interleaved too;
 - throughput: a `SandboxPool` of 1..4 workers fed all jobs at once.
-Targets (from the issue): latency <= 1.5x bare, >= 45 runs/s on 2 cores. Prints ONE JSON object. The load
-average before and after is included: other work on the machine slows every figure.
+Targets (from the issues): latency <= 1.5x bare, code reward <= 2.5x bare, >= 45 runs/s on 2 cores. Prints ONE
+JSON object. The load average before and after is included: other work on the machine slows every figure.
 
     .venv/bin/python benchmarks/sandbox_throughput.py [--runs 300] [--blocks 15] [--python-args "-I -S"]
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from envs.code.verifier import run_unit_tests  # noqa: E402
 from envs.sandbox import SandboxJob, SandboxPool  # noqa: E402
 from envs.sandbox.bwrap import BwrapSandbox  # noqa: E402
 
@@ -40,6 +43,8 @@ assert fizzbuzz(10) == "Buzz"
 assert fizzbuzz(30) == "FizzBuzz"
 assert [fizzbuzz(i) for i in range(1, 6)] == ["1", "2", "Fizz", "4", "Buzz"]
 """
+SOLUTION, _, _ASSERTS = PROGRAM.partition("\n\n\n")
+TESTS = _ASSERTS.strip().splitlines()
 PYTHON = "/usr/bin/python3"  # the interpreter the sandbox sees (host /usr), so both sides run the same one
 
 
@@ -77,15 +82,20 @@ def latencies(blocks: int, block: int, py_args: list[str]) -> tuple[dict[str, li
     three see the same background load; within a block runs follow each other without pause. Also the CPU
     seconds per run of each (less sensitive to other load than wall time)."""
     bare = Bare(py_args)
-    out: dict[str, list[float]] = {"bare": [], "warm": [], "cold": []}
+    out: dict[str, list[float]] = {"bare": [], "warm": [], "cold": [], "reward": []}
     cpu = {k: 0.0 for k in out}
-    with BwrapSandbox(prespawn=True) as warm, BwrapSandbox(prespawn=False) as cold:
+    with BwrapSandbox(prespawn=True) as warm, BwrapSandbox(prespawn=False) as cold, \
+            BwrapSandbox(prespawn=True) as rewarder:
         def sandboxed(sb):
             def run() -> None:
                 r = sb.run_python(PROGRAM, python=PYTHON, python_args=tuple(py_args))
                 assert r.ok, r
             return run
-        runs = {"bare": bare.run, "warm": sandboxed(warm), "cold": sandboxed(cold)}
+
+        def reward() -> None:
+            results, reason, status = run_unit_tests(rewarder, SOLUTION, TESTS)
+            assert status == "ok" and all(p for p, _ in results), (results, reason)
+        runs = {"bare": bare.run, "warm": sandboxed(warm), "cold": sandboxed(cold), "reward": reward}
         for fn in runs.values():
             timed(fn, 3)  # warm-up: page cache, first mounts
         for _ in range(blocks):
@@ -119,7 +129,7 @@ def main() -> None:
     py_args = shlex.split(args.python_args)
     load_before = os.getloadavg()
     lat, cpu = latencies(args.blocks, args.block, py_args)
-    bare, warm, cold = (statistics.median(lat[k]) for k in ("bare", "warm", "cold"))
+    bare, warm, cold, rew = (statistics.median(lat[k]) for k in ("bare", "warm", "cold", "reward"))
     tput = {str(w): round(pool_throughput(w, args.runs, py_args), 1) for w in range(1, args.max_workers + 1)}
     best = max(tput.values())
     ratio = warm / bare
@@ -128,11 +138,12 @@ def main() -> None:
         "latency_runs_each": len(lat["bare"]), "bare_median_ms": round(bare * 1e3, 2),
         "sandbox_median_ms": round(warm * 1e3, 2), "sandbox_cold_median_ms": round(cold * 1e3, 2),
         "overhead_ratio": round(ratio, 3), "overhead_ratio_cold": round(cold / bare, 3),
+        "code_reward_median_ms": round(rew * 1e3, 2), "code_reward_ratio": round(rew / bare, 3),
         "cpu_ms_per_run": {k: round(v * 1e3, 2) for k, v in cpu.items()},
         "cpu_bound_runs_per_s_on_all_cores": round((os.cpu_count() or 1) / cpu["warm"], 1),
         "runs_per_s_by_workers": tput, "best_runs_per_s": best,
-        "targets": {"overhead_ratio_max": 1.5, "runs_per_s_min": 45},
-        "meets_targets": {"overhead": ratio <= 1.5, "throughput": best >= 45},
+        "targets": {"overhead_ratio_max": 1.5, "code_reward_ratio_max": 2.5, "runs_per_s_min": 45},
+        "meets_targets": {"overhead": ratio <= 1.5, "code_reward": rew / bare <= 2.5, "throughput": best >= 45},
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }))
 

@@ -340,7 +340,7 @@ class Workspace:
         files.update(extra_files or {})
         files[".mrl_cmd.sh"] = command
         dump = _DUMP.replace("MAXB", str(self.max_bytes)).replace("MAXF", str(self.max_files))
-        script = f"sh .mrl_cmd.sh; rc=$?; python3 -c {shlex.quote(dump)} || exit 125; exit $rc"
+        script = f"sh .mrl_cmd.sh; rc=$?; python3 -I -S -c {shlex.quote(dump)} || exit 125; exit $rc"
         result = sandbox.run(script, files=files, limits=limits, collect=[".mrl_ws.json"])
         err = self._take_back(result.files.get(".mrl_ws.json"), set(extra_files or {}))
         return result, err

@@ -5,13 +5,20 @@ with `@reward(name, version)`; the version goes into every result's provenance, 
 is visible in the trajectory shards. Reward functions take untrusted model output: they return a zero
 score with a reason rather than raise. Code runs only in the sandbox, never in the worker.
 
-Threat model of the verifiers that run model code (unit tests, terminal verifiers, countdown): isolation is
-the sandbox's (see envs.sandbox). Covered here: the worker never evaluates model text; results are read
-from the sandbox's output only after a per-run random nonce (the program cannot guess it), and malformed
-or missing results score zero. Not covered: reward hacking from inside the test process itself (the
-solution runs in the same interpreter as the unit-test harness, so code that patches `json` or inspects
-the harness's frames can forge results) - run the harness in a separate process per test for adversarial
-settings; the terminal verifier's hidden files are only added after the model's last command.
+Threat model of the verifiers that run model code: isolation is the sandbox's (see envs.sandbox); the
+worker never evaluates model text, and the candidate's process is never trusted with its own score.
+- `unit_tests` (code domain, `envs.code.verifier`): the solution runs in a candidate sandbox that gets only
+  the call arguments, never the tests; the tests run afterwards in a separate verifier sandbox with no
+  model code in it, comparing the candidate's serialised return values decoded into plain built-in types
+  (always-equal objects, patched json/print, frame inspection and forged output lines have nothing to act
+  on); the verdict is a file of the verifier's scratch.
+- `verifier` (terminal domain, `envs.terminal.verifier`): a fresh sandbox after the model's last command
+  runs only the pristine test files under an isolated (`-I -S`), non-dumpable harness that never imports
+  the workspace; each file runs in a child whose report must count every pristine test; the verdict is the
+  harness's own stdout line. Not covered: model modules imported by a test can patch that test's process.
+- `math_verify`: math-verify runs in a worker process killed at the deadline, never in the trainer.
+Missing or malformed results score zero; a sandbox that cannot start is `sandbox_error` (dropped, not
+scored).
 
 `JudgeClient` talks to an OpenAI-compatible HTTP endpoint (`/completions` with a list of prompts per
 request, or `/chat/completions` with concurrent requests), caches answers on disk by a hash of
@@ -27,7 +34,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import threading
 import time
 import urllib.error
@@ -172,23 +178,21 @@ def _math_verify_version() -> str:
         return "unknown"
 
 
-def math_equal(gold: str, answer: str) -> bool:
-    """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals)."""
-    import math_verify
+def math_equal(gold: str, answer: str, timeout_s: float = 5.0) -> bool:
+    """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals), decided in
+    a worker process killed at `timeout_s` (`envs.math.verify_pool`): never in this process, from any thread.
+    Raises MathVerifyTimeout past the deadline, MathVerifyError when the worker fails."""
+    from envs.math.verify_pool import default_pool
 
-    # math-verify times out with SIGALRM, which only works in the main thread
-    main = threading.current_thread() is threading.main_thread()
-    t = 5 if main else None
-    g = math_verify.parse(f"${gold}$" if "$" not in gold else gold, parsing_timeout=t)
-    a = math_verify.parse(f"${answer}$" if "$" not in answer else answer, parsing_timeout=t)
-    if not a:
-        a = math_verify.parse(answer, parsing_timeout=t)
-    return bool(g and a and math_verify.verify(g, a, timeout_seconds=t))
+    return default_pool().equal(gold, answer, timeout_s)
 
 
-@reward("math_verify", version="1")
-def math_verify_reward(ctx: RewardContext, answer_key: str = "answer") -> RewardOutput:
-    """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify)."""
+@reward("math_verify", version="2")
+def math_verify_reward(ctx: RewardContext, answer_key: str = "answer", timeout_s: float = 5.0) -> RewardOutput:
+    """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify, in a worker
+    process with a `timeout_s` deadline; an answer that runs past it scores 0, noted in reason and provenance)."""
+    from envs.math.verify_pool import MathVerifyError, MathVerifyTimeout
+
     prov = {"math_verify": _math_verify_version()}
     gold = str(ctx.task.payload.get(answer_key, ""))
     ans = extract_boxed(ctx.response) or extract_answer_line(ctx.response)
@@ -196,7 +200,13 @@ def math_verify_reward(ctx: RewardContext, answer_key: str = "answer") -> Reward
         return RewardOutput(0.0, "no final answer (\\boxed{} or 'Answer:' line)", prov)
     if len(ans) > 500:
         return RewardOutput(0.0, "final answer too long", prov)
-    ok = math_equal(gold, ans)
+    try:
+        ok = math_equal(gold, ans, timeout_s)
+    except MathVerifyTimeout as e:
+        prov["timeout_s"] = timeout_s
+        return RewardOutput(0.0, f"answer {ans[:60]!r}: {e} (scored 0)", prov)
+    except MathVerifyError as e:
+        return RewardOutput(0.0, f"math-verify failed: {e}", prov, status="error")
     return RewardOutput(float(ok), f"answer {ans[:60]!r} {'==' if ok else '!='} {gold!r}", prov)
 
 
@@ -223,80 +233,19 @@ def answer_match_reward(ctx: RewardContext, answer_key: str = "answer", rel_tol:
 
 
 # -------------------------------------------------------------------------------------- unit tests
-_HARNESS = r'''
-import json, signal, sys, time
-nonce = sys.stdin.readline().strip()
-real_stdout = sys.stdout
-def alarm(*_):
-    raise TimeoutError("test timed out")
-signal.signal(signal.SIGALRM, alarm)
-g = {"__name__": "solution"}
-err = None
-try:
-    signal.setitimer(signal.ITIMER_REAL, PER_TEST_S)
-    exec(compile(open("solution.py", encoding="utf-8", errors="replace").read(), "solution.py", "exec"), g)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-except BaseException as e:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    err = "solution failed to load: %s: %s" % (type(e).__name__, str(e)[:200])
-results = []
-deadline = time.monotonic() + TOTAL_S
-for t in json.load(open("tests.json")):
-    left = min(PER_TEST_S, deadline - time.monotonic())
-    if err or left <= 0:
-        results.append([False, err or "not run: time budget spent"])
-        continue
-    try:
-        signal.setitimer(signal.ITIMER_REAL, left)
-        exec(compile(t, "test", "exec"), dict(g))
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        results.append([True, ""])
-    except BaseException as e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        results.append([False, "%s: %s" % (type(e).__name__, str(e)[:200])])
-        if isinstance(e, TimeoutError) and str(e) == "test timed out":
-            err = "not run: an earlier test timed out"
-sys.stdout = real_stdout
-print("\n" + nonce + json.dumps(results), flush=True)
-'''
-
-
 def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,
-                   per_test_s: float = 2.0) -> tuple[list[tuple[bool, str]], str, str]:
-    """Run `tests` (Python statements, e.g. asserts) against `code` in the sandbox.
+                   per_test_s: float = 2.0, site: bool = False) -> tuple[list[tuple[bool, str]], str, str]:
+    """Run `tests` against `code`: candidate and verifier in separate sandboxes (`envs.code.verifier`)."""
+    from envs.code.verifier import run_unit_tests as run
 
-    Returns ([(passed, message)] per test, reason, status). Every test fails when the solution does not load
-    or the harness output is missing; after a test times out, the remaining ones are not run (a hanging
-    solution costs one timeout, not one per test); tests stop at 80% of the wall limit.
-    """
-    nonce = secrets.token_hex(16)
-    files = {"solution.py": code, "tests.json": json.dumps(tests),
-             "harness.py": _HARNESS.replace("PER_TEST_S", repr(float(per_test_s)))
-                                   .replace("TOTAL_S", repr(0.8 * (limits or Limits()).wall_s))}
-    res = sandbox.run(["python3", "harness.py"], files=files, limits=limits, stdin=(nonce + "\n").encode())
-    problem = sandbox_problem(res)
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(nonce):
-            try:
-                got = json.loads(line[len(nonce):])
-            except ValueError:
-                break
-            try:
-                results = [(bool(p), str(m)) for p, m in got]
-            except (TypeError, ValueError):
-                break
-            if len(results) == len(tests):
-                return results, (problem or ("", "ok"))[0], "ok"
-            break
-    if problem:
-        return [(False, problem[0])] * len(tests), problem[0], problem[1]
-    return [(False, "no test result")] * len(tests), f"harness gave no result (exit {res.exit_code}): " \
-        f"{res.stderr[-200:]}", "ok"
+    return run(sandbox, code, tests, limits, per_test_s, site)
 
 
-@reward("unit_tests", version="1")
-def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0) -> RewardOutput:
-    """Fraction of the payload's unit tests that pass against the code extracted from the response."""
+@reward("unit_tests", version="2")
+def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0,
+                      site: bool = False) -> RewardOutput:
+    """Fraction of the payload's unit tests that pass against the code extracted from the response (`site`:
+    the solution may import site packages; else the standard library only)."""
     tests = list(ctx.task.payload.get(tests_key, []))
     code = ctx.state.get("code") if "code" in ctx.state else extract_code(ctx.response)
     if not tests:
@@ -305,7 +254,7 @@ def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: 
         return RewardOutput(0.0, "no code found (put it in a ```python block)")
     if ctx.sandbox is None:
         return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
-    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s)
+    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s, site)
     passed = sum(p for p, _ in results)
     fails = "; ".join(dict.fromkeys(m for p, m in results if not p))[:300]
     prov = {"sandbox": getattr(ctx.sandbox, "name", "?"), "tests": len(tests)}
@@ -375,21 +324,30 @@ def rule_checks_reward(ctx: RewardContext, rules_key: str = "checks") -> RewardO
 
 
 # ---------------------------------------------------------------------------------- verifier script
-@reward("verifier", version="1")
+@reward("verifier", version="2")
 def verifier_reward(ctx: RewardContext, verify_key: str = "verify") -> RewardOutput:
-    """1 if the task's verifier command exits 0 in the sandbox, run over the final workspace plus the
-    verifier's own (hidden) files."""
+    """1 if the task's verifier passes over the final workspace, run in a sandbox of its own after the model's
+    last command: the pristine unittest files under a harness that never imports the workspace
+    (`envs.terminal.verifier`), or a custom command's exit status."""
+    from envs.terminal import verifier
+
     spec = ctx.task.payload.get(verify_key) or {}
     ws = ctx.state.get("workspace")
     if not spec.get("command") or ws is None:
         return RewardOutput(0.0, "task has no verifier or no workspace", status="error")
     if ctx.sandbox is None:
         return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
+    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"),
+            "verifier_sha256": _sha(json.dumps(spec, sort_keys=True))[:16]}
+    if verifier.is_unittest_spec(spec):
+        passed, reason, res = verifier.run_verifier(ctx.sandbox, ws.files, spec, ctx.state.get("limits"))
+        problem = sandbox_problem(res)
+        if problem and problem[1] != "ok":
+            return RewardOutput(0.0, problem[0], prov, problem[1])
+        return RewardOutput(float(passed), reason, prov)
     files = dict(ws.files)
     files.update(spec.get("files", {}))
     res = ctx.sandbox.run(spec["command"], files=files, limits=ctx.state.get("limits"))
-    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"),
-            "verifier_sha256": _sha(json.dumps(spec, sort_keys=True))[:16]}
     problem = sandbox_problem(res)
     if problem and problem[1] != "ok":
         return RewardOutput(0.0, problem[0], prov, problem[1])

@@ -78,6 +78,54 @@ def test_math_verify_reward():
     assert out.score == 0.0 and "no final answer" in out.reason and out.provenance["math_verify"] != "unknown"
 
 
+def test_math_verify_deadline_holds_in_a_thread_without_blocking_others():
+    """A tower of powers made math-verify hold the GIL for a minute (its own timeout is off outside the main
+    thread): now the worker process is killed at the deadline, the answer scores 0 with the reason, and the
+    caller's other threads run meanwhile."""
+    import time
+
+    from envs.math.verify_pool import default_pool
+
+    mv = REWARDS.get("math_verify")
+    assert mv(ctx("\\boxed{2}", {"answer": "2"})).score == 1.0  # a warm worker: its start is not timed
+    ticks, stop, out = [0], threading.Event(), {}
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    def score():
+        t0 = time.monotonic()
+        out["r"] = mv(ctx("\\boxed{9^{9^{9^{9}}}}", {"answer": "1"}), timeout_s=1.0)
+        out["s"] = time.monotonic() - t0
+
+    killed = default_pool().killed
+    counter = threading.Thread(target=count, daemon=True)
+    worker = threading.Thread(target=score, daemon=True)
+    counter.start()
+    worker.start()
+    worker.join(timeout=10)
+    stop.set()
+    counter.join()
+    assert not worker.is_alive() and out["s"] < 3.0, out
+    r = out["r"]
+    assert r.score == 0.0 and r.valid and "no answer within 1 s" in r.reason and r.provenance["timeout_s"] == 1.0
+    assert default_pool().killed == killed + 1
+    assert ticks[0] > 200  # the other thread kept running during the second it waited
+    assert mv(ctx("\\boxed{0.5}", {"answer": "\\frac{1}{2}"})).score == 1.0  # a fresh worker serves next
+
+
+def test_math_verify_concurrent_threads_get_their_own_workers():
+    import concurrent.futures
+
+    mv = REWARDS.get("math_verify")
+    answers = [(f"\\boxed{{{i}}}", str(i if i % 2 else i + 1)) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda a: mv(ctx(a[0], {"answer": a[1]})).score, answers))
+    assert got == [float(i % 2) for i in range(8)]
+
+
 # --------------------------------------------------------------------------------------- composition
 def test_reward_spec_composition_weights_and_provenance():
     spec = RewardSpec([RewardComponent("correct", "answer_match", 1.0),

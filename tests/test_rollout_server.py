@@ -45,7 +45,7 @@ def model(pgs):
 def server(pgs):
     engine = RolloutEngine(_model(pgs, 3), EngineConfig(num_blocks=256, block_size=16), pgs.tp, pgs.cp)
     srv = ServerThread(engine).start()
-    yield srv, RolloutClient(srv.url, timeout=60, retries=1, backoff=0.1)
+    yield srv, RolloutClient(srv.url, timeout=60, retries=1, backoff=0.1, token=srv.token)
     srv.stop()
 
 
@@ -139,3 +139,30 @@ def test_update_weights_endpoint(server, pgs, tmp_path):
     with pytest.raises(RolloutError, match="update_weights") as err:
         client.update_weights(2, str(tmp_path / "missing.pt"))
     assert err.value.status == 400
+
+
+def test_mutating_endpoints_need_the_job_token(server, tmp_path, monkeypatch):
+    """Anyone on the cluster network could replace the policy through /update_weights: without the job's
+    token (missing or wrong) it answers 401 and the weights stay; read-only and generation endpoints stay open."""
+    srv, client = server
+    monkeypatch.delenv("MEGATRON_RL_ROLLOUT_TOKEN", raising=False)
+    assert len(srv.token) >= 32
+    for token in (None, "wrong", srv.token + "x"):
+        intruder = RolloutClient(srv.url, timeout=30, retries=0, token=token)
+        with pytest.raises(RolloutError) as err:
+            intruder.update_weights(7, str(tmp_path / "evil.pt"))
+        assert err.value.status == 401 and "token" in str(err.value)
+        assert intruder.health()["policy_version"] == 0
+        assert len(intruder.complete([257, 40], max_tokens=2, temperature=0)["choices"][0]["token_ids"]) == 2
+    monkeypatch.setenv("MEGATRON_RL_ROLLOUT_TOKEN", srv.token)  # how the driver hands it to its clients
+    with pytest.raises(RolloutError) as err:
+        RolloutClient(srv.url, retries=0).update_weights(7, str(tmp_path / "missing.pt"))
+    assert err.value.status == 400  # authenticated: it got as far as the missing file
+
+
+def test_server_binds_the_node_address_not_all_interfaces():
+    from megatron_rl.loop.dispatched import node_address
+
+    assert node_address("localhost") == "0.0.0.0"  # loopback only: warned, token still required
+    assert node_address("127.0.0.1") == "0.0.0.0"
+    assert node_address("10.1.2.3") == "10.1.2.3"

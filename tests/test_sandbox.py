@@ -3,6 +3,7 @@ must be contained, reported as a violation by name, and leave the sandbox servin
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import socket
@@ -486,3 +487,214 @@ def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
                    cwd=repo_root, check=True)
     assert not os.path.exists(base) and f"{base}/" not in open("/proc/mounts").read()
     assert not [g for g in groups if os.path.exists(g)]
+
+
+# ------------------------------------------------------------------------------------- slot cleanup
+def test_attack_deep_tree_and_planted_modules_do_not_poison_the_slot():
+    """1500 nested directories (deeper than Python's recursion limit) in every writable place, plus a planted
+    json.py: the next runs in the same slots start empty and import the real json."""
+    deep = ("import os\n"
+            "for top in ('/work', '/tmp', '/dev/shm'):\n"
+            "    fd = os.open(top, os.O_RDONLY)\n"
+            "    for _ in range(1500):\n"
+            "        os.mkdir('d', dir_fd=fd)\n"
+            "        fd, old = os.open('d', os.O_RDONLY, dir_fd=fd), fd\n"
+            "        os.close(old)\n"
+            "for p in ('/work/json.py', '/tmp/json.py'):\n"
+            "    open(p, 'w').write('print(\"POISONED\")')\n"
+            "print('made')\n")
+    with BwrapSandbox() as s:
+        for _ in range(2):  # both prespawn slots get the tree
+            r = s.run_python(deep, limits=Limits(wall_s=60, pids=16))
+            assert r.stdout == "made\n", r
+        for _ in range(2):
+            r = s.run('ls -A /work /tmp /dev/shm; python3 -c "import json; print(json.__file__)"')
+            assert r.ok and r.stdout.split()[:3] == ["/dev/shm:", "/tmp:", "/work:"], r
+            assert r.stdout.split()[3].startswith("/usr/lib/python3"), r
+        assert s.counts["retired"] == 0
+
+
+def test_dev_shm_is_inside_the_capped_scratch(sb):
+    r = sb.run("for i in $(seq 20); do head -c 1000000 /dev/zero > /dev/shm/f$i || exit 1; done", limits=TIGHT)
+    assert "file_size" in r.violations and "No space left" in r.stderr, r
+    assert sb.run('[ -z "$(ls -A /dev/shm)" ]').ok
+
+
+def test_a_slot_that_cannot_be_emptied_is_retired_and_replaced():
+    """A mount inside scratch (here made by the test as root, standing in for any cause) makes the slot
+    impossible to empty: it is retired - its directory and uid never used again - and a new slot serves."""
+    with BwrapSandbox(prespawn=False) as s:
+        (old,) = s._s.cells
+        old_dir, old_uid = old.dir, old.uid
+        stop = threading.Event()
+
+        def mount_when_ready():
+            while not stop.is_set() and not os.path.isdir(os.path.join(old.work, "sub")):
+                time.sleep(0.01)
+            if not stop.is_set():
+                subprocess.run(["mount", "-t", "tmpfs", "none", os.path.join(old.work, "sub")], check=True)
+
+        t = threading.Thread(target=mount_when_ready)
+        t.start()
+        try:
+            r = s.run("mkdir sub; sleep 1; echo x > sub/f", limits=TIGHT)
+        finally:
+            stop.set()
+            t.join()
+        assert r.ok, r
+        assert s.counts["retired"] == 1
+        (new,) = s._s.cells
+        assert new.dir != old_dir and new.uid != old_uid and not os.path.exists(old_dir)
+        assert f"{old_dir}/" not in open("/proc/mounts").read()
+        r = s.run('ls -A /work; id -u')
+        assert r.ok and r.stdout == "1000\n" and s.uids == [new.uid], r
+
+
+def test_stale_sweep_never_follows_symlinks(tmp_path):
+    """Stale folders of dead workers are swept, but a planted symlink (as the folder, its cell, or its fs) is
+    never followed: the mount it points to stays mounted."""
+    from envs.sandbox import bwrap as bw
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(victim)], check=True)
+    (victim / "keep").write_text("x")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    base = Path(tempfile.gettempdir())
+    planted = [base / f"{bw._PREFIX}{dead.pid}{tail}" for tail in ("-fs", "-cell", "")]
+    try:
+        (planted[0] / "cell0").mkdir(parents=True)
+        os.symlink(victim, planted[0] / "cell0" / "fs")
+        planted[1].mkdir()
+        (tmp_path / "c").mkdir()
+        os.symlink(tmp_path / "c", planted[1] / "cell0")
+        os.symlink(victim, tmp_path / "c" / "fs")
+        os.symlink(victim, planted[2])
+        bw._stale_done = False
+        bw._remove_stale_once()
+        assert str(victim) in open("/proc/mounts").read() and (victim / "keep").read_text() == "x"
+        assert not planted[0].exists() and not planted[1].exists()
+        assert (tmp_path / "c" / "fs").is_symlink()  # the link's target directory was not entered
+    finally:
+        for p in planted:
+            if p.is_symlink():
+                p.unlink()
+            elif p.exists():
+                shutil.rmtree(p)
+        subprocess.run(["umount", "-l", str(victim)], check=False)
+
+
+# ------------------------------------------------------------------------------------------ seccomp
+_SYSCALLS = """
+import ctypes, os, platform, sys
+libc = ctypes.CDLL(None, use_errno=True)
+x86 = platform.machine() == "x86_64"
+calls = {  # name: (number, args)
+    "keyctl": (250 if x86 else 219, (0, -3, 1)),  # KEYCTL_GET_KEYRING_ID of the session keyring, create
+    "add_key": (248 if x86 else 217, (ctypes.c_char_p(b"user"), ctypes.c_char_p(b"k"), ctypes.c_char_p(b"v"), 1,
+                                      -3)),
+    "request_key": (249 if x86 else 218, (ctypes.c_char_p(b"user"), ctypes.c_char_p(b"k"), None, -3)),
+    "ptrace": (101 if x86 else 117, (0, 0, 0, 0)),  # PTRACE_TRACEME
+    "unshare": (272 if x86 else 97, (0x00020000,)),  # CLONE_NEWNS
+    "mount": (165 if x86 else 40, (ctypes.c_char_p(b"none"), ctypes.c_char_p(b"/tmp"), ctypes.c_char_p(b"tmpfs"),
+                                   0, None)),
+    "bpf": (321 if x86 else 280, (0, None, 0)),
+    "perf_event_open": (298 if x86 else 241, (None, 0, -1, -1, 0)),
+    "userfaultfd": (323 if x86 else 282, (0,)),
+    "io_uring_setup": (425, (1, ctypes.create_string_buffer(120))),
+}
+for name, (nr, args) in calls.items():
+    rc = libc.syscall(nr, *args)
+    print(name, rc, ctypes.get_errno() if rc == -1 else 0)
+"""
+
+
+def test_attack_blocked_syscalls_fail_with_eperm(sb):
+    """Keyrings, ptrace, namespaces, mounts, bpf, perf, userfaultfd and io_uring are refused (EPERM) by the
+    seccomp filter; without it the keyring calls and ptrace succeed."""
+    r = sb.run_python(_SYSCALLS, limits=TIGHT)
+    assert r.ok, r
+    got = {line.split()[0]: (int(line.split()[1]), int(line.split()[2])) for line in r.stdout.splitlines()}
+    assert len(got) == 10 and all(v == (-1, 1) for v in got.values()), got  # errno 1 = EPERM
+
+
+def test_seccomp_leaves_ordinary_programs_working(sb):
+    r = sb.run("python3 -c 'import threading, subprocess, multiprocessing as m; t = threading.Thread(target=print); "
+               "t.start(); t.join(); print(subprocess.run([\"sh\", \"-c\", \"echo sub\"], capture_output=True).stdout)'"
+               " && sh -c 'echo $((6 * 7))' && ls / >/dev/null && echo ok", limits=Limits(pids=64))
+    assert r.ok and r.stdout.split("\n")[-2] == "ok" and "42" in r.stdout and "b'sub\\n'" in r.stdout, r
+    if shutil.which("gcc"):
+        r = sb.run("printf 'int main(void){return 7;}' > a.c && gcc a.c -o a && ./a", limits=Limits(wall_s=30))
+        assert r.exit_code == 7, r
+
+
+def test_seccomp_program_is_well_formed():
+    from envs.sandbox import _seccomp
+
+    for machine in ("x86_64", "aarch64"):
+        prog = _seccomp.program(machine)
+        assert len(prog) % 8 == 0 and len(prog) // 8 < 256
+    with pytest.raises(ValueError, match="no seccomp filter for architecture"):
+        _seccomp.program("riscv64")
+
+
+def test_remove_tree_any_depth_no_links_no_leaks(tmp_path):
+    from envs.sandbox._linux import remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    root = tmp_path / "tree"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY)
+    for i in range(3000):  # deeper than any recursion limit and than PATH_MAX allows as one path
+        os.mkdir("d", dir_fd=fd)
+        nfd = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+        if i % 700 == 0:
+            os.symlink(outside, "link", dir_fd=fd)
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+    os.close(fd)
+    os.chmod(root / "d" / "d", 0)
+    fds = len(os.listdir("/proc/self/fd"))
+    assert remove_tree(str(root)) == [] and not root.exists()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert (outside / "keep").read_text() == "x" and remove_tree(str(root)) == []
+
+
+# ------------------------------------------------------------------------------------- normal users
+_AS_NOBODY = """
+import json, sys
+from envs.sandbox.base import Limits
+from envs.sandbox.bwrap import BwrapSandbox
+out = {}
+with BwrapSandbox() as s:
+    r = s.run_python("import os, time\\nn = 0\\nfor _ in range(200):\\n    try:\\n        if os.fork() == 0:\\n"
+                     "            time.sleep(2)\\n            os._exit(0)\\n        n += 1\\n    except OSError:\\n"
+                     "        break\\nprint(n)\\n", limits=Limits(pids=16, wall_s=20))
+    out["forks"], out["notes"] = int(r.stdout), r.notes
+    out["bomb"] = s.run("f() { f | f & }; f; sleep 1", limits=Limits(pids=16, wall_s=10)).violations
+    r = s.run_python("import threading\\nts = [threading.Thread(target=print) for _ in range(8)]\\n"
+                     "[t.start() for t in ts]\\n[t.join() for t in ts]\\n", limits=Limits(pids=16))
+    out["threads_ok"] = r.ok
+    out["keyctl"] = s.run(["python3", "-c", "import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+                           "print(l.syscall(250, 0, -3, 1), ctypes.get_errno())"]).stdout.split()
+    out["uid"] = s.run(["id", "-u"]).stdout.strip()
+print(json.dumps(out))
+"""
+
+
+def test_normal_user_worker_caps_processes_per_run(repo_root):
+    """As uid 65534 (no root, no writable cgroups) a run's process count is still capped - RLIMIT_NPROC set in the
+    run's own user namespace counts only its processes - and seccomp holds; the notes say what is degraded."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo_root), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    who = dict(user=65534, group=65534, extra_groups=[]) if os.geteuid() == 0 else {}  # else: already a normal user
+    r = subprocess.run(["/usr/bin/python3", "-c", _AS_NOBODY], env=env, cwd="/", capture_output=True, text=True,
+                       timeout=120, **who)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["forks"] <= 16 and "pids" in out["bomb"] and out["threads_ok"], out
+    assert out["keyctl"] == ["-1", "1"] and out["uid"] == "1000"
+    assert any("RLIMIT_NPROC" in n for n in out["notes"]) and any("cgroup" in n for n in out["notes"])

@@ -4,6 +4,14 @@ the fraction of the task's hidden unit tests that pass, run in the sandbox (neve
 Task payload: `entry_point` (function name), `tests` (Python statements, usually asserts, each one test),
 `canonical_solution` (a reference solution; used by the suite's own tests, never shown).
 Reward: `tests` (weight 1) the pass rate; `format` (weight 0, recorded) whether a fenced block was used.
+
+THREAT MODEL of the reward (details in `envs.code.verifier`): trusted are the task's tests and the worker.
+The solution runs in a candidate sandbox that is given only the arguments of the calls the tests make
+(never the tests, expected values or assertions); the tests run after it in a separate verifier sandbox that
+holds no model code, against the candidate's serialised return values decoded into plain built-in types.
+So reading the tests, forging output lines, `os._exit`, patching json/print/builtins and always-equal
+objects score nothing. Not covered: the function sees its own arguments; tasks whose tests need non-plain
+return values (objects, generators) or read a solution's constants need another verifier.
 """
 from __future__ import annotations
 

@@ -147,6 +147,23 @@ def largest_file(root: str, max_entries: int = 100_000) -> int:
     return biggest
 
 
+def tree_bytes(root: str, max_entries: int = 100_000) -> int:
+    """Bytes of the regular files below `root`, walked without recursion or following symlinks."""
+    total, seen, stack = 0, 0, [root]
+    while stack and seen < max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    seen += 1
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.is_file(follow_symlinks=False):
+                        total += e.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total
+
+
 # ---------------------------------------------------------------------------------------- rlimits
 def rlimits_for(limits: Limits, *, nproc: int | None, address_space: bool) -> tuple[tuple[int, int, int], ...]:
     """(resource, soft, hard) triples for a run: CPU (SIGXCPU at the soft limit, SIGKILL one second later),

@@ -24,7 +24,7 @@ import threading
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
-MNT_DETACH = 2
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 
 UID_BASE = 2_000_000
 UID_COUNT = 65_536
@@ -45,10 +45,93 @@ def mount_tmpfs(target: str, size_mb: int, inodes: int, remount: bool = False, m
 
 
 def umount(target: str) -> None:
-    if _libc.umount2(target.encode(), MNT_DETACH) != 0:
+    """Lazily unmount `target`, never following a symlink at its last component (UMOUNT_NOFOLLOW: a planted
+    link cannot make this unmount what it points to); not mounted / missing / a symlink: nothing happens."""
+    if _libc.umount2(target.encode(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
         e = ctypes.get_errno()
         if e not in (errno.EINVAL, errno.ENOENT):
             raise OSError(e, f"umount {target}: {os.strerror(e)}")
+
+
+def remove_tree(path: str) -> list[str]:
+    """Remove `path` and everything below it without recursion and without following symlinks; never raises.
+
+    Any depth works with two open fds: each subdirectory found is renamed up into `path` itself and
+    removed in its turn, so a 100,000-deep chain costs no stack and no fd per level. Directories the program
+    made unreadable are opened up first (root is not needed for the sandbox's own files). Returns the
+    problems (empty when `path` is gone), so a caller can retire what it could not clean."""
+    problems: list[str] = []
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return problems
+    except OSError as e:
+        return [f"remove {path}: {e}"]
+    if not _is_dir(st.st_mode):
+        try:
+            os.unlink(path)
+        except OSError as e:
+            problems.append(f"remove {path}: {e}")
+        return problems
+    try:
+        root = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return [f"remove {path}: {e}"]
+    try:
+        todo, n = [None], 0  # None: the root itself; else a name directly below it
+        while todo and len(problems) < 20:
+            name = todo.pop()
+            try:
+                fd = root if name is None else _open_dir(name, root)
+            except OSError as e:
+                problems.append(f"open {path}/{name}: {e}")
+                continue
+            try:
+                for entry in _entries(fd):
+                    if entry[1]:
+                        n += 1
+                        new = f".mrl-rm-{n}"
+                        os.rename(entry[0], new, src_dir_fd=fd, dst_dir_fd=root)
+                        todo.append(new)
+                    else:
+                        os.unlink(entry[0], dir_fd=fd)
+            except OSError as e:
+                problems.append(f"clean {path}/{name or ''}: {e}")
+            finally:
+                if fd != root:
+                    os.close(fd)
+            if name is not None:
+                try:
+                    os.rmdir(name, dir_fd=root)
+                except OSError as e:
+                    if not problems or e.errno != errno.ENOTEMPTY:
+                        problems.append(f"rmdir {path}/{name}: {e}")
+    finally:
+        os.close(root)
+    if not problems:
+        try:
+            os.rmdir(path)
+        except OSError as e:
+            problems.append(f"rmdir {path}: {e}")
+    return problems
+
+
+def _is_dir(mode: int) -> bool:
+    return (mode & 0o170000) == 0o040000
+
+
+def _open_dir(name: str, parent: int) -> int:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except PermissionError:  # made unreadable by its owner (us, when not root): open it up, then retry
+        os.chmod(name, 0o700, dir_fd=parent, follow_symlinks=False)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+
+
+def _entries(fd: int) -> list[tuple[str, bool]]:
+    """(name, is a real directory) of every entry of the directory `fd` (listed before any is changed)."""
+    with os.scandir(fd) as it:  # scandir works on a duplicate of `fd`; `fd` stays open
+        return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
 
 
 CLONE_NEWNET = 0x40000000

@@ -10,10 +10,15 @@ Covered, per run:
   entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
   or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
   user - or a domain-provided root directory
-  mounted read-only. The only writable places are /work (scratch) and /tmp, both directories on the slot's
-  own tmpfs (capped at `scratch_mb`, `nosuid`, `nodev`, inode-capped), emptied after the run. Host /root,
-  /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are read without
-  following symlinks.
+  mounted read-only. The only writable places are /work (scratch), /tmp and /dev/shm, all three directories
+  on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
+  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are
+  read without following symlinks.
+- Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
+  subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
+  retired (closed; its directory and uid are never used again) and replaced by a fresh slot, so nothing a
+  run leaves can reach a later run. The sweep of folders left by dead workers touches only real
+  directories owned by this uid, finds mounts without following links and unmounts with UMOUNT_NOFOLLOW.
 - Network: a network namespace of the slot's own with only loopback (created once per slot and reused by
   its runs, one at a time; the program has no capability over it, and no socket outlives its processes;
   a fresh one per run via `--unshare-net` where it cannot be created): host ports, host abstract unix
@@ -26,19 +31,26 @@ Covered, per run:
   killing every descendant, `setsid` daemons included; the slot cgroup is then checked empty (and
   SIGKILLed until it is) and orphans are reaped (the worker is a child subreaper).
 - Resources: cgroup v1 memory+swap, pids and CPU quota for the whole process tree (when the hierarchies
-  are writable; else RLIMIT_AS / RLIMIT_NPROC, noted in the result); RLIMIT_CPU/FSIZE/NOFILE/CORE per
+  are writable; else RLIMIT_AS / RLIMIT_NPROC, noted in the result - for a worker that is not root the
+  RLIMIT_NPROC is set by the trampoline inside the run's own user namespace, where it counts only that run's
+  processes); RLIMIT_CPU/FSIZE/NOFILE/CORE per
   process; total CPU time of the tree polled from cpuacct; wall timeout; stdout/stderr capped (the run is
   killed at the cap). Scratch files live in RAM and count toward the memory limit. Violations are named:
   wall, cpu, memory, pids, file_size, output, setup.
+- System calls: a seccomp filter (`envs.sandbox._seccomp`, list and reasons there) refuses keyrings,
+  ptrace and process_vm_*, mount-family and namespace calls, bpf, perf_event_open, userfaultfd, io_uring,
+  module/kexec/reboot and other host administration with EPERM; other architectures' call tables are killed.
 Not covered:
-- Kernel attack surface: no seccomp filter is installed; a kernel exploit reachable through ordinary
-  syscalls (in a user namespace) escapes. Use a VM/gVisor boundary for adversarial red-teaming.
+- Kernel attack surface beyond that filter: a kernel exploit reachable through ordinary syscalls (in a user
+  namespace) escapes. Use a VM/gVisor boundary for adversarial red-teaming.
 - /proc inside shows host-wide information (CPU, memory, uptime, kernel version, and pid 1's command
   line with the host scratch path); /usr is readable (installed software is visible, as it is meant to
   be used).
 - Side channels (timing, cache), CPU frequency and memory bandwidth contention between slots.
-- I/O bandwidth is not limited. Without cgroups, the memory and pid limits are per-process rlimits and
-  a program can exceed them in aggregate with many processes.
+- I/O bandwidth is not limited. Without cgroups, the memory limit is a per-process rlimit (RLIMIT_AS) and a
+  program can exceed it in aggregate with many processes. A worker that is not root gets no scratch tmpfs:
+  scratch is a host directory whose size is checked after the run (files are capped by RLIMIT_FSIZE);
+  cgroup v2 delegation is not used yet.
 - With prespawn (default) the next run's sandbox is set up (namespaces, mounts; no untrusted code yet)
   while the current one runs, in a second slot with its own uid, cgroups and tmpfs; it is used only if
   the next run asks for the same rlimits and network setting, else discarded and the run starts cold.
@@ -55,6 +67,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -62,7 +75,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from envs.sandbox import _linux
+from envs.sandbox import _linux, _seccomp
 from envs.sandbox._cgroup import SlotCgroups, remove_stale_groups
 from envs.sandbox._common import (
     apply_rlimits,
@@ -73,6 +86,7 @@ from envs.sandbox._common import (
     largest_file,
     pump,
     rlimits_for,
+    tree_bytes,
     write_files,
 )
 from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
@@ -145,16 +159,17 @@ class _Launch:
 class _Cell:
     """One slot: a uid of its own, cgroups, a scratch tmpfs with /work and /tmp; one run at a time."""
 
-    def __init__(self, base: str, index: int, group: str, uid_base: int, scratch_mb: int):
+    def __init__(self, base: str, index: int | str, group: str, uid_base: int, scratch_mb: int):
         self.root = os.geteuid() == 0
+        self.index, self.group, self.uid_base = index, group, uid_base
         self.notes: list[str] = []
         self.lease = _linux.UidLease(uid_base) if self.root else None
         self.uid = self.lease.uid if self.lease else os.getuid()
         self.gid = self.uid if self.lease else os.getgid()
         self.dir = os.path.join(base, f"cell{index}")
         self.fs = os.path.join(self.dir, "fs")
-        self.work, self.tmp, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
-                                         os.path.join(self.dir, "ctl"))
+        self.work, self.tmp, self.shm, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
+                                                   os.path.join(self.fs, "shm"), os.path.join(self.dir, "ctl"))
         for d in (self.dir, self.fs, self.ctl):
             os.makedirs(d, exist_ok=True)
             os.chmod(d, 0o711 if d != self.ctl else 0o755)
@@ -165,7 +180,8 @@ class _Cell:
         except OSError:
             self.netns = None  # each run gets a fresh one from bwrap (--unshare-net)
         if not self.root:
-            self.notes.append("not root: one uid for all slots, scratch size checked after the run only")
+            self.notes.append("not root: one uid for all slots, scratch size checked after the run only, process "
+                              "limit set inside the sandbox's user namespace (RLIMIT_NPROC)")
         self.cg, cg_notes = SlotCgroups.create(group, f"cell{index}-uid{self.uid}")
         if self.cg is None:
             self.notes.append("no writable cgroup v1 memory/pids: memory and pid limits are per-process "
@@ -174,7 +190,10 @@ class _Cell:
             self.notes += [n for n in cg_notes if "cpuacct" in n or "memory" in n or "pids" in n]
             self.cg.set_limits(Limits(), _BWRAP_TASKS)
         self.mount(scratch_mb)  # before any bwrap binds /work: later size changes are remounts
-        self.fresh_dirs()
+        problems = self.fresh_dirs()
+        if problems:
+            self.close()
+            raise OSError(f"sandbox slot {self.dir} could not be prepared: {'; '.join(problems[:3])}")
 
     def mount(self, scratch_mb: int) -> None:
         """Size the scratch tmpfs (mount once, remount when the size changes)."""
@@ -189,27 +208,26 @@ class _Cell:
         os.chmod(self.fs, 0o711)
         self.scratch_mb = scratch_mb
 
-    def fresh_dirs(self) -> None:
-        """Empty /work and /tmp (recreated: the program may have changed their modes)."""
+    def fresh_dirs(self) -> list[str]:
+        """Empty /work, /tmp and /dev/shm (removed without recursion or following links, then recreated: the
+        program may have changed their modes); returns what could not be done (then retire the slot)."""
         self.dirty = False
-        for d in (self.work, self.tmp):
-            shutil.rmtree(d, ignore_errors=True)
-            os.mkdir(d, 0o700 if d == self.work else 0o1777)
-            os.chmod(d, 0o700 if d == self.work else 0o1777)
+        for d in (self.work, self.tmp, self.shm):
+            problems = _linux.remove_tree(d)
+            if problems:
+                return problems
+            mode = 0o700 if d == self.work else 0o1777
+            os.mkdir(d, mode)
+            os.chmod(d, mode)
             if self.root:
                 os.chown(d, self.uid, self.gid)
+        return []
 
     def scratch_full(self, scratch_mb: int) -> bool:
         if self.tmpfs:
             st = os.statvfs(self.fs)
             return st.f_bavail == 0 or st.f_favail == 0
-        used = 0
-        for d in (self.work, self.tmp):
-            for dirpath, _, names in os.walk(d):
-                for n in names:
-                    with contextlib.suppress(OSError):
-                        used += os.lstat(os.path.join(dirpath, n)).st_size
-        return used > scratch_mb << 20
+        return sum(tree_bytes(d) for d in (self.work, self.tmp, self.shm)) > scratch_mb << 20
 
     def preexec(self, rlimits, network: bool):
         attach = self.cg.attach_files if self.cg else ()
@@ -240,7 +258,7 @@ class _Cell:
                 _linux.umount(self.fs)
             except OSError as e:
                 problems.append(str(e))
-        shutil.rmtree(self.dir, ignore_errors=True)
+        problems += _linux.remove_tree(self.dir)
         if self.lease:
             self.lease.release()
         return problems
@@ -255,6 +273,7 @@ class _State:
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.next: concurrent.futures.Future | None = None
         self.closed = False
+        self.generation = 0
         self.owner = os.getpid()
 
     def close(self) -> None:
@@ -270,7 +289,8 @@ class _State:
             for p in c.close():
                 log.warning("bwrap sandbox cleanup: %s", p)
         if self.base:
-            shutil.rmtree(self.base, ignore_errors=True)
+            for p in _linux.remove_tree(self.base):
+                log.warning("bwrap sandbox cleanup: %s", p)
 
 
 def _dispose(launch: _Launch) -> list[str]:
@@ -370,7 +390,7 @@ def _shared_etc(network: bool) -> str:
                 _linux.mount_tmpfs(base, 16, 4096, mode="0755")
             atexit.register(_remove_shared, base, os.getpid())
         d = os.path.join(base, "etc-net" if network else "etc")
-        shutil.rmtree(d, ignore_errors=True)
+        _linux.remove_tree(d)
         os.mkdir(d, 0o755)
         names = list(_ETC) + [os.path.basename(g) for pat in _ETC_GLOBS for g in glob.glob("/etc/" + pat)]
         for name in dict.fromkeys(names + (list(_ETC_NET) if network else [])):
@@ -400,7 +420,7 @@ def _remove_shared(base: str, owner: int) -> None:
         return
     with contextlib.suppress(OSError):
         _linux.umount(base)
-    shutil.rmtree(base, ignore_errors=True)
+    _linux.remove_tree(base)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -425,11 +445,31 @@ def _remove_stale_once() -> None:
         pid = os.path.basename(d)[len(_PREFIX):].split("-")[0]
         if not pid.isdigit() or _pid_alive(int(pid)):
             continue
-        for fs in glob.glob(os.path.join(d, "cell*", "fs")) + [d]:
+        try:
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue  # a symlink, or not ours: never followed, never touched
+        for fs in _stale_mounts(d) + [d]:
             with contextlib.suppress(OSError):
-                _linux.umount(fs)
-        shutil.rmtree(d, ignore_errors=True)
+                _linux.umount(fs)  # UMOUNT_NOFOLLOW
+        for p in _linux.remove_tree(d):
+            log.warning("bwrap sandbox: stale folder %s: %s", d, p)
     remove_stale_groups(_PREFIX, _pid_alive)
+
+
+def _stale_mounts(d: str) -> list[str]:
+    """`d/cell*/fs` of a stale folder, found without following a symlink at any level."""
+    out = []
+    with contextlib.suppress(OSError), os.scandir(d) as it:
+        for e in it:
+            if e.name.startswith("cell") and e.is_dir(follow_symlinks=False):
+                fs = os.path.join(e.path, "fs")
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.lstat(fs).st_mode):
+                        out.append(fs)
+    return out
 
 
 def _bwrap_version(path: str) -> tuple[int, ...]:
@@ -448,6 +488,7 @@ class BwrapSandbox(Sandbox):
     /etc copy (e.g. an unpacked image; readable by the slot uids); it needs /bin/sh for prespawn.
     prespawn: set the next run's sandbox up while the current one runs (hides bwrap's setup latency).
     env: extra environment variables. uid_base: start of the host uid range for slots.
+    seccomp: install the filter of `envs.sandbox._seccomp` (default; off only to debug with strace/gdb).
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -455,7 +496,8 @@ class BwrapSandbox(Sandbox):
     name = "bwrap"
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
-                 env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None):
+                 env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
+                 seccomp: bool = True):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -469,10 +511,14 @@ class BwrapSandbox(Sandbox):
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
                      "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(env or {})}
         self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
+        self._seccomp = _seccomp.program() if seccomp and _seccomp.supported() else None
+        self._notes = [] if self._seccomp or not seccomp else [
+            f"no seccomp filter for architecture {os.uname().machine}: keyrings, ptrace, mount, bpf etc. open"]
         self._prespawn = prespawn and self._has_sh
         self._lock = threading.Lock()
-        self.counts = {"prespawned": 0, "cold": 0}
-        """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run)."""
+        self.counts = {"prespawned": 0, "cold": 0, "retired": 0}
+        """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run),
+        and slots retired because they could not be emptied."""
         self._s = _State()
         self._finalizer = weakref.finalize(self, self._s.close)
         self.subreaper = _linux.set_child_subreaper()
@@ -536,12 +582,12 @@ class BwrapSandbox(Sandbox):
         cell = launch.cell if launch else self._s.cells[self._turn]
         try:
             if launch is None and cell.dirty:
-                self._reset_cell(cell)
+                cell = self._reset_cell(cell)
             cell.mount(limits.scratch_mb)
             write_files(cell.work, files, cell.uid if cell.root else None)
             if self._has_sh:
                 with open(os.path.join(cell.ctl, "cmd"), "w") as f:
-                    f.write(script)
+                    f.write(_inner_limits(cell, limits) + script)
             if launch is None:
                 launch = self._spawn(cell, limits, command)
                 self.counts["cold"] += 1
@@ -588,7 +634,7 @@ class BwrapSandbox(Sandbox):
         stats = cg.end() if cg is not None else {}
         result = self._result(launch, limits, p, stats)
         result.files = collect_files(cell.work, collect, limits.file_size_mb << 20)
-        result.notes = cell.notes + p.notes + problems
+        result.notes = self._notes + cell.notes + p.notes + problems
         if cell.cg is not None and cell.cg.tasks_alive_or_zombie() > 0:
             result.notes.append("tasks still charged to the slot cgroup after cleanup")
         cell.dirty = True
@@ -617,17 +663,31 @@ class BwrapSandbox(Sandbox):
             v.append("pids")
         limit = limits.file_size_mb << 20
         if (code == -signal.SIGXFSZ or cell.scratch_full(limits.scratch_mb)
-                or max(largest_file(cell.work), largest_file(cell.tmp)) >= limit):
+                or max(largest_file(cell.work), largest_file(cell.tmp), largest_file(cell.shm)) >= limit):
             v.append("file_size")
         return SandboxResult(exit_code=code, stdout=decode(p.stdout), stderr=stderr, wall_s=p.wall_s,
                              cpu_s=cpu_s or 0.0, violations=list(dict.fromkeys(v)),
                              peak_memory_mb=stats.get("peak_mb", 0.0))
 
-    def _reset_cell(self, cell: _Cell) -> None:
+    def _reset_cell(self, cell: _Cell) -> _Cell:
+        """Empty a used slot. A slot that cannot be emptied (whatever the reason) is retired - closed, its
+        uid and directory never used again by this sandbox - and replaced by a new one, which is returned."""
         try:
-            cell.fresh_dirs()
-        except OSError as e:
-            log.warning("bwrap sandbox: could not reset scratch of %s: %s", cell.dir, e)
+            problems = cell.fresh_dirs()
+        except Exception as e:
+            problems = [f"{e.__class__.__name__}: {e}"]
+        if not problems:
+            return cell
+        log.warning("bwrap sandbox: retiring slot %s, it could not be emptied: %s", cell.dir, "; ".join(problems[:3]))
+        idx = self._s.cells.index(cell)
+        self._s.generation += 1
+        new = _Cell(self._s.base, f"{idx}r{self._s.generation}", cell.group, cell.uid_base,
+                    self.default_limits.scratch_mb)
+        self._s.cells[idx] = new
+        self.counts["retired"] += 1
+        for p in cell.close():
+            log.warning("bwrap sandbox: retired slot %s: %s", cell.dir, p)
+        return new
 
     # ----------------------------------------------------------------------------------- launching
     def _key(self, limits: Limits, cell: _Cell) -> tuple:
@@ -651,15 +711,19 @@ class BwrapSandbox(Sandbox):
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             fds = [block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w]
-            argv = self._argv(cell, limits.network, block_r, status_w, command)
-            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=(block_r, status_w),
+            seccomp_r = _seccomp.program_fd(self._seccomp) if self._seccomp else -1
+            if seccomp_r >= 0:
+                fds.append(seccomp_r)
+            argv = self._argv(cell, limits.network, block_r, status_w, command, seccomp_r)
+            passed = (block_r, status_w) + ((seccomp_r,) if seccomp_r >= 0 else ())
+            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=passed,
                                     preexec_fn=cell.preexec(key[0], limits.network), env={"PATH": "/usr/bin:/bin"},
                                     cwd="/")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        for fd in (block_r, status_w, in_r, out_w, err_w):
+        for fd in (block_r, status_w, in_r, out_w, err_w) + ((seccomp_r,) if seccomp_r >= 0 else ()):
             os.close(fd)
         return _Launch(cell=cell, proc=proc, pidfd=os.pidfd_open(proc.pid), block_w=block_w, stdin_w=in_w,
                        stdout_r=out_r, stderr_r=err_r, status_r=status_r, key=key)
@@ -691,10 +755,11 @@ class BwrapSandbox(Sandbox):
 
     def _reset_and_spawn(self, cell: _Cell, limits: Limits) -> _Launch:
         if cell.dirty:
-            self._reset_cell(cell)
+            cell = self._reset_cell(cell)
         return self._spawn(cell, limits)
 
-    def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command) -> list[str]:
+    def _argv(self, cell: _Cell, network: bool, block_fd: int, status_fd: int, command,
+              seccomp_fd: int = -1) -> list[str]:
         a = [self.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
              "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox"]
@@ -705,10 +770,13 @@ class BwrapSandbox(Sandbox):
         if network not in self._root:
             self._root[network] = self._root_args(network)
         a += self._root[network]
-        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.work, "/work", "--bind", cell.tmp, "/tmp",
+        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.shm, "/dev/shm", "--bind", cell.work, "/work",
+              "--bind", cell.tmp, "/tmp",
               "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
         for k, v in self._env.items():
             a += ["--setenv", k, v]
+        if seccomp_fd >= 0:
+            a += ["--seccomp", str(seccomp_fd)]
         a += ["--json-status-fd", str(status_fd), "--block-fd", str(block_fd), "--"]
         if self._has_sh:
             return a + ["/bin/sh", "-c", _TRAMPOLINE]
@@ -756,6 +824,17 @@ def _script(command) -> str:
     raise ValueError(f"sandbox command must be a non-empty list of strings or a shell string, got {command!r}")
 
 
+def _inner_limits(cell: _Cell, limits: Limits) -> str:
+    """Shell lines the trampoline runs first, inside the sandbox. Not root: RLIMIT_NPROC set there, in the run's
+    own user namespace, counts only that run's processes (per-namespace rlimit counts, Linux >= 5.14), while
+    the same limit set before bwrap would count every process of the worker's uid. `ulimit -p` is dash's name,
+    `-u` bash's; both set soft and hard limits, so the program cannot raise it."""
+    if cell.root or _has(cell, "pids"):
+        return ""
+    n = limits.pids + 1  # + bwrap's pid 1 (the trampoline shell execs the program)
+    return f"ulimit -p {n} 2>/dev/null || ulimit -u {n} 2>/dev/null\n"
+
+
 def _has(cell: _Cell, controller: str) -> bool:
     return cell.cg is not None and cell.cg.has(controller)
 
@@ -765,7 +844,8 @@ def _memory_error(stderr: str) -> bool:
 
 
 def _fork_error(stderr: str) -> bool:
-    return "fork" in stderr.lower() and ("Resource temporarily unavailable" in stderr or "retry" in stderr)
+    low = stderr.lower()
+    return "cannot fork" in low or ("fork" in low and ("resource temporarily unavailable" in low or "retry" in low))
 
 
 def _exists_in_root(root: str, rel: str, depth: int = 0) -> bool:

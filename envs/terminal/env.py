@@ -8,6 +8,14 @@ command runs over the final workspace plus the verifier's own files: exit 0 is s
 Task payload: `files` (initial workspace, path -> text), `verify` ({"command": ..., "files": {...}}),
 `reference_commands` (a known solution, for the suite's own tests; never shown).
 Reward: `verified` (weight 1) the verifier's pass/fail.
+
+THREAT MODEL of the reward (details in `envs.terminal.verifier`): trusted are the task's verifier files and
+the worker; every workspace file is untrusted. The verifier runs in its own sandbox after the model's last
+command, only over the task's pristine test files (copies written over the model's; test files the model
+added never run), under an isolated (`python3 -I -S`), non-dumpable harness that imports nothing from the
+workspace: planted `unittest/`, stdlib-named modules, `.pth` files and early `os._exit(0)` score 0. Each test
+file runs in a child process that must report every test the pristine file defines. Not covered: the
+model's modules imported by a test run in that test's process and can patch it to misreport.
 """
 from __future__ import annotations
 

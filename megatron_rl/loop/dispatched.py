@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -42,6 +44,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
+
+log = logging.getLogger(__name__)
 
 
 class DispatchRollouts(Rollouts):
@@ -228,10 +232,25 @@ _TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
 
 
 def server_hosts(episodes_cfg) -> tuple[str, str]:
-    """(bind address, address the workers use) of the rollout server."""
+    """(bind address, address the workers use) of the rollout server: under Slurm the node's own address (the
+    one its name resolves to), never 0.0.0.0 unless the name resolves to loopback only."""
     slurm = episodes_cfg.dispatch.executor == "slurm"
-    return ("0.0.0.0" if slurm else "127.0.0.1",
-            episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1"))
+    public = episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1")
+    return (node_address(public) if slurm else "127.0.0.1", public)
+
+
+def node_address(name: str) -> str:
+    """The first non-loopback IPv4 address `name` resolves to; 0.0.0.0 (with a warning) when there is none."""
+    try:
+        addrs = [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)]
+    except OSError:
+        addrs = []
+    for a in addrs:
+        if not a.startswith("127."):
+            return a
+    log.warning("rollout server: %r resolves to no non-loopback address (%s); listening on 0.0.0.0 (mutating "
+                "endpoints still need the job token)", name, addrs)
+    return "0.0.0.0"
 
 
 def episode_id(gid: int, index: int) -> str:
@@ -311,6 +330,8 @@ class RolloutServerProcess:
                 "tokenizer": to_dict(tokenizer_cfg) if tokenizer_cfg else {}}
         (self.dir / "config.json").write_text(json.dumps(conf))
         self.threads, self.hosts, self.start_timeout_s = threads, hosts, start_timeout_s
+        self.token = secrets.token_urlsafe(32)
+        """The job's token for the server's mutating endpoints (passed through the environment, not argv)."""
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.client = None
@@ -331,14 +352,14 @@ class RolloutServerProcess:
         return path
 
     def _start(self, weights: Path, version: int) -> None:
-        from megatron_rl.rollout.client import RolloutClient
+        from megatron_rl.rollout.client import TOKEN_ENV, RolloutClient
 
         port_file = self.dir / "port"
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--host", self.hosts[0], "--port", "0",
                "--port-file", str(port_file), "--config", str(self.dir / "config.json"), "--weights", str(weights),
                "--version", str(version)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), TOKEN_ENV: self.token}
         for k in list(env):  # a single-process server, not a member of the training job (torchrun's agent store!)
             if k in _LAUNCH_VARS or k.startswith("TORCHELASTIC_"):
                 del env[k]
@@ -353,7 +374,7 @@ class RolloutServerProcess:
                 raise RuntimeError(f"rollout server did not start (see {self.dir / 'server.log'}):\n{tail}")
             time.sleep(0.1)
         self.url = f"http://{self.hosts[1]}:{port_file.read_text().strip()}"
-        self.client = RolloutClient(self.url, timeout=300.0)
+        self.client = RolloutClient(self.url, timeout=300.0, token=self.token)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

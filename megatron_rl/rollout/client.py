@@ -11,9 +11,12 @@ Standard library only (urllib), so workers in sandboxes need no extra packages.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
+
+TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"  # = megatron_rl.rollout.server.TOKEN_ENV (not imported: stdlib only)
 
 
 class RolloutError(RuntimeError):
@@ -27,14 +30,19 @@ class RolloutError(RuntimeError):
 class RolloutClient:
     """Blocking JSON client of megatron_rl.rollout.server."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 3, backoff: float = 0.5):
+    def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 3, backoff: float = 0.5,
+                 token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.token = token or os.environ.get(TOKEN_ENV) or None
+        """Bearer token sent with every request (mutating endpoints need it); default $MEGATRON_RL_ROLLOUT_TOKEN."""
 
     def _once(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, resp.read()

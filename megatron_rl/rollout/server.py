@@ -7,6 +7,13 @@
     GET  /health                {"status": "ok", "policy_version": v}
     GET  /metrics               Prometheus text: queue length, running, KV blocks used/total, tokens/s, ...
     POST /update_weights        {"version": v, "path": "state_dict.pt", "policy": "continue" | "abort"}
+                                (mutating: needs `Authorization: Bearer <job token>`, else 401)
+
+Authentication: mutating endpoints need the job's token - `create_app(token=...)`, else the environment
+variable MEGATRON_RL_ROLLOUT_TOKEN (how the driver passes it to a server process and its clients), else a
+random one generated at start (then nobody outside the process can change the weights). Read-only and
+generation endpoints stay open; bind to the job's node address, not 0.0.0.0, so that only the cluster
+network reaches it.
 
 Context compression (optional, per request): "turn_boundaries": [token offsets where each turn starts] and
 "compression": {"keep_first", "keep_last", "mode", "marker_token_ids": [ids] | "text", "min_prompt_tokens"}
@@ -26,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +51,9 @@ from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
+
+TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
+"""Environment variable holding the job's token for mutating endpoints (never put it on a command line)."""
 
 
 class BadRequest(ValueError):
@@ -329,17 +342,32 @@ async def update_weights(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
 
 
+def requires_token(handler):
+    """Wrap a mutating endpoint: a request without the app's bearer token gets 401."""
+
+    async def checked(request: web.Request) -> web.Response:
+        got = request.headers.get("Authorization", "")
+        want = "Bearer " + request.app["token"]
+        if not hmac.compare_digest(got.encode(), want.encode()):
+            return _error(401, f"{request.path} needs the job's token (Authorization: Bearer ...; {TOKEN_ENV})")
+        return await handler(request)
+
+    return checked
+
+
 def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy",
-               loop: EngineLoop | None = None) -> web.Application:
-    """The aiohttp app; `loop` defaults to an EngineLoop (tp_serve.TPEngineLoop for tensor parallelism)."""
+               loop: EngineLoop | None = None, token: str | None = None) -> web.Application:
+    """The aiohttp app; `loop` defaults to an EngineLoop (tp_serve.TPEngineLoop for tensor parallelism).
+    `token`: the bearer token of mutating endpoints (default: $MEGATRON_RL_ROLLOUT_TOKEN, else random)."""
     app = web.Application(client_max_size=64 << 20)
+    app["token"] = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     loop = loop or EngineLoop(engine)
     app["state"] = ServerState(loop, tokenizer or ByteTokenizer(engine.model.vocab_size), model_name)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post("/update_weights", update_weights)
+    app.router.add_post("/update_weights", requires_token(update_weights))
 
     async def on_startup(app):
         loop.start()
@@ -365,6 +393,11 @@ class ServerThread:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def token(self) -> str:
+        """The bearer token of the mutating endpoints."""
+        return self.app["token"]
 
     def start(self) -> ServerThread:
         self.thread.start()

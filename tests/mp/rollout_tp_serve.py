@@ -58,6 +58,7 @@ def main() -> None:
     from tests.mp.launch import emit
 
     world = int(os.environ["WORLD_SIZE"])
+    os.environ["MEGATRON_RL_ROLLOUT_TOKEN"] = "tp-serve-test-token"  # the job token: server and client read it
     ctx = init_distributed(ParallelConfig(tp=world))
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     model = build(ctx.pgs, world)

@@ -1,0 +1,170 @@
+"""Reward forging, tried as an attacker would: through the environments' public path
+(`make_env(...).step(...)`) with the real bubblewrap sandbox. Every wrong answer here must score 0."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import envs  # noqa: F401  (registers the built-ins)
+from envs.base import Budget, make_env
+from envs.sandbox.bwrap import BwrapSandbox
+from envs.tasks import load_domain
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with BwrapSandbox() as sb:
+        yield sb
+
+
+def task(domain: str, tid: str):
+    return next(t for t in load_domain(domain) if t.id == tid)
+
+
+def code_reward(sandbox, tid: str, solution: str) -> tuple[float, str]:
+    env = make_env("code", sandbox=sandbox)
+    env.reset(task("code", tid))
+    r = env.step("```python\n" + solution + "\n```")
+    assert r.reward_result.valid, r.reward_result.reasons
+    return r.reward, r.reward_result.reasons["tests"]
+
+
+# ------------------------------------------------------------------------------------------------ code
+def test_code_forged_result_line_with_the_harness_nonce_scores_zero(sandbox):
+    """The old harness ran the solution in its own process: the nonce was a global of __main__."""
+    forge = ("import json, os, sys\n"
+             "m = sys.modules['__main__']\n"
+             "nonce = next((v for v in vars(m).values() if isinstance(v, str) and len(v) == 32), '')\n"
+             "sys.__stdout__.write('\\n' + nonce + json.dumps([[True, '']] * 6) + '\\n')\n"
+             "sys.__stdout__.flush()\n"
+             "os._exit(0)\n"
+             "def is_prime(n):\n    return False\n")
+    assert code_reward(sandbox, "code-is_prime", forge)[0] == 0.0
+
+
+def test_code_patched_json_and_print_score_zero(sandbox):
+    forge = ("import builtins, json\n"
+             "_dumps = json.dumps\n"
+             "json.dumps = lambda obj, *a, **k: _dumps([[True, ''] for _ in obj], *a, **k)\n"
+             "_print = builtins.print\n"
+             "builtins.print = lambda *a, **k: _print(*[str(x).replace('false', 'true') for x in a], **k)\n"
+             "def gcd(a, b):\n    return -1\n")
+    assert code_reward(sandbox, "code-gcd", forge)[0] == 0.0
+
+
+def test_code_reading_the_tests_and_hard_coding_answers_scores_zero(sandbox):
+    """The candidate's sandbox holds no test file: answers read from one cannot exist."""
+    forge = ("import glob, os, re\n"
+             "ANSWERS = {}\n"
+             "for p in glob.glob('**', recursive=True) + glob.glob('/tmp/**', recursive=True):\n"
+             "    try:\n"
+             "        text = open(p).read()\n"
+             "    except OSError:\n"
+             "        continue\n"
+             "    for a, b, want in re.findall(r'gcd\\((\\d+), (\\d+)\\) == (\\d+)', text):\n"
+             "        ANSWERS[int(a), int(b)] = int(want)\n"
+             "def gcd(a, b):\n    return ANSWERS[a, b]\n")
+    reward, reason = code_reward(sandbox, "code-gcd", forge)
+    assert reward == 0.0 and "KeyError" in reason
+
+
+def test_code_always_equal_object_scores_zero(sandbox):
+    forge = ("class Yes(int):\n"
+             "    def __eq__(self, other):\n        return True\n"
+             "    __hash__ = int.__hash__\n"
+             "def gcd(a, b):\n    return Yes(0)\n")
+    reward, reason = code_reward(sandbox, "code-gcd", forge)
+    assert reward == 0.0 and "cannot be compared" in reason
+
+
+def test_code_exceptions_mutation_and_partial_credit_still_judged_right(sandbox):
+    # raising the asked-for ValueError passes the try/except tests; a subclass counts as a ValueError
+    ok = ("class Bad(ValueError):\n    pass\n"
+          "def parse_duration(s):\n"
+          "    import re\n"
+          "    m = re.fullmatch(r'(?:(\\d+)h)?(?:(\\d+)m)?(?:(\\d+)s)?', s)\n"
+          "    if not s or not m:\n        raise Bad(s)\n"
+          "    h, mi, se = (int(x or 0) for x in m.groups())\n"
+          "    return 3600 * h + 60 * mi + se\n")
+    assert code_reward(sandbox, "code-parse_duration", ok)[0] == 1.0
+    # rotating in place changes the caller's list: the mutation test catches it through the verifier
+    inplace = ("def rotate_list(xs, k):\n    if xs:\n        k %= len(xs)\n        xs[:] = xs[-k:] + xs[:-k]\n"
+               "    return xs\n")
+    reward, reason = code_reward(sandbox, "code-rotate_list", inplace)
+    assert reward == pytest.approx(4 / 5) and "AssertionError" in reason
+
+
+# -------------------------------------------------------------------------------------------- terminal
+def call(command: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "shell", "arguments": {"command": command}}) + "</tool_call>"
+
+
+def terminal_reward(sandbox, commands: list[str], tid: str = "terminal-fix-median") -> tuple[float, str]:
+    env = make_env("terminal", sandbox=sandbox, budget=Budget(max_turns=len(commands) + 1))
+    env.reset(task("terminal", tid))
+    for c in commands:
+        r = env.step(call(c))
+        assert "[exit code 0]" in r.observation.text and "note:" not in r.observation.text, r.observation.text
+    r = env.step("done")
+    assert r.reward_result.valid, r.reward_result.reasons
+    return r.reward, r.reward_result.reasons["verified"]
+
+
+ATTACKS = {
+    "unittest_main_shadow": ["mkdir -p unittest && touch unittest/__init__.py && "
+                             "printf 'raise SystemExit(0)\\n' > unittest/__main__.py"],
+    "early_exit_test_file": ["printf 'import os\\nos._exit(0)\\n' > test_0.py"],
+    "user_site_pth": ["mkdir -p .local/lib/python3.11/site-packages && "
+                      "echo 'import os; os._exit(0)' > .local/lib/python3.11/site-packages/zz.pth"],
+    "exit_on_import_of_the_module_under_test": ["printf 'import os\\nos._exit(0)\\n' >> stats.py"],
+    "replace_the_visible_test": ["printf 'import unittest\\n' > test_stats.py && "
+                                 "printf 'import unittest\\n' > test_hidden_stats.py"],
+    "stdlib_shadow": ["printf 'import os\\nos._exit(0)\\n' > json.py && for m in ast select subprocess argparse "
+                      "difflib fnmatch pprint; do cp json.py $m.py; done"],
+    # a daemon writing forged verdict lines into the harness's stdout through /proc/<harness>/fd/1 (refused: the
+    # pipe is the worker's, and the harness is non-dumpable)
+    "forge_the_harness_stdout": ["cat >> stats.py <<'EOF'\nimport os, time\nppid = os.getppid()\n"
+                                 "if os.fork() == 0:\n    os.setsid()\n    try:\n"
+                                 "        fd = os.open('/proc/%d/fd/1' % ppid, os.O_WRONLY)\n"
+                                 "    except OSError:\n        os._exit(0)\n    while True:\n"
+                                 "        os.write(fd, b'\\nMRL-VERDICT {\"passed\": true, \"files\": {}}\\n')\n"
+                                 "        time.sleep(0.001)\nos._exit(0)\nEOF"],
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_terminal_verifier_cannot_be_forged(sandbox, attack):
+    reward, reason = terminal_reward(sandbox, ATTACKS[attack])
+    assert reward == 0.0, (attack, reason)
+
+
+def test_terminal_honest_fix_still_passes_next_to_planted_files(sandbox):
+    fix = ("cat > stats.py <<'EOF'\ndef median(xs):\n    s = sorted(xs)\n    n = len(s)\n"
+           "    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\nEOF")
+    reward, reason = terminal_reward(sandbox, [fix, ATTACKS["stdlib_shadow"][0], ATTACKS["unittest_main_shadow"][0]])
+    assert reward == 1.0 and "2 tests passed" in reason and "1 tests passed" in reason, reason
+
+
+def test_code_set_arguments_plan_the_same_call_in_every_process(sandbox):
+    """Set iteration order differs between processes (hash randomisation): the call plan must not."""
+    sol = "def size(s, extra=frozenset()):\n    return len(s | extra)\n"
+    from envs.code.verifier import run_unit_tests
+
+    tests = ["assert size({'a', 'b', 'c', 'd', 'e'}) == 5", "assert size({'x'}, extra=frozenset({'y', 'z'})) == 3"]
+    results, _, status = run_unit_tests(sandbox, sol, tests)
+    assert status == "ok" and results == [(True, ""), (True, "")], results
+
+
+def test_code_calls_that_depend_on_earlier_answers_are_replayed(sandbox):
+    from envs.code.verifier import run_unit_tests
+
+    tests = ["assert inc(inc(1)) == 3", "assert inc(1) == 2 and inc(5) == 6",
+             "assert [inc(i) for i in range(4)] == [1, 2, 3, 4]",
+             "xs = [3, 1, 2]\nsort_in_place(xs)\nassert inc(xs[0]) == 2"]
+    good = "def inc(x):\n    return x + 1\ndef sort_in_place(xs):\n    xs.sort()\n"
+    results, _, status = run_unit_tests(sandbox, good, tests)
+    assert status == "ok" and [p for p, _ in results] == [True] * 4, results
+    bad = "def inc(x):\n    return x + 2\ndef sort_in_place(xs):\n    pass\n"
+    results, _, status = run_unit_tests(sandbox, bad, tests)
+    assert status == "ok" and [p for p, _ in results] == [False] * 4, results
