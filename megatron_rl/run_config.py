@@ -145,7 +145,8 @@ class RunConfig:
 
     def validate(self) -> None:
         self.model.check_parallel(self.parallel)
-        self.tokenizer.build(self.model)  # the tokenizer exists and its ids fit the model
+        if self.tokenizer.resolved_path(self.model):
+            self.tokenizer.build(self.model)  # the HF tokenizer loads and its ids fit the model
         self.parallel.resolve(self.launch.nproc_per_node)
         if self.train.seq_length > self.model.max_seq_length:
             raise ConfigError(f"train.seq_length={self.train.seq_length} exceeds "

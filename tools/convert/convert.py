@@ -203,7 +203,7 @@ def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_confi
     ctx = runtime.start(tp, pp, ep)
     model = layout.build_model(cfg, extra, ctx)
     checks.ckpt_against_shards(ckpt_p, model)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_p)))
+    layout.load_model(model, ckpt_p)
     report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
     with runtime.atomic_dir(out) as tmp:
         dist_checkpointing.save(model.sharded_state_dict(), str(tmp))

@@ -221,3 +221,13 @@ def layer_of(name: str) -> int | None:
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
 
+
+
+def load_model(model, ckpt) -> None:
+    """Load `model`'s tensors from a dist_checkpointing checkpoint (a converted one, or an RL run's: its optimizer
+    and trainer state are ignored), resharded to the model's layout."""
+    from megatron.core import dist_checkpointing
+
+    sd = model.sharded_state_dict()
+    state = dist_checkpointing.load(sd, str(ckpt))
+    model.load_state_dict({k: v for k, v in state.items() if k in sd})

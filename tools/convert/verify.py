@@ -91,11 +91,10 @@ def compare(mc: torch.Tensor | None, ref_fn, tol: float | None, dtype) -> dict:
 
 def fresh_logits(ckpt: Path, cfg, extra: dict, ctx):
     """Logits of a model built anew at this layout and loaded from `ckpt` (checks every key and shape)."""
-    from megatron.core import dist_checkpointing
 
     model = layout.build_model(cfg, extra, ctx)
     checks.ckpt_against_shards(ckpt, model)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt)))
+    layout.load_model(model, ckpt)
     return runtime.megatron_logits(model, tokens(cfg.vocab_size), ctx), model.config.params_dtype
 
 
