@@ -94,7 +94,7 @@ def test_env_config_documented_validated_and_loaded_from_dict():
     cfg = from_dict(EnvConfig, {"names": ["countdown", "math"], "weights": {"math": 0.5}, "max_turns": 3,
                                 "reward_weights": {"math": {"format": 0.0}}, "sandbox": {"workers": 2}})
     assert cfg.weights == {"math": 0.5} and cfg.max_turns == 3 and cfg.sandbox.workers == 2
-    with pytest.raises(ConfigError, match="unknown environment 'chess'; known: code, countdown"):
+    with pytest.raises(ConfigError, match="unknown environment 'chess'; known: arithmetic, code, countdown"):
         EnvConfig(names=["chess"]).validate()
     with pytest.raises(ConfigError, match=r"envs.weights names \['code'\]"):
         EnvConfig(names=["math"], weights={"code": 1.0}).validate()

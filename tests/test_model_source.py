@@ -69,14 +69,12 @@ def test_initializer_loads_the_hf_weights_into_the_policy(hf_dir):
     from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.distributed import init_distributed
     from megatron_rl.models.gpt import build_gpt
     from megatron_rl.models.source import initializer
-    from megatron_rl.parallel import ParallelConfig
-    from tools.convert.runtime import megatron_logits
+    from tools.convert.runtime import megatron_logits, start
 
     cfg = _load(hf_dir, "model.max_seq_length=64")
-    ctx = init_distributed(ParallelConfig(), source="single")
+    ctx = start()  # one process (reused when another test started it)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = build_gpt(cfg.model, ctx.parallel, ctx.pgs)
     initializer(cfg.model)(model)

@@ -88,12 +88,13 @@ def test_engine_never_samples_padding_ids():
     """A model of 384 ids with a 259-id tokenizer: sampled tokens stay below 259 and their log-probs are
     normalised over those 259 ids only (the padded rows here carry large logits that would win otherwise)."""
     import torch
+    from megatron.core import tensor_parallel
 
-    from megatron_rl.distributed import init_distributed
-    from megatron_rl.parallel import ParallelConfig
     from megatron_rl.rollout import RolloutEngine, SamplingParams
+    from tools.convert.runtime import start
 
-    ctx = init_distributed(ParallelConfig(), source="single")
+    ctx = start()  # one process (reused when another test started it)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=384, max_seq_length=64)
     engine = RolloutEngine.build(cfg, None, ctx.parallel, ctx.pgs, valid_vocab=259)
     with torch.no_grad():
