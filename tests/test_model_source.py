@@ -84,3 +84,50 @@ def test_initializer_loads_the_hf_weights_into_the_policy(hf_dir):
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)(toks).logits
     assert (mine - ref).abs().max().item() < 1e-4
     assert ref.std().item() > 0.1  # a real signal, not zeros
+
+
+def test_mcore_init_from_a_converted_checkpoint(hf_dir, tmp_path):
+    """model.init: mcore:DIR (a `convert hf-to-mcore` output): same shape, tokenizer from its hf_files, and the
+    model built from it has the HF weights."""
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.models.gpt import build_gpt
+    from megatron_rl.models.source import initializer
+    from tools.convert.convert import hf_to_mcore
+    from tools.convert.runtime import megatron_logits, start
+
+    hf_to_mcore(str(hf_dir), str(tmp_path / "ckpt"))
+    via_hf = _load(hf_dir, "model.max_seq_length=64")
+    cfg = C.load(RunConfig, None, [f"model.init=mcore:{tmp_path / 'ckpt'}", "model.max_seq_length=64",
+                                   "data.domain=arithmetic", "curriculum.enabled=false", "launch.nproc_per_node=1"])
+    assert {**C.to_dict(cfg.model), "init": ""} == {**C.to_dict(via_hf.model), "init": ""}
+    assert cfg.tokenizer.build(cfg.model).has_chat_template
+    ctx = start()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    toks = torch.randint(cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for c in (via_hf, cfg):
+        model = build_gpt(c.model, ctx.parallel, ctx.pgs)
+        initializer(c.model)(model)
+        with torch.no_grad():
+            logits.append(megatron_logits(model, toks, ctx))
+    assert (logits[0] - logits[1]).abs().max().item() == 0.0 and logits[0].std().item() > 0.1
+
+
+def test_padding_ids_are_outside_the_trainer_softmax():
+    """Trainer log-probs with valid_vocab: equal to a log-softmax over the tokenizer's ids only, both paths."""
+    from kernels.logprob import fused_logprob_entropy
+    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+    from megatron_rl.trainer.rl_step import mask_padding
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(10, 16, generator=g), torch.randn(40, 16, generator=g)
+    weight[30:] *= 20  # padding rows with large logits
+    targets = torch.randint(30, (10,), generator=g)
+    want = torch.log_softmax(hidden @ weight[:30].t(), -1).gather(1, targets[:, None])[:, 0]  # [T]
+    lp, _ = token_logprobs_and_entropy(mask_padding(hidden @ weight.t(), 30, None), targets)
+    assert torch.allclose(lp, want, atol=1e-5)
+    lp2, _ = fused_logprob_entropy(hidden, weight, targets, vocab_size=30, impl="torch")
+    assert torch.allclose(lp2, want, atol=1e-5)
+    unmasked, _ = token_logprobs_and_entropy(hidden @ weight.t(), targets)
+    assert (unmasked - want).abs().max() > 1.0  # the padding rows matter when not masked

@@ -48,6 +48,8 @@ def test_hf_in_rl_hf_out(tmp_path, tiny_hf):
         assert summary[when]["tasks"] == 6 and "arithmetic" in summary[when]["domains"]
         assert 0.0 <= summary[when]["domains"]["arithmetic"]["pass@1"] <= 1.0
 
+    rl = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rl"' in x]
+    assert abs(rl[0]["mismatch_kl"]) < 1e-6  # one epoch on behaviour log-probs: trainer vs engine before the update
     # the step-0 rollouts: chat-template prompts, behaviour log-probs of the HF weights
     tok = AutoTokenizer.from_pretrained(folder)
     trajs = read_shard(run / "rl_shards" / "step-000000.h5")
@@ -78,6 +80,25 @@ def test_hf_in_rl_hf_out(tmp_path, tiny_hf):
                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ex.returncode == 0, ex.stderr[-3000:]
     assert json.loads(ex.stdout.strip().splitlines()[-1])["verify"]["max_abs_logit_diff"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_python_api_through_a_submitit_executor(tmp_path, tiny_hf):
+    """`executor.submit(train, cfg)` (the README's example, local executor): the job returns the summary."""
+    import submitit
+
+    from megatron_rl import load_config, train
+
+    folder, _ = tiny_hf
+    cfg = load_config(str(REPO / "configs/post_train_cpu.yaml"),
+                      [f"output_dir={tmp_path / 'runs'}", f"model.init=hf:{folder}", *SHORT, "rl.steps=1",
+                       "export.verify=false", "name=api"])
+    executor = submitit.LocalExecutor(folder=tmp_path / "logs")
+    executor.update_parameters(timeout_min=15)
+    summary = executor.submit(train, cfg).result()
+    assert summary["name"] == "api" and summary["rl_steps"] == 1
+    assert (Path(summary["export_dir"]) / "config.json").is_file()
 
 
 def test_export_without_a_checkpoint_is_named(tmp_path):
