@@ -26,15 +26,16 @@ from megatron_rl.loop import state as S
 from megatron_rl.run_config import RunConfig
 
 
-def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> int:
-    """Run (or resume) the RL phase on this rank; returns 0, or 3 when stopped by a signal or an alert."""
+def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag | None = None) -> int:
+    """Run (or resume) the RL phase on this rank; returns 0, or 3 when stopped by a signal or an alert (`stop`:
+    the flag installed at the rank's start, so a signal during the set-up is not lost)."""
     from megatron_rl.loop import setup
 
     parts = setup.build(cfg, run_dir, ctx, warm_policy)  # policy, trainer, engine, runner, sampler, monitor
     rollouts = setup.make_rollouts(parts, run_dir)  # in-process engine + scorer, or dispatched episodes
     start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
     setup.sync_weights(parts, rollouts, version=start)
-    stop = StopFlag()
+    stop = stop or StopFlag()
     if start == 0:
         setup.evaluate(parts, rollouts, step=0)
     last = cfg.rl.steps - 1

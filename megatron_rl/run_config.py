@@ -92,6 +92,13 @@ class TrainConfig:
     """Tokens per sample (padded/truncated)."""
     eval_every: int = 10
     """Evaluate held-out loss every this many steps (and at the end)."""
+    checkpoint_every: int = 100
+    """Checkpoint the warm-up every this many steps (0: only at its end and on SIGTERM/SIGUSR1); a rerun resumes."""
+
+    def validate(self) -> None:
+        if self.steps < 0 or self.checkpoint_every < 0 or self.eval_every < 1:
+            raise ConfigError(f"train.steps and train.checkpoint_every must be >= 0 and train.eval_every >= 1, got "
+                              f"{self.steps}, {self.checkpoint_every}, {self.eval_every}")
 
 
 @dataclass

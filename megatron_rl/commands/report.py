@@ -7,11 +7,19 @@ import sys
 from pathlib import Path
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of <run>/metrics.jsonl as the run now stands. The file is append-only: a resumed run logs again
+    the steps after its checkpoint, so the last row of each (kind, step) wins (in the order first seen)."""
+    path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: pass a run directory written by `megatron-rl train`")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rows[(r.get("kind"), r.get("step"))] = r
+    return list(rows.values())
+
 
 
 def _plot(ax, rows: list[dict], keys: list[str], title: str) -> None:
@@ -32,7 +40,7 @@ def make_report(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = _rows(run_dir)
+    rows = read_metrics(run_dir)
     rl, ev = [r for r in rows if r["kind"] == "rl"], [r for r in rows if r["kind"] == "eval"]
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)

@@ -10,7 +10,10 @@
      async (rl.max_staleness), dynamic sampling, held-out evaluation (pass@k), checkpoints, alerts;
   4. metrics go to <run>/metrics.jsonl (and TensorBoard), plots to <run>/plots; the summary says what ran.
 
-SIGTERM/SIGUSR1 stop the run after the current step with a checkpoint; the same command resumes it.
+SIGTERM/SIGUSR1 stop the run after the current step (warm-up or RL) with a checkpoint; the same command resumes it.
+Both phases also checkpoint periodically (train.checkpoint_every, rl.checkpoint_every). Logs are append-only: a
+resumed run appends (a "resume" row marks where; readers take the last row of each (kind, step)), and a fresh run
+in a folder that holds an earlier run's metrics.jsonl / alerts.jsonl first moves them to <name>.N.
 """
 from __future__ import annotations
 
@@ -65,23 +68,16 @@ def run(cfg: RunConfig) -> dict:
 
 
 def drive(cfg: RunConfig, run_dir: Path) -> int:
-    from megatron_rl.loop.state import latest
-
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
     t0 = time.time()
     _say(f"run '{cfg.name}' -> {run_dir}  (layout tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}, "
          f"{cfg.launch.nproc_per_node} ranks; RL: {cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x "
          f"{cfg.rl.group_size} samples, max_staleness={cfg.rl.max_staleness})")
-    if latest(run_dir):
-        _say(f"resuming from {latest(run_dir)} (delete {run_dir / 'checkpoints'} to start over)")
-    else:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        if cfg.train.steps > 0:
-            _prepare(cfg, run_dir)
+    before = _resume_or_start(cfg, run_dir)
     rc = launch_workers(cfg, run_dir)
     if rc == 3:
-        _say("the run stopped early (signal or alert) after saving a checkpoint; the same command resumes it")
+        _say(_stopped_message(run_dir, before))
         return rc
     if rc != 0:
         _say(f"training ranks failed (exit {rc}); see the output above")
@@ -89,6 +85,65 @@ def drive(cfg: RunConfig, run_dir: Path) -> int:
     export_dir = _export(cfg, run_dir) if cfg.export.enabled and cfg.rl.steps > 0 else None
     summary(cfg, run_dir, time.time() - t0, export_dir)
     return 0
+
+
+def _latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a rerun resumes from: the latest RL one, else the latest warm-up one."""
+    from megatron_rl.commands.warmup import warmup_latest
+    from megatron_rl.loop.state import latest
+
+    return latest(run_dir) or warmup_latest(run_dir)
+
+
+def _resume_or_start(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """Say what this launch resumes; a fresh start keeps an earlier run's logs (rotated, never truncated) and
+    prepares the warm-up data. Returns the checkpoint resumed from (None: a fresh start)."""
+    from megatron_rl.commands.warmup import HELDOUT_SHARD, TRAIN_SHARD, warmup_latest
+    from megatron_rl.loop.state import latest
+
+    ckpt = _latest_checkpoint(run_dir)
+    if latest(run_dir):
+        _say(f"resuming from {ckpt} (delete {run_dir / 'checkpoints'} to start over)")
+        return ckpt
+    if warmup_latest(run_dir):
+        _say(f"resuming the warm-up from {ckpt} (delete {run_dir / 'checkpoints'} to start over)")
+        if all((run_dir / "shards" / n).exists() for n in (TRAIN_SHARD, HELDOUT_SHARD)):
+            return ckpt
+    else:
+        for old, kept in rotate_logs(run_dir):
+            _say(f"a fresh run in an existing run folder: the earlier {old.name} is kept as {kept.name}")
+    if cfg.train.steps > 0:
+        _prepare(cfg, run_dir)
+    return ckpt
+
+
+LOGS = ("metrics.jsonl", "alerts.jsonl")
+
+
+def rotate_logs(run_dir: Path) -> list[tuple[Path, Path]]:
+    """Move each non-empty log of LOGS to the first free <name>.N (1, 2, ...): a fresh start in a run folder
+    that holds an earlier run's logs keeps them. Returns the (old, kept) paths moved."""
+    moved = []
+    for name in LOGS:
+        old = run_dir / name
+        if not old.exists() or old.stat().st_size == 0:
+            continue
+        n = 1
+        while (run_dir / f"{name}.{n}").exists():
+            n += 1
+        kept = run_dir / f"{name}.{n}"
+        os.replace(old, kept)
+        moved.append((old, kept))
+    return moved
+
+
+def _stopped_message(run_dir: Path, before: Path | None) -> str:
+    """What a stopped launch leaves (exit 3): the checkpoint the same command resumes from, true to the disk."""
+    now = _latest_checkpoint(run_dir)
+    if now is None:
+        return "the run stopped (signal or alert) before any checkpoint was saved; the same command starts it again"
+    when = "saved by this launch" if now != before else "from an earlier launch: nothing newer was saved"
+    return f"the run stopped early (signal or alert); checkpoint {now} ({when}); the same command resumes from it"
 
 
 def _export(cfg: RunConfig, run_dir: Path) -> Path:
@@ -149,7 +204,9 @@ def _call(cmd: list[str], env) -> int:
 
 
 def summary(cfg: RunConfig, run_dir: Path, seconds: float, export_dir: Path | None = None) -> None:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    from megatron_rl.commands.report import read_metrics
+
+    rows = read_metrics(run_dir)
     sft = [r for r in rows if r["kind"] == "sft"]
     sft_eval = [r for r in rows if r["kind"] == "sft_eval"]
     rl = [r for r in rows if r["kind"] == "rl"]

@@ -137,24 +137,74 @@ def _run_step(policy, data, index, cfg, ctx, forward_only: bool) -> dict:
 
 
 def worker_main(cfg: RunConfig, run_dir: Path) -> int:
-    """One rank: the supervised warm-up (unless resuming an RL run), then the RL loop."""
+    """One rank: the supervised warm-up (unless resuming an RL run), then the RL loop. Returns 0, or 3 when a
+    signal (or an alert) stopped the run after a checkpoint of the phase it was in."""
     from megatron.core import tensor_parallel
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
-    from megatron_rl.driver import run_rl
+    from megatron_rl.driver import StopFlag, run_rl
     from megatron_rl.loop.state import latest
 
+    stop = StopFlag()  # first: from here on SIGTERM/SIGUSR1 stop at a step boundary, after a checkpoint
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    warm = None if latest(run_dir) or cfg.train.steps == 0 else warmup_phase(cfg, run_dir, ctx)
-    rc = run_rl(cfg, run_dir, ctx, warm) if cfg.rl.steps > 0 else 0
+    warm, rc = None, 0
+    if not latest(run_dir) and cfg.train.steps > 0:
+        warm, reason = warmup_phase(cfg, run_dir, ctx, stop)
+        rc = 3 if reason and (warm is None or cfg.rl.steps > 0) else 0
+    if rc == 0 and cfg.rl.steps > 0:
+        rc = run_rl(cfg, run_dir, ctx, warm, stop=stop)
     destroy_distributed()
     return rc
 
 
-def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
-    """Supervised training on the verified solutions; returns the trained Policy."""
+# ------------------------------------------------------------------------------ warm-up checkpoints
+def warmup_latest(run_dir: Path) -> Path | None:
+    """The newest complete warm-up checkpoint (<run>/checkpoints/warmup/latest names it), or None."""
+    f = Path(run_dir) / "checkpoints" / "warmup" / "latest"
+    return f.parent / f.read_text().strip() if f.exists() else None
+
+
+def _save_warmup(policy, run_dir: Path, step: int, is_rank0: bool) -> Path:
+    """Checkpoint the warm-up after `step` steps (model, optimizer, scheduler, RNG; trainer/checkpoint.py);
+    only the newest is kept (it exists to resume the warm-up; the RL phase checkpoints itself)."""
+    import os
+    import shutil
+
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+
+    root = Path(run_dir) / "checkpoints" / "warmup"
+    name = f"step-{step:06d}"
+    save_checkpoint(policy, root / name, extra={"phase": "warmup", "step": step})
+    torch.distributed.barrier()
+    if is_rank0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, root / "latest")
+        for old in root.glob("step-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+    return root / name
+
+
+def _resume_warmup(policy, run_dir: Path) -> tuple[int, Path | None]:
+    """Load the latest warm-up checkpoint into `policy`; (steps already done, its path), or (0, None)."""
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+
+    path = warmup_latest(run_dir)
+    if path is None:
+        return 0, None
+    return int(load_checkpoint(policy, path)["step"]), path
+
+
+# --------------------------------------------------------------------------------------- the phase
+def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
+    """Supervised training on the verified solutions, resumed from its latest checkpoint if there is one
+    (same data order: the sampler is replayed up to that step). Checkpoints every train.checkpoint_every steps,
+    at the end, and when `stop` (driver.StopFlag) reports a signal. Returns (the Policy, the stop reason or
+    None); (None, reason) when stopped before its end."""
     from megatron_rl.models.source import initializer
     from megatron_rl.trainer.policy import Policy
 
@@ -162,19 +212,38 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx):
     train = _batches(run_dir / "shards" / TRAIN_SHARD, cfg.train.seq_length, tok.pad_id)
     held = _batches(run_dir / "shards" / HELDOUT_SHARD, cfg.train.seq_length, tok.pad_id)
     policy = Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps, init=initializer(cfg.model))
-    per_step = cfg.train.micro_batch_size * cfg.train.num_microbatches
+    start, resumed = _resume_warmup(policy, run_dir)
+    per_step, steps, every = cfg.train.micro_batch_size * cfg.train.num_microbatches, cfg.train.steps, \
+        cfg.train.checkpoint_every
     gen = torch.Generator().manual_seed(cfg.seed)
     dp_rank, dp = torch.distributed.get_rank(ctx.pgs.dp), ctx.parallel.dp
-    log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0, print_every=max(1, cfg.train.steps // 30))
+    draw = lambda: torch.randint(len(train["tokens"]), (per_step * dp,), generator=gen)  # noqa: E731 same on all ranks
+    for _ in range(start):
+        draw()  # the data order of the steps already done
+    log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0, print_every=max(1, steps // 30))
+    if resumed is not None:
+        log.note(f"resumed the warm-up from {resumed} at step {start}", kind="resume", step=start,
+                 phase="warmup", checkpoint=str(resumed))
     held_mine = torch.arange(len(held["tokens"]))[dp_rank::dp]
-    for step in range(cfg.train.steps):
+    for step in range(start, steps):
         if step % cfg.train.eval_every == 0:
             log.write("sft_eval", step, _run_step(policy, held, held_mine, cfg, ctx, True))
-        index = torch.randint(len(train["tokens"]), (per_step * dp,), generator=gen)  # same on every rank
-        mine = index[dp_rank * per_step:(dp_rank + 1) * per_step]
+        mine = draw()[dp_rank * per_step:(dp_rank + 1) * per_step]
         log.write("sft", step, _run_step(policy, train, mine, cfg, ctx, False))
-    log.write("sft_eval", cfg.train.steps, _run_step(policy, held, held_mine, cfg, ctx, True))
-    return policy
+        reason = stop.agreed(None) if stop is not None else None
+        if step + 1 < steps and (reason or (every and (step + 1) % every == 0)):
+            path = _save_warmup(policy, run_dir, step + 1, ctx.rank == 0)
+            if reason:
+                log.note(f"stopped after warm-up step {step} ({reason}); checkpoint saved in {path}, rerun the "
+                         "same command to resume")
+                return None, reason
+    if start < steps:
+        log.write("sft_eval", steps, _run_step(policy, held, held_mine, cfg, ctx, True))
+        _save_warmup(policy, run_dir, steps, ctx.rank == 0)
+    reason = stop.agreed(None) if stop is not None else None
+    if reason:
+        log.note(f"stopped after the warm-up ({reason}); checkpoint saved, rerun the same command to resume")
+    return policy, reason
 
 
 class _Logger:
@@ -191,3 +260,13 @@ class _Logger:
             return
         extra = f" grad_norm {metrics['grad_norm']:.3f}" if metrics.get("grad_norm") is not None else ""
         print(f"[megatron-rl] {kind:5s} step {step:4d} loss {metrics['loss']:.4f}{extra}", flush=True)
+
+    def note(self, msg: str, kind: str | None = None, step: int = 0, **fields) -> None:
+        """Print `msg` (rank 0); with `kind`, also append a row {kind, step, **fields} (e.g. a resume marker)."""
+        if not self.active:
+            return
+        if kind is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3),
+                                    **fields}) + "\n")
+        print(f"[megatron-rl] {msg}", flush=True)

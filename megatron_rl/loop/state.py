@@ -45,6 +45,7 @@ def resume(parts, rollouts, run_dir: Path) -> int:
     parts.sampler.load_state_dict(state["sampler"])
     rollouts.load_state_dict(state["rollouts"], parts.tasks_by_id)
     parts.monitor.rewards = list(state["alert_rewards"])
+    parts.monitor.log("resume", int(state["step"]), {"phase": "rl", "checkpoint": str(path)})  # rows are appended
     if parts.is_rank0:
         print(f"[megatron-rl] resumed from {path} at RL step {state['step']} "
               f"({len(rollouts.ready)} buffered groups)", flush=True)
