@@ -53,9 +53,11 @@ def test_resume_with_a_warmup_checkpoint_rotates_nothing(tmp_path, capsys):
 
 
 def test_read_metrics_takes_the_last_row_of_each_step(tmp_path):
-    _write(tmp_path / "metrics.jsonl", [{"kind": "sft", "step": 0, "loss": 3.0}, {"kind": "sft", "step": 1, "loss": 2.0},
+    _write(tmp_path / "metrics.jsonl", [{"kind": "sft", "step": 0, "loss": 3.0},
+                                        {"kind": "sft", "step": 1, "loss": 2.0},
                                         {"kind": "resume", "step": 1, "phase": "warmup"},
-                                        {"kind": "sft", "step": 1, "loss": 2.5}, {"kind": "sft", "step": 2, "loss": 1.0}])
+                                        {"kind": "sft", "step": 1, "loss": 2.5},
+                                        {"kind": "sft", "step": 2, "loss": 1.0}])
     rows = read_metrics(tmp_path)
     assert [(r["kind"], r["step"], r.get("loss")) for r in rows] == \
         [("sft", 0, 3.0), ("sft", 1, 2.5), ("resume", 1, None), ("sft", 2, 1.0)]

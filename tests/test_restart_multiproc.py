@@ -63,7 +63,7 @@ def test_warmup_resumes_after_sigterm_and_kill_and_equals_the_unbroken_run(tmp_p
     assert rc == 3, out[-4000:]
     done = max(_sft_steps(run)) + 1
     assert done < 30 and _ckpt_step(run) == done, out[-3000:]
-    assert "checkpoint saved in" in out and f"(saved by this launch); the same command resumes" in out
+    assert "checkpoint saved in" in out and "(saved by this launch); the same command resumes" in out
     rows_1 = _raw(run)
     # 2. kill -9 of the driver and every rank after the periodic checkpoint of step 20 (no chance to save)
     rc, out = _signal_after(_start(tmp_path / "b"), run, 22, signal.SIGKILL, group=True)
