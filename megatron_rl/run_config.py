@@ -96,9 +96,9 @@ class TrainConfig:
     """Checkpoint the warm-up every this many steps (0: only at its end and on SIGTERM/SIGUSR1); a rerun resumes."""
 
     def validate(self) -> None:
-        if self.steps < 0 or self.checkpoint_every < 0 or self.eval_every < 1:
-            raise ConfigError(f"train.steps and train.checkpoint_every must be >= 0 and train.eval_every >= 1, got "
-                              f"{self.steps}, {self.checkpoint_every}, {self.eval_every}")
+        for name, least in (("steps", 0), ("checkpoint_every", 0), ("eval_every", 1)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"train.{name} must be >= {least}, got {getattr(self, name)}")
 
 
 @dataclass

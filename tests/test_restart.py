@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatron_rl import config as C
 from megatron_rl.commands.report import read_metrics
 from megatron_rl.commands.train import _resume_or_start, _stopped_message, rotate_logs
@@ -62,3 +64,12 @@ def test_read_metrics_takes_the_last_row_of_each_step(tmp_path):
     assert [(r["kind"], r["step"], r.get("loss")) for r in rows] == \
         [("sft", 0, 3.0), ("sft", 1, 2.5), ("resume", 1, None), ("sft", 2, 1.0)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5  # the file itself keeps every row
+
+
+def test_periodic_checkpoints_by_default():
+    cfg = C.load(RunConfig, "configs/demo_cpu.yaml", ["rl.checkpoint_every=10"])
+    default = RunConfig()
+    assert default.rl.checkpoint_every == 10 and default.train.checkpoint_every == 100
+    assert cfg.rl.checkpoint_every == 10 and C.load(RunConfig, "configs/demo_cpu.yaml").rl.checkpoint_every == 15
+    with pytest.raises(C.ConfigError, match=r"train.checkpoint_every must be >= 0, got -1"):
+        C.load(RunConfig, "configs/demo_cpu.yaml", ["train.checkpoint_every=-1"])

@@ -37,8 +37,8 @@ class RLLoopConfig:
     """DAPO: drop groups whose rewards are all equal and replace them with fresh prompts."""
     max_oversample: float = 2.0
     """Extra prompts per step for replacements at most, as a multiple of prompts_per_step."""
-    checkpoint_every: int = 0
-    """Save a resumable checkpoint every this many steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    checkpoint_every: int = 10
+    """Save a resumable checkpoint every this many steps, and at the end and on SIGTERM/SIGUSR1 (0: only then)."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weights of the domain's reward components in the RL phase (e.g. {format: 0.0}); {} keeps the env's."""
     mismatch_alert_kl: float = 0.05
