@@ -1,15 +1,20 @@
 """Named registries for extension points (environments, rewards, losses, advantage estimators, sandboxes).
 
 A registry maps a name to an object (usually a function or class) with a declared signature contract.
-Third-party packages may add entries through the Python entry-point group given at construction.
+Third-party packages may add entries through the Python entry-point group given at construction. A plugin
+that fails to load is logged and recorded in `failed` (name -> reason; `plugin_failures()` counts them over
+every registry); the others load, and asking for the broken one by name raises with its reason.
 """
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RegistryError(KeyError):
@@ -27,6 +32,9 @@ class Registry(Generic[T]):
         self.entry_point_group = entry_point_group
         self._items: dict[str, T] = {}
         self._entry_points_loaded = False
+        self.failed: dict[str, str] = {}
+        """Entry-point name -> why it failed to load."""
+        _ALL.add(self)
 
     def register(self, name: str, obj: T | None = None, *, overwrite: bool = False):
         if obj is None:
@@ -41,12 +49,21 @@ class Registry(Generic[T]):
             return
         self._entry_points_loaded = True
         for ep in importlib.metadata.entry_points(group=self.entry_point_group):
-            if ep.name not in self._items:
+            if ep.name in self._items:
+                continue
+            try:
                 self._items[ep.name] = ep.load()
+            except Exception as e:  # one broken plugin must not hide the others
+                self.failed[ep.name] = f"{type(e).__name__}: {e}"[:500]
+                log.warning("%s plugin %r (entry point %s = %s) failed to load, skipped: %s", self.kind, ep.name,
+                            self.entry_point_group, ep.value, self.failed[ep.name])
 
     def get(self, name: str) -> T:
         if name not in self._items:
             self._load_entry_points()
+        if name in self.failed:
+            raise RegistryError(f"{self.kind} {name!r} (entry point group {self.entry_point_group}) failed to "
+                                f"load: {self.failed[name]}")
         if name not in self._items:
             known = ", ".join(sorted(self._items)) or "none"
             raise RegistryError(f"unknown {self.kind} {name!r}; known: {known}")
@@ -68,3 +85,14 @@ class Registry(Generic[T]):
 
 
 Factory = Callable[..., T]
+
+_ALL: weakref.WeakSet[Registry] = weakref.WeakSet()  # every registry alive
+
+
+def plugin_failures() -> dict[str, int]:
+    """Plugins that failed to load so far, per entry-point group (only groups with failures)."""
+    out: dict[str, int] = {}
+    for reg in _ALL:
+        if reg.failed:
+            out[reg.entry_point_group] = out.get(reg.entry_point_group, 0) + len(reg.failed)
+    return out

@@ -65,7 +65,7 @@ class DispatchRollouts(Rollouts):
         # up to max_staleness + 1 steps' batches in flight at once, each its own dispatch
         self.pool = ThreadPoolExecutor(cfg.max_staleness + 1, thread_name_prefix="dispatch") if self.separate else None
         self.counters = {"episodes_dispatched": 0, "episodes_recovered": 0, "episodes_missing": 0,
-                         "dispatch_failed_tasks": 0, "dispatch_rounds": 0}
+                         "dispatch_failed_tasks": 0, "dispatch_rounds": 0, "unreadable_shards": 0}
         self.tool_stats: dict[tuple[str, str], list[float]] = {}
         """(domain, tool) -> [calls, errors, seconds] of the episodes taken since the last batch()."""
 
@@ -200,8 +200,9 @@ class DispatchRollouts(Rollouts):
                     self.worker_cfg.generator, url=url))
                 report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name).run(todo)
                 counters.update(dispatch_failed_tasks=len(report.failures), dispatch_rounds=len(report.rounds))
-            episodes = read_episodes(shard_dir, {s.episode_id for s in specs})
-            counters["episodes_missing"] = len(specs) - len(episodes)
+            unreadable: list[str] = []
+            episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable)
+            counters.update(episodes_missing=len(specs) - len(episodes), unreadable_shards=len(unreadable))
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
             return {"error": f"{type(e).__name__}: {e}"}
@@ -262,16 +263,20 @@ def batch_name(groups: list[Group]) -> str:
     return f"g{groups[0].gid:07d}-g{groups[-1].gid:07d}"
 
 
-def read_episodes(shard_dir: Path, wanted: set[str]) -> dict[str, dict]:
+def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, per-token versions, reward, components, status
-    for the wanted episodes published in `shard_dir` (first copy wins; unreadable shards are skipped)."""
+    for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard is skipped with a
+    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
     from megatron_rl.data.shards import ShardError, read_shard
 
     out: dict[str, dict] = {}
     for p in sorted(shard_dir.glob("*.h5")) if shard_dir.is_dir() else []:
         try:
             trajs = read_shard(p)
-        except (ShardError, OSError):
+        except (ShardError, OSError) as e:
+            log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
+            if unreadable is not None:
+                unreadable.append(f"{p}: {e}")
             continue
         for t in trajs:
             if t.episode_id not in wanted or t.episode_id in out:

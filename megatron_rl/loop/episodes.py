@@ -10,12 +10,15 @@ only scores the in-loop evaluation.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from envs.base import RewardResult, Task
+
+log = logging.getLogger(__name__)
 
 
 class EpisodeRunner(Protocol):
@@ -57,6 +60,10 @@ class ThreadEpisodeRunner:
             result = env.step(response).reward_result or RewardResult(0.0, status="error")
         except Exception as e:  # an infrastructure bug must not kill the loop: the sample is dropped
             result = RewardResult(0.0, reasons={"error": f"{type(e).__name__}: {e}"[:300]}, status="error")
+        if not result.valid:  # the sample is dropped (never trained on; counted in Rollouts.batch): say why
+            why = "; ".join(f"{k}: {v}" for k, v in result.reasons.items()) or "no reason given"
+            log.warning("episode of task %s (%s) dropped, status %s: %s", task.id, task.domain, result.status,
+                        why[:500])
         with self.lock:
             c = self.counters
             c["finished"] += 1

@@ -146,11 +146,15 @@ class Rollouts:
             new = self.take(step)
             seen += new
             keep += [g for g in new if self._keep(g)]
+        dropped: dict[str, int] = {}  # samples never trained on (invalid reward), per status
         for g in seen:
             for i in range(len(g.samples)):
                 sampler.record(g.task, g.rewards[i][0], g.rewards[i][2])
+                if g.rewards[i][2] != "ok":
+                    dropped[g.rewards[i][2]] = dropped.get(g.rewards[i][2], 0) + 1
         stats = {"groups_seen": len(seen), "groups_filtered": len(seen) - len(keep), "oversampled_prompts": extra,
-                 "groups_short": max(0, want - len(keep))}
+                 "groups_short": max(0, want - len(keep)), "dropped_samples": sum(dropped.values()),
+                 **{f"dropped_samples/{k}": v for k, v in sorted(dropped.items())}}
         return keep[:want], stats
 
     def _keep(self, g: Group) -> bool:

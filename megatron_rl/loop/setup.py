@@ -176,6 +176,8 @@ TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "entropy_mean",
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:
+    from megatron_rl.registry import plugin_failures
+
     domains = parts.sampler.metrics.summary(reset=True)
     m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
          **clock.summary()}
@@ -186,6 +188,7 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
     m["mismatch_kl"] = train.get("behaviour_kl", train.get("approx_kl", 0.0))
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
     m.update(_runner_metrics(parts.runner))
+    m["plugins_failed"] = sum(plugin_failures().values())  # each logged with its reason when it failed
     return m
 
 
