@@ -131,6 +131,26 @@ def test_200_episodes_come_back_exactly_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_run_over_the_same_shard_folder_reruns_nothing_published(tmp_path):
+    """A restarted driver (a new Dispatcher over the same shard folder): published episodes are not dispatched
+    again; only the new ones run; every episode is in the folder exactly once."""
+    eps = episodes(6)
+    cfg = DispatchConfig(executor="local", folder=str(tmp_path / "sub"), episodes_per_task=3)
+    first = Dispatcher(cfg, trivial_worker(), tmp_path / "shards").run(eps)
+    assert first.ok and first.recovered == 0 and len(first.shards) == 2
+    again = Dispatcher(cfg, trivial_worker(), tmp_path / "shards").run(eps)
+    assert again.ok and again.recovered == 6 and again.rounds == [] and again.duplicates == 0
+    assert again.finished == first.finished and sorted(again.shards) == sorted(first.shards)
+    more = episodes(8)  # the same 6 and 2 new ones
+    third = Dispatcher(cfg, trivial_worker(), tmp_path / "shards").run(more)
+    assert third.ok and third.recovered == 6 and [r["episodes"] for r in third.rounds] == [2]
+    assert third.duplicates == 0 and third.finished == sorted(e.episode_id for e in more)
+    ids, reader = consume_all(tmp_path / "shards")
+    assert sorted(ids) == third.finished and reader.stats.dropped_duplicate == 0
+    assert len(list((tmp_path / "shards").glob("*.h5"))) == 3
+
+
+@pytest.mark.slow
 def test_raising_worker_is_retried_and_traceback_reported(tmp_path):
     eps = episodes(40)
     d = Dispatcher(DispatchConfig(executor="local", folder=str(tmp_path / "sub"), episodes_per_task=20),

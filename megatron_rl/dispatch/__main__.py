@@ -41,7 +41,8 @@ def cmd_run(args) -> int:
     report = Dispatcher(cfg, _worker(args), Path(args.out) / "shards").run(eps)
     (Path(args.out) / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
     print(json.dumps({"finished": len(report.finished), "missing": len(report.missing),
-                      "duplicates": report.duplicates, "shards": len(report.shards), "rounds": report.rounds}))
+                      "duplicates": report.duplicates, "recovered": report.recovered, "shards": len(report.shards),
+                      "rounds": report.rounds}))
     return 0 if report.ok else 1
 
 

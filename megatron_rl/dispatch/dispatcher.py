@@ -2,7 +2,9 @@
 
     report = Dispatcher(DispatchConfig(executor="slurm", partition="cpu"), worker_cfg, shard_dir).run(episodes)
 
-Rounds: the unfinished episodes are cut into batches of `episodes_per_task`, submitted as one job array
+Before the first round the shard folder is scanned: an episode already published there (by an earlier run over
+the same folder, e.g. a driver that was restarted) is not dispatched again; the report counts it as
+`recovered`. Rounds: the unfinished episodes are cut into batches of `episodes_per_task`, submitted as one job array
 (`executor.map_array`), and watched. After every task of the round has ended (finished, failed, cancelled as
 a straggler, killed), the shard folder is scanned: an episode is finished iff it is in a published shard.
 The rest go into the next round, at most `max_retries` more rounds. A round never starts before the
@@ -110,7 +112,7 @@ class DispatchReport:
     duplicates: int
     """Episode ids published in more than one shard (the consumer drops the extra copies)."""
     shards: list[str]
-    """Shard file names of this run."""
+    """Shard file names holding these episodes (this run's, and earlier runs' for recovered episodes)."""
     rounds: list[dict]
     """Per round: episodes, tasks, failed, stragglers cancelled, seconds."""
     failures: list[dict]
@@ -122,6 +124,8 @@ class DispatchReport:
     episode_failures: dict[str, str] = field(default_factory=dict)
     """Episode id -> 'round N: status: reason' (latest) for episodes a worker left unpublished after a
     retryable generation error (rollout server down, timeouts); those still unfinished are in `missing`."""
+    recovered: int = 0
+    """Episodes already published in the shard folder before this run (not dispatched again)."""
 
     @property
     def ok(self) -> bool:
@@ -180,7 +184,12 @@ class Dispatcher:
         self.folder.mkdir(parents=True, exist_ok=True)
         executor = self.config.build_executor(self.folder)
         cache: dict[str, list[str]] = {}
-        pending, rounds, failures, episode_failures = list(episodes), [], [], {}
+        before = {e for names in published_episode_ids(self.shard_dir, cache).values() for e in names}
+        pending = [e for e in episodes if e.episode_id not in before]  # published earlier: never run twice
+        if len(pending) < len(episodes):
+            log.info("dispatch %s: %d of %d episodes already published in %s; dispatching the other %d",
+                     self.run_id, len(episodes) - len(pending), len(episodes), self.shard_dir, len(pending))
+        recovered, rounds, failures, episode_failures = len(episodes) - len(pending), [], [], {}
         for rnd in range(self.config.max_retries + 1):
             if not pending:
                 break
@@ -197,7 +206,8 @@ class Dispatcher:
         return DispatchReport(
             finished=sorted(counts), missing=sorted(wanted - set(counts)),
             duplicates=sum(c - 1 for c in counts.values()), shards=mine, rounds=rounds, failures=failures,
-            seconds=time.perf_counter() - t0, folder=str(self.folder), episode_failures=episode_failures)
+            seconds=time.perf_counter() - t0, folder=str(self.folder), episode_failures=episode_failures,
+            recovered=recovered)
 
     def _round(self, executor, rnd: int, pending: list[EpisodeSpec], failures: list[dict],
                episode_failures: dict[str, str]) -> dict:
