@@ -217,7 +217,10 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
         cfg.train.checkpoint_every
     gen = torch.Generator().manual_seed(cfg.seed)
     dp_rank, dp = torch.distributed.get_rank(ctx.pgs.dp), ctx.parallel.dp
-    draw = lambda: torch.randint(len(train["tokens"]), (per_step * dp,), generator=gen)  # noqa: E731 same on all ranks
+
+    def draw() -> torch.Tensor:  # one step's sample indices [per_step * dp], the same on every rank
+        return torch.randint(len(train["tokens"]), (per_step * dp,), generator=gen)
+
     for _ in range(start):
         draw()  # the data order of the steps already done
     log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0, print_every=max(1, steps // 30))
