@@ -33,6 +33,14 @@ as the rollout engine samples it, and the same values and gradients (tests/test_
 Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
 forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).
 Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`).
+
+Mismatch (`mismatch_kl` in the metrics): KL(behaviour || trainer), the k3 estimate per loss token of the rollout
+engine's behaviour log-probs against the trainer's log-probs of the same tokens from the first epoch's forward
+pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
+train/rollout disagreement (plus the policy lag of stale samples); 0 only when both compute the same values.
+
+Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
+with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
 """
 from __future__ import annotations
 
@@ -46,12 +54,13 @@ from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.rl.advantages import AdvantageInputs
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
-from megatron_rl.rl.losses import LossInputs, normaliser
+from megatron_rl.rl.losses import LossInputs, mismatch_kl, normaliser
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
 
-MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl")
+MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl",
+                "mismatch_kl")
 """Per-micro-batch token means of the loss that are combined into global means (weighted by tokens)."""
 
 
@@ -147,7 +156,10 @@ class RLTrainer:
         z = self._global_normaliser(mbs)
         self._set_old_and_ref(mbs)
         epochs = [self._update(mbs, z) for _ in range(self.cfg.epochs)]
-        return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs]}
+        if any(e["update_ok"] for e in epochs):
+            self.policy.advance_schedule()  # the LR schedule counts RL steps, not PPO epochs
+        return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs],
+                "mismatch_kl": epochs[0]["mismatch_kl"]}  # the first epoch's forward: the weights before the update
 
     def prepare(self, cols):
         """Validate, compute advantages and pack: this rank's micro-batches and the packing stats."""
@@ -192,7 +204,8 @@ class RLTrainer:
 
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
-        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output)
+        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output,
+                                     advance_schedule=False)
         m = self._reduce(raw)
         tokens = max(m.pop("tokens"), 1.0)
         means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
@@ -219,6 +232,8 @@ class RLTrainer:
             out = self.loss(_loss_inputs(batch, lp, ent if self.cfg.loss.entropy_coef > 0 else ent.detach(), z))
             n = out.metrics["num_tokens"]
             sums = {f"{k}_sum": out.metrics[k] * n for k in MEAN_METRICS if k in out.metrics}
+            sums["mismatch_kl_sum"] = mismatch_kl(batch["behaviour_logprobs"].reshape(-1), lp.detach(),
+                                                  batch["loss_mask"].reshape(-1)).sum()
             return out.loss * scale, {"loss": out.loss.detach(), "tokens": n, **sums}
         return loss_fn
 
