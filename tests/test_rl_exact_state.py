@@ -14,7 +14,7 @@ from megatron_rl.config import ConfigError
 SEED, VOCAB = 1234, 64
 
 
-def _policy(total_steps: int = 6, layers: int = 1):
+def _policy(total_steps: int = 6, layers: int = 1, warmup_steps: int = 2):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.compat.testing import init_weights_by_name
@@ -25,7 +25,8 @@ def _policy(total_steps: int = 6, layers: int = 1):
     ctx = start()  # one process (reused when another test started it)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_style="cosine", distributed_optimizer=False)
+    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=warmup_steps, decay_style="cosine",
+                         distributed_optimizer=False)
     return Policy(model_config(layers, False), optim, ctx, total_steps=total_steps,
                   init=lambda m: init_weights_by_name(m, SEED))
 
@@ -131,3 +132,61 @@ def test_mismatch_alert_fires_above_rl_mismatch_alert_kl(tmp_path):
         C.load(RunConfig, None, ["monitor.alerts.mismatch_kl=0.1"])
     with pytest.raises(ConfigError, match="rl.mismatch_alert_kl must be >= 0"):
         C.load(RunConfig, None, ["rl.mismatch_alert_kl=-1"])
+
+
+# ------------------------------------------------------------------------------------------ REINFORCE++ with KL
+def _sample_logprobs(model, cols, ctx) -> np.ndarray:
+    """float64 [T] log-probs of every token given its prefix under `model`, by an unpacked forward per sample
+    (label side: token t's at t, 0 at each sample's first token); independent of the trainer's packing."""
+    from tools.convert.runtime import megatron_logits
+
+    out = np.zeros(len(cols.tokens))
+    for i in range(len(cols)):
+        s, e = int(cols.offsets[i]), int(cols.offsets[i + 1])
+        toks = torch.as_tensor(cols.tokens[s:e], dtype=torch.long)[None]  # [1, L]
+        with torch.no_grad():
+            logits = megatron_logits(model, toks[:, :-1], ctx)  # [1, L-1, V]
+        lp = torch.log_softmax(logits.double(), -1).gather(-1, toks[:, 1:, None])[0, :, 0]  # [L-1]
+        out[s + 1:e] = lp.numpy()
+    model.train()
+    return out
+
+
+def test_reinforce_pp_with_kl_in_reward_trains_and_uses_the_reference_kl():
+    """REINFORCE++ with advantage.kl_coef > 0 (it failed at the first step: no per-token KL reached the
+    estimator). After one update the policy differs from the reference; the advantages of the next step equal
+    the estimator's on the KL log pi_old - log pi_ref computed here by unpacked forwards of both models."""
+    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.rl.config import AdvantageConfig, LossConfig
+    from megatron_rl.trainer.packing import PackingConfig
+    from megatron_rl.trainer.rl_step import RLConfig, RLTrainer, token_advantages
+    from tests.mp.trainer_parity import batch
+
+    adv_cfg = AdvantageConfig(name="reinforce++", kl_coef=0.5)
+    cfg = RLConfig(loss=LossConfig(name="reinforce"), advantage=adv_cfg, packing=PackingConfig(max_tokens=40),
+                   old_logprobs="recompute", reference=True, logprob_kernel=LogprobKernelConfig(impl="torch"))
+    with pytest.raises(ConfigError, match="advantage.kl_coef > 0 .* needs rl.reference=true"):
+        RLTrainer(_policy(), RLConfig(advantage=adv_cfg))
+    trainer = RLTrainer(_policy(warmup_steps=0), cfg)
+    first = trainer.step(batch(0))
+    assert not first["update_skipped"] and math.isfinite(first["loss"]) and first["update_ok"]
+    cols = batch(1)
+    mbs, _ = trainer.prepare(cols)
+    trainer._set_old_and_ref(mbs)
+    trainer._kl_in_reward(cols, mbs)
+    ctx, mask = trainer.policy.ctx, cols.loss_mask.astype(bool)
+    kl = np.where(mask, _sample_logprobs(trainer.policy.chunks[0].module, cols, ctx)
+                  - _sample_logprobs(trainer.reference.chunks[0], cols, ctx), 0.0)  # [T] k1
+    assert np.abs(kl[mask]).mean() > 1e-3  # the update moved the policy away from the reference
+    want = token_advantages(cols, adv_cfg, kl)
+    without_kl = token_advantages(cols, AdvantageConfig(name="reinforce++"))
+    offsets = np.asarray(cols.offsets)
+    got = np.zeros(len(cols.tokens), dtype=np.float32)
+    for mb in mbs:
+        si, pos = mb["sample_index"].reshape(-1).numpy(), mb["position_ids"].reshape(-1).numpy()
+        real = si >= 0
+        got[offsets[si[real]] + 1 + pos[real]] = mb["advantages"].reshape(-1).numpy()[real]
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-4)
+    assert np.abs(want[mask] - without_kl[mask]).max() > 1e-2  # the KL term changes the advantages
+    second = trainer.step(cols)
+    assert not second["update_skipped"] and math.isfinite(second["loss"]) and second["ref_kl"] > 0
