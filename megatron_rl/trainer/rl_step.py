@@ -243,8 +243,9 @@ class RLTrainer:
             torch.distributed.all_reduce(kl, group=group)
         adv = torch.from_numpy(token_advantages(cols, self.cfg.advantage, kl.cpu().numpy()))  # [T]
         for mb, (real, idx) in zip(mbs, places):
-            flat = mb["advantages"].reshape(-1)  # [S], a view
+            flat = torch.zeros_like(mb["advantages"]).reshape(-1)  # [S]
             flat[real] = adv[idx.cpu()].to(flat)
+            mb["advantages"] = flat.view_as(mb["advantages"])
 
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
