@@ -133,6 +133,7 @@ def test_checkpoint_before_the_first_update_saves_and_resumes_exactly(tmp_path):
                       timeout=400)
     assert rec["resumed"] == rec["unbroken"] and rec["weights_bitwise"], rec
     assert rec["adam_steps"] == [[2.0], [2.0]], rec  # one counter per parameter, each advanced once per update
+    assert rec["refused"] and "holds no KL reference model" in rec["refused"] and "step0" in rec["refused"], rec
 
 
 def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
