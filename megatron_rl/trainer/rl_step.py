@@ -57,7 +57,7 @@ from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.rl.advantages import AdvantageInputs
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
-from megatron_rl.rl.losses import LossInputs, mismatch_kl, normaliser
+from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
@@ -224,8 +224,6 @@ class RLTrainer:
         advantages of the whole batch with it, written back into this rank's micro-batches."""
         if self.cfg.advantage.kl_coef <= 0:
             return
-        from megatron_rl.rl.losses import kl_penalty
-
         offsets = torch.as_tensor(np.asarray(cols.offsets), dtype=torch.long)  # [N+1]
         kl = torch.zeros(len(cols.tokens), dtype=torch.float64, device=self._device())  # [T]
         places = []
