@@ -35,8 +35,9 @@ class AlertConfig:
     """The collapse rule applies only after the best 5-step mean reward exceeded this."""
     stall_s: float = 300.0
     """Alert when episodes are pending but none finished for this many seconds (stalled workers)."""
-    mismatch_kl: float = 0.05
-    """Alert when the train/rollout log-prob mismatch KL exceeds this."""
+    mismatch_kl: float | None = None
+    """Alert when the train/rollout log-prob mismatch KL exceeds this (None: off); the RL loop sets it from
+    rl.mismatch_alert_kl, so set that one in a run config."""
     stop_on: list[str] = field(default_factory=lambda: ["nan"])
     """Rules that stop the run (after a checkpoint): any of nan, sandbox_errors, reward_collapse, stall, mismatch."""
 
@@ -129,7 +130,7 @@ class Monitor:
         fired += self._collapse(m.get("reward_mean"))
         if m.get("episodes_stalled_s", 0.0) > a.stall_s:
             fired.append(("stall", f"no episode finished for {m['episodes_stalled_s']:.0f} s with work pending"))
-        if m.get("mismatch_kl", 0.0) > a.mismatch_kl:
+        if a.mismatch_kl is not None and m.get("mismatch_kl", 0.0) > a.mismatch_kl:
             fired.append(("mismatch", f"train/rollout log-prob mismatch KL {m['mismatch_kl']:.4f} > {a.mismatch_kl}"))
         for rule, msg in fired:
             self._alert(step, rule, msg)

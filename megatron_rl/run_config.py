@@ -171,6 +171,9 @@ class RunConfig:
         if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
             raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
                               f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
+        if self.monitor.alerts.mismatch_kl is not None:
+            raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
+                              f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")
         if self.curriculum.enabled and self.data.domain != "countdown":
             raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
                               f"{self.data.domain!r}; set curriculum.enabled=false")

@@ -100,7 +100,11 @@ def _run_until(tmp_path: Path, overrides: tuple, stop_after_step: int) -> int:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path):
-    overrides = (*SHORT, "rl.steps=5", "rl.checkpoint_every=0")
+    """With a KL penalty against the frozen reference (the warm-up's result): the checkpoint carries the reference,
+    so the resumed run's KL term, losses and metrics equal the unbroken run's (the reference used to be rebuilt
+    from the fresh initialisation on resume)."""
+    overrides = (*SHORT, "rl.steps=5", "rl.checkpoint_every=0", "rl.trainer.loss.kl_coef=0.05",
+                 "rl.trainer.reference=true")
     unbroken = _train(f"output_dir={tmp_path / 'a'}", *overrides)
     assert unbroken.returncode == 0, unbroken.stderr[-5000:]
     assert _run_until(tmp_path / "b", overrides, stop_after_step=1) == 3
@@ -112,7 +116,9 @@ def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path):
     a, b = _rows(tmp_path / "a" / "demo", "rl"), _rows(tmp_path / "b" / "demo", "rl")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert not any(r["update_skipped"] for r in a), "the comparison must cover real optimizer updates"
-    keys = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean")
+    assert all(r["ref_kl"] > 0 for r in a[1:]), [r["ref_kl"] for r in a]  # the KL term is live after step 0
+    keys = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean", "ref_kl",
+            "mismatch_kl", "lr")
     for ra, rb in zip(a, b):
         assert {k: ra.get(k) for k in keys} == {k: rb.get(k) for k in keys}, (ra["step"], ra, rb)
 
@@ -127,6 +133,7 @@ def test_checkpoint_before_the_first_update_saves_and_resumes_exactly(tmp_path):
                       timeout=400)
     assert rec["resumed"] == rec["unbroken"] and rec["weights_bitwise"], rec
     assert rec["adam_steps"] == [[2.0], [2.0]], rec  # one counter per parameter, each advanced once per update
+    assert rec["refused"] and "holds no KL reference model" in rec["refused"] and "step0" in rec["refused"], rec
 
 
 def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):

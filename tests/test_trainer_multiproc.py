@@ -53,3 +53,17 @@ def test_world2_layouts_match_one_process_and_packing_invariance():
 def test_world4_tp2_pp2_matches_one_process():
     names = ["tp2_pp2", "tp2_pp2_logits"]
     _check_layouts(torchrun(SCRIPT, 4, ["--layouts", ",".join(names)], timeout=500), names)
+
+
+def test_world2_kl_in_reward_matches_one_process():
+    """REINFORCE++ with advantage.kl_coef > 0: the per-token KL gathered over DP, PP and CP ranks gives the
+    one-process advantages, losses and weights."""
+    names = ["dp2", "pp2", "cp2"]
+    records = torchrun(REPO / "tests" / "mp" / "kl_reward_parity.py", 2, ["--layouts", ",".join(names)], timeout=500)
+    got = {r["layout"]: r for r in records}
+    assert sorted(got) == sorted(names)
+    for name, r in got.items():
+        assert r["update_ok"] and not r["names_differ"], (name, r)
+        assert r["loss_diff"] < TOL and r["weight_diff"] < TOL and r["replica_diff"] < TOL, (name, r)
+        assert r["metric_diff"] < TOL, (name, r["metric_diff"])
+        assert abs(r["ref_kl"][0]) < 1e-6 and r["ref_kl"][-1] > 1e-4, (name, r["ref_kl"])  # the KL term is live

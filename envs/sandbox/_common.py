@@ -130,9 +130,10 @@ def collect_files(root: str, names: list[str] | None, max_bytes: int) -> dict[st
     return out
 
 
-def largest_file(root: str, max_entries: int = 100_000) -> int:
-    """Size of the largest regular file below `root` (no symlinks followed; stops after `max_entries`)."""
-    biggest, seen, stack = 0, 0, [root]
+def _file_sizes(root: str, max_entries: int):
+    """Sizes of the regular files below `root`, walked without recursion or following symlinks (at most
+    `max_entries` directory entries are looked at)."""
+    seen, stack = 0, [root]
     while stack and seen < max_entries:
         try:
             with os.scandir(stack.pop()) as it:
@@ -141,30 +142,21 @@ def largest_file(root: str, max_entries: int = 100_000) -> int:
                     if e.is_dir(follow_symlinks=False):
                         stack.append(e.path)
                     elif e.is_file(follow_symlinks=False):
-                        biggest = max(biggest, e.stat(follow_symlinks=False).st_size)
+                        yield e.stat(follow_symlinks=False).st_size
         except OSError:
             continue
-    return biggest
+
+
+def largest_file(root: str, max_entries: int = 100_000) -> int:
+    """Size of the largest regular file below `root` (no symlinks followed; stops after `max_entries`)."""
+    return max(_file_sizes(root, max_entries), default=0)
 
 
 def tree_bytes(root: str, max_entries: int = 100_000) -> int:
     """Bytes of the regular files below `root`, walked without recursion or following symlinks."""
-    total, seen, stack = 0, 0, [root]
-    while stack and seen < max_entries:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    seen += 1
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.is_file(follow_symlinks=False):
-                        total += e.stat(follow_symlinks=False).st_size
-        except OSError:
-            continue
-    return total
+    return sum(_file_sizes(root, max_entries))
 
 
-# ---------------------------------------------------------------------------------------- rlimits
 def rlimits_for(limits: Limits, *, nproc: int | None, address_space: bool) -> tuple[tuple[int, int, int], ...]:
     """(resource, soft, hard) triples for a run: CPU (SIGXCPU at the soft limit, SIGKILL one second later),
     FSIZE, NOFILE, CORE=0, optionally NPROC and AS (the memory fallback when no memory cgroup exists)."""

@@ -53,6 +53,10 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     return path
 
 
+def default_out(run_dir: Path, ckpt: Path) -> Path:
+    return run_dir / "export" / f"hf-step-{int(ckpt.name.split('-')[-1])}"
+
+
 def hf_config_of(cfg) -> tuple[dict, str]:
     """(config.json of the exported folder, tokenizer folder or '') for a run config."""
     from megatron_rl.models import source
@@ -69,8 +73,20 @@ def hf_config_of(cfg) -> tuple[dict, str]:
 
 
 def export_run(run_dir: Path, step: int | None = None, out: str | None = None, verify: bool = False,
-               tol: float | None = None) -> dict:
-    """Write the HF folder; returns {step, out, tensors, side_files, verify?}."""
+               tol: float | None = None, replace: bool = False) -> dict:
+    """Write the HF folder; returns {step, out, tensors, side_files, verify?}. `replace`: an existing folder of
+    that name (an earlier export of the same step, e.g. before a crash and resume) is replaced once the new one
+    is complete."""
+    import shutil
+
+    dest = Path(out) if out else None
+    if replace and dest is not None and dest.exists():
+        fresh = dest.with_name(dest.name + ".new")
+        shutil.rmtree(fresh, ignore_errors=True)
+        report = export_run(run_dir, step, str(fresh), verify, tol)
+        shutil.rmtree(dest)
+        fresh.rename(dest)
+        return {**report, "out": str(dest), "replaced": True}
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
     from tools.convert import runtime
@@ -80,12 +96,14 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
 
     cfg = C.load(RunConfig, run_dir / "config.yaml")
     ckpt = checkpoint_of(run_dir, step)
+    if replace and out is None:
+        return export_run(run_dir, step, str(default_out(run_dir, ckpt)), verify, tol, replace=True)
     n = int(ckpt.name.split("-")[-1])
     hf, tok_dir = hf_config_of(cfg)
     arch = for_hf_config(hf)
     mcfg, extra = arch.model_config(hf)
     entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra)
-    dest = Path(out) if out else run_dir / "export" / f"hf-step-{n}"
+    dest = Path(out) if out else default_out(run_dir, ckpt)
     report = {"step": n, "checkpoint": str(ckpt), "out": str(dest), "arch": arch.name}
     with runtime.atomic_dir(dest) as tmp:
         writer = HFWriter(tmp)

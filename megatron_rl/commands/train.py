@@ -150,7 +150,7 @@ def _export(cfg: RunConfig, run_dir: Path) -> Path:
     """The latest RL checkpoint as an HF folder (`megatron-rl export`), in <run>/export/hf-step-N."""
     from megatron_rl.commands.export import export_run
 
-    report = export_run(run_dir, step=None, out=None, verify=cfg.export.verify)
+    report = export_run(run_dir, step=None, out=None, verify=cfg.export.verify, replace=True)
     diff = report.get("verify", {}).get("max_abs_logit_diff")
     checked = f" (verified: max |logit diff| {diff:.2e})" if diff is not None else ""
     _say(f"exported the policy of step {report['step']} as an HF folder: {report['out']}{checked}")

@@ -42,7 +42,8 @@ class RLLoopConfig:
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Weights of the domain's reward components in the RL phase (e.g. {format: 0.0}); {} keeps the env's."""
     mismatch_alert_kl: float = 0.05
-    """Alert when KL(behaviour || trainer) of the batch exceeds this (train/rollout log-prob mismatch)."""
+    """Alert (the monitor's `mismatch` rule) when KL(behaviour || trainer) of the batch, the metric mismatch_kl,
+    exceeds this (train/rollout log-prob mismatch)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, clip_grad=1.0))
     """Optimizer of the RL phase (a fresh optimizer on the warmed-up weights)."""
     trainer: RLConfig = field(default_factory=_default_trainer)
@@ -57,6 +58,8 @@ class RLLoopConfig:
         if self.importance_correction not in ("auto", "none", "tis", "mis"):
             raise ConfigError(f"rl.importance_correction {self.importance_correction!r} is not one of "
                               "auto, none, tis, mis")
+        if not self.mismatch_alert_kl >= 0:
+            raise ConfigError(f"rl.mismatch_alert_kl must be >= 0, got {self.mismatch_alert_kl}")
         if self.max_oversample < 0:
             raise ConfigError(f"rl.max_oversample must be >= 0, got {self.max_oversample}")
         if self.group_size < 2 and self.dynamic_sampling:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,12 @@ def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
     return tc
 
 
+def monitor_config(cfg: RunConfig):
+    """The run's monitor config with the loop's alert thresholds (rl.mismatch_alert_kl -> the mismatch rule)."""
+    alerts = dataclasses.replace(cfg.monitor.alerts, mismatch_kl=cfg.rl.mismatch_alert_kl)
+    return dataclasses.replace(cfg.monitor, alerts=alerts)
+
+
 def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from envs.sampler import DomainSampler
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
@@ -106,7 +113,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
                                  {cfg.data.domain: cfg.rl.reward_weights}) if rank0 else None
     sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
     by_id = {t.id: t for split in tasks.values() for t in split}
-    monitor = Monitor(cfg.monitor, run_dir, rank0)
+    monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
     return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
                  engine, runner, sampler, tasks["heldout"], by_id, monitor, rank0)
@@ -171,8 +178,8 @@ class Clock:
                 "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9)}
 
 
-TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "entropy_mean", "behaviour_kl", "is_weight_mean",
-              "samples", "update_skipped", "lr")
+TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
+              "is_weight_mean", "samples", "update_skipped", "lr")
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:
@@ -185,7 +192,8 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
     n = sum(counts.values()) or 1.0
     m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in counts.items()) / n
     m["sandbox_error_rate"] = sum(domains[f"{d}/invalid_frac"] * c for d, c in counts.items()) / n
-    m["mismatch_kl"] = train.get("behaviour_kl", train.get("approx_kl", 0.0))
+    if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
+        m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
     m.update(_runner_metrics(parts.runner))
     m["plugins_failed"] = sum(plugin_failures().values())  # each logged with its reason when it failed

@@ -1,6 +1,11 @@
 """Driver checkpoints: the trainer's (model, optimizer, scheduler, step, RNG; `trainer/checkpoint.py`) plus the
 driver's own state in the checkpoint's common part: the sampler position per domain, the rollout buffer
 (scored groups destined for later steps; requests in flight are finished first) and the alert history.
+
+The KL reference (`rl.trainer.reference`) is SAVED in every checkpoint and restored on resume, by design: it is
+the policy at the start of the RL phase (the warm-up's result or model.init's weights), which a resumed job
+does not rebuild (the warm-up is not rerun, and the trainer is built before the checkpoint loads, from the
+model's initialiser), so a resumed run computes its KL term against exactly the reference of the unbroken run.
 `<run>/checkpoints/latest` names the newest complete checkpoint (written after the save, atomically)."""
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
              "alert_rewards": alerts[0]}
     name = f"step-{step:06d}"
     path = Path(run_dir) / "checkpoints" / name
-    save_checkpoint(parts.policy, path, extra={"driver": json.dumps(state)})
+    save_checkpoint(parts.policy, path, reference=parts.trainer.reference, extra={"driver": json.dumps(state)})
     torch.distributed.barrier()
     if parts.is_rank0:
         tmp = path.parent / "latest.tmp"
@@ -41,7 +46,7 @@ def resume(parts, rollouts, run_dir: Path) -> int:
     from megatron_rl.trainer.checkpoint import load_checkpoint
 
     path = latest(run_dir)
-    state = json.loads(load_checkpoint(parts.policy, path)["driver"])
+    state = json.loads(load_checkpoint(parts.policy, path, reference=parts.trainer.reference)["driver"])
     parts.sampler.load_state_dict(state["sampler"])
     rollouts.load_state_dict(state["rollouts"], parts.tasks_by_id)
     parts.monitor.rewards = list(state["alert_rewards"])

@@ -242,6 +242,14 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, estima
         return torch.where(mask, kl_estimate(_log_ratio(logprobs, ref_logprobs, mask), estimator), 0.0)
 
 
+def mismatch_kl(behaviour_logprobs: Tensor, logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """[T] per-token k3 estimate of KL(behaviour || trainer) on loss tokens (0 elsewhere): the rollout engine's
+    log-probs of the sampled tokens against the trainer's log-probs of the same tokens. No gradient."""
+    mask = loss_mask.bool()
+    with torch.no_grad():
+        return torch.where(mask, kl_estimate(_log_ratio(behaviour_logprobs, logprobs, mask), "k3"), 0.0)
+
+
 def importance_weights(batch: LossInputs, cfg: LossConfig, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """[T] no-grad weights of rho = pi_old/pi_behaviour: TIS min(rho, is_cap); MIS rho in [is_low, is_high] else 0."""
     if cfg.is_correction == "none":

@@ -58,6 +58,10 @@ def load_checkpoint(policy, path: str | Path, reference=None) -> dict:
     """Load a checkpoint saved under any layout into `policy` (and `reference`); returns `extra`."""
     from megatron.core import dist_checkpointing
 
+    if reference is not None and not has_reference(path):
+        raise ValueError(f"checkpoint {path} holds no KL reference model (saved with rl.trainer.reference=false or "
+                         "before references were saved), but this run needs one; resume with the reference "
+                         "setting it was saved with, or start the run over")
     _prime_adam_state(policy.optimizer)
     state = dist_checkpointing.load(_state(policy, reference, is_loading=True), str(path))
     for i, chunk in enumerate(policy.chunks):
@@ -72,6 +76,13 @@ def load_checkpoint(policy, path: str | Path, reference=None) -> dict:
     policy.step_count = int(trainer["step"])
     torch.set_rng_state(trainer["rng"])
     return trainer.get("extra", {})
+
+
+def has_reference(path: str | Path) -> bool:
+    """The checkpoint at `path` holds a frozen reference model (tensors saved under `reference.`)."""
+    from megatron.core import dist_checkpointing
+
+    return any(k.startswith("reference.") for k in dist_checkpointing.load_tensors_metadata(str(path)))
 
 
 def _load_optimizer(optimizer, state: dict) -> None:

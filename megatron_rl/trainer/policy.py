@@ -135,19 +135,26 @@ class Policy:
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay, lr_decay_style=o.decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
 
-    def train_step(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, output: str = "logits") -> dict:
+    def train_step(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int, output: str = "logits",
+                   advance_schedule: bool = True) -> dict:
         """Forward+backward over `microbatches` (each {'tokens' [b, s], 'position_ids' [b, s], ...}) and one
         optimizer step; returns summed metrics from the last pipeline stage (empty on other stages).
-        output: what loss_fn gets, 'logits' or 'hidden' (HeadOutput; the logits are never formed)."""
+        output: what loss_fn gets, 'logits' or 'hidden' (HeadOutput; the logits are never formed).
+        advance_schedule: step the LR schedule after a successful update; False when the caller counts
+        schedule steps itself (the RL trainer: once per RL step, whatever its number of PPO epochs)."""
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = self._forward_backward(microbatches, loss_fn, seq_length, False, output)
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
+        if ok and advance_schedule:
+            self.advance_schedule()
         self.step_count += 1
         return _reduce_metrics(results, ok, grad_norm)
+
+    def advance_schedule(self) -> None:
+        """One step of the LR (and weight-decay) schedule."""
+        self.scheduler.step(increment=1)
 
     def forward_backward(self, microbatches: list[dict], loss_fn: LossFn, seq_length: int,
                          output: str = "logits") -> dict:

@@ -32,7 +32,18 @@ as the rollout engine samples it, and the same values and gradients (tests/test_
 
 Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
 forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).
-Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`).
+Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`). KL-in-reward
+(`advantage.kl_coef` > 0: REINFORCE++, GAE) needs them before the advantages: the micro-batches are packed with
+zero advantages, the old and reference log-probs computed, the per-token KL gathered into the global batch's
+layout on every rank, and the advantages of the whole batch written back (`_kl_in_reward`).
+
+Mismatch (`mismatch_kl` in the metrics): KL(behaviour || trainer), the k3 estimate per loss token of the rollout
+engine's behaviour log-probs against the trainer's log-probs of the same tokens from the first epoch's forward
+pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
+train/rollout disagreement (plus the policy lag of stale samples); 0 only when both compute the same values.
+
+Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
+with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
 """
 from __future__ import annotations
 
@@ -46,12 +57,13 @@ from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.rl.advantages import AdvantageInputs
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
-from megatron_rl.rl.losses import LossInputs, normaliser
+from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
 
-MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl")
+MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl",
+                "mismatch_kl")
 """Per-micro-batch token means of the loss that are combined into global means (weighted by tokens)."""
 
 
@@ -101,6 +113,9 @@ class RLConfig:
                               "the policy before the first update, not the rollout engine)")
         if self.loss.kl_coef > 0 and not self.reference:
             raise ConfigError("loss.kl_coef > 0 needs rl.reference=true (a frozen reference model)")
+        if self.advantage.kl_coef > 0 and not self.reference:
+            raise ConfigError("advantage.kl_coef > 0 (KL-in-reward) needs rl.reference=true (a frozen reference "
+                              "model)")
 
 
 def mask_padding(logits: torch.Tensor, valid_vocab: int | None, tp_group) -> torch.Tensor:
@@ -115,13 +130,15 @@ def mask_padding(logits: torch.Tensor, valid_vocab: int | None, tp_group) -> tor
     return logits.masked_fill(pad, -1e30)
 
 
-def token_advantages(cols, cfg: AdvantageConfig) -> np.ndarray:
-    """float32 [T] advantages aligned with cols.tokens (label side: token t's advantage sits at t)."""
+def token_advantages(cols, cfg: AdvantageConfig, kl: np.ndarray | None = None) -> np.ndarray:
+    """float32 [T] advantages aligned with cols.tokens (label side: token t's advantage sits at t); `kl` [T]:
+    the per-token KL to the reference for KL-in-reward (cfg.kl_coef > 0)."""
     lengths = np.diff(np.asarray(cols.offsets))  # [N]
     sample_index = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))  # [T]
     inputs = AdvantageInputs(rewards=torch.as_tensor(np.asarray(cols.reward, dtype=np.float64)),
                              group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)),
-                             sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)))
+                             sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)),
+                             kl=None if kl is None else torch.as_tensor(kl))
     return cfg.build()(inputs).advantages.float().numpy()
 
 
@@ -146,13 +163,22 @@ class RLTrainer:
             return {**out, "update_skipped": True}
         z = self._global_normaliser(mbs)
         self._set_old_and_ref(mbs)
+        self._kl_in_reward(cols, mbs)
         epochs = [self._update(mbs, z) for _ in range(self.cfg.epochs)]
-        return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs]}
+        if any(e["update_ok"] for e in epochs):
+            self.policy.advance_schedule()  # the LR schedule counts RL steps, not PPO epochs
+        return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs],
+                "mismatch_kl": epochs[0]["mismatch_kl"]}  # the first epoch's forward: the weights before the update
 
     def prepare(self, cols):
-        """Validate, compute advantages and pack: this rank's micro-batches and the packing stats."""
+        """Validate, compute advantages and pack: this rank's micro-batches and the packing stats. With
+        KL-in-reward (advantage.kl_coef > 0) the advantages are zeros here and `_kl_in_reward` fills them once
+        the old and reference log-probs are known."""
         keep, stats = check_samples(cols, self.policy.cfg.vocab_size, self.cfg.packing)
-        adv = token_advantages(cols, self.cfg.advantage)  # [T]
+        if self.cfg.advantage.kl_coef > 0:
+            adv = np.zeros(len(cols.tokens), dtype=np.float32)  # [T]
+        else:
+            adv = token_advantages(cols, self.cfg.advantage)  # [T]
         pgs, par = self.policy.ctx.pgs, self.policy.ctx.parallel
         interleaved = par.pp > 1 and (par.vpp or 1) > 1
         mbs, stats = pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(pgs.dp),
@@ -174,6 +200,7 @@ class RLTrainer:
         mbs, _ = self.prepare(cols)
         z = self._global_normaliser(mbs)
         self._set_old_and_ref(mbs)
+        self._kl_in_reward(cols, mbs)
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
@@ -190,9 +217,38 @@ class RLTrainer:
             for mb in mbs:
                 mb["old_logprobs"] = mb["behaviour_logprobs"]
 
+    def _kl_in_reward(self, cols, mbs: list[dict]) -> None:
+        """KL-in-reward (advantage.kl_coef > 0: REINFORCE++, GAE): the per-token k1 KL of the old policy to the
+        reference, log pi_old - log pi_ref on loss tokens, gathered from every rank's micro-batches into the
+        global batch's token layout [T] (each token lives on one dp x cp rank's last pipeline stage), then the
+        advantages of the whole batch with it, written back into this rank's micro-batches."""
+        if self.cfg.advantage.kl_coef <= 0:
+            return
+        offsets = torch.as_tensor(np.asarray(cols.offsets), dtype=torch.long)  # [N+1]
+        kl = torch.zeros(len(cols.tokens), dtype=torch.float64, device=self._device())  # [T]
+        places = []
+        for mb in mbs:
+            si, pos = mb["sample_index"].reshape(-1), mb["position_ids"].reshape(-1)  # each [S]
+            real = si >= 0
+            idx = offsets.to(si.device)[si[real]] + 1 + pos[real]  # [S'] label token t of each real slot
+            places.append((real, idx))
+            if "ref_logprobs" in mb:  # the last pipeline stage
+                per_token = kl_penalty(mb["old_logprobs"].reshape(-1), mb["ref_logprobs"].reshape(-1),
+                                       mb["loss_mask"].reshape(-1))  # [S]
+                kl[idx.to(kl.device)] = per_token[real].to(kl)
+        pgs = self.policy.ctx.pgs
+        for group in (pgs.pp, pgs.dp_cp):
+            torch.distributed.all_reduce(kl, group=group)
+        adv = torch.from_numpy(token_advantages(cols, self.cfg.advantage, kl.cpu().numpy()))  # [T]
+        for mb, (real, idx) in zip(mbs, places):
+            flat = torch.zeros_like(mb["advantages"]).reshape(-1)  # [S]
+            flat[real] = adv[idx.cpu()].to(flat)
+            mb["advantages"] = flat.view_as(mb["advantages"])
+
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
-        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output)
+        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output,
+                                     advance_schedule=False)
         m = self._reduce(raw)
         tokens = max(m.pop("tokens"), 1.0)
         means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
@@ -219,6 +275,8 @@ class RLTrainer:
             out = self.loss(_loss_inputs(batch, lp, ent if self.cfg.loss.entropy_coef > 0 else ent.detach(), z))
             n = out.metrics["num_tokens"]
             sums = {f"{k}_sum": out.metrics[k] * n for k in MEAN_METRICS if k in out.metrics}
+            sums["mismatch_kl_sum"] = mismatch_kl(batch["behaviour_logprobs"].reshape(-1), lp.detach(),
+                                                  batch["loss_mask"].reshape(-1)).sum()
             return out.loss * scale, {"loss": out.loss.detach(), "tokens": n, **sums}
         return loss_fn
 

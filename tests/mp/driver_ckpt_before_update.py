@@ -23,14 +23,19 @@ def run(path: str, load: bool) -> dict:
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
     trainer = build(LAYOUT, 2, False, True)
+    refused = None
     if load:
+        try:  # saved without the trainer's KL reference: loading it with one is refused, naming the checkpoint
+            load_checkpoint(trainer.policy, f"{path}/step0", reference=trainer.reference)
+        except ValueError as e:
+            refused = str(e)
         load_checkpoint(trainer.policy, f"{path}/step0")
     else:
         save_checkpoint(trainer.policy, f"{path}/step0")
     losses = [trainer.step(batch(s))["loss"] for s in range(2)]
     steps = {float(st["step"]) for inner in _inner(trainer.policy.optimizer) for st in inner.state.values()}
     save_checkpoint(trainer.policy, f"{path}/step2-{'resumed' if load else 'unbroken'}")
-    out = {"losses": losses, "weights": full_weights(trainer.policy), "adam_steps": sorted(steps)}
+    out = {"losses": losses, "weights": full_weights(trainer.policy), "adam_steps": sorted(steps), "refused": refused}
     reset()
     return out
 
@@ -49,7 +54,7 @@ def main() -> None:
     if rank == 0:
         same = all(torch.equal(x, y) for k in a["weights"] for x, y in zip(a["weights"][k], b["weights"][k]))
         emit({"unbroken": a["losses"], "resumed": b["losses"], "weights_bitwise": same,
-              "adam_steps": [a["adam_steps"], b["adam_steps"]]})
+              "adam_steps": [a["adam_steps"], b["adam_steps"]], "refused": b["refused"]})
 
 
 if __name__ == "__main__":  # required: dist_checkpointing save starts a multiprocessing manager
