@@ -448,6 +448,10 @@ class Environment(abc.ABC):
     """Sandbox limits of one run."""
     instructions: str = ""
     """Format instructions appended to every task prompt (model-visible)."""
+    success_component: str = "correct"
+    """The reward component that says whether an episode solved its task (eval's pass@k)."""
+    multi_turn: bool = False
+    """Whether an episode may take more than one model turn."""
 
     def __init__(self, *, budget: Budget | None = None, sandbox: Sandbox | None = None, judge: Any = None,
                  reward_weights: dict[str, float] | None = None,
@@ -539,6 +543,16 @@ class Environment(abc.ABC):
             return self._finish("truncated")
         return StepResult(obs, 0.0, False, self._info("ok"))
 
+    def success(self, result: RewardResult) -> bool:
+        """Whether an episode with this reward solved its task: `success_component` scored 1 (full marks)."""
+        return result.valid and result.components.get(self.success_component, 0.0) >= 1.0 - 1e-9
+
+    def finish(self, status: str = "truncated") -> StepResult:
+        """End the running episode now (the runner's token budget is spent) and score it."""
+        if self.task is None or self.done:
+            raise EnvError(f"{self.name}: finish() called {'before reset()' if self.task is None else 'after done'}")
+        return self._finish(status)
+
     def score(self) -> RewardResult:
         ctx = RewardContext(task=self.task, response=self.last_action, transcript=list(self.transcript),
                             state=self._reward_state(), sandbox=_LazySandbox(self), judge=self.judge)
@@ -587,6 +601,7 @@ class ToolEnvironment(Environment):
     observation); an action without one is the final answer. Tool `x` is implemented by `tool_x(**args)`
     returning text; arguments are validated against the tool's JSON schema first."""
 
+    multi_turn = True
     max_calls_per_turn: int = 4
     """Tool calls beyond this many in one action get an error instead of running."""
 

@@ -542,9 +542,13 @@ def test_sampler_bad_weights_and_metrics():
 
     s.record(tasks["a"][0], RewardResult(1.1, {"correct": 1.0, "format": 1.0}))
     bad = RewardResult(0.1, {"correct": 0.0, "format": 1.0}, status="sandbox_error")
-    s.record(tasks["a"][1], bad, status=bad.status)
+    s.record(tasks["a"][1], bad, status=bad.status, turns=3)
     m = s.metrics.summary(reset=True)
-    assert m["a/count"] == 2 and m["a/reward_mean"] == pytest.approx(0.6) and m["a/reward_std"] == pytest.approx(0.5)
-    assert m["a/correct_mean"] == 0.5 and m["a/status_sandbox_error"] == 0.5 and m["a/invalid_frac"] == 0.5
+    # the sandbox_error episode is counted, never scored: the reward statistics are the valid episode's
+    assert m["a/count"] == 2 and m["a/reward_mean"] == pytest.approx(1.1) and m["a/reward_std"] == pytest.approx(0.0)
+    assert m["a/correct_mean"] == 1.0 and m["a/status_sandbox_error"] == 0.5 and m["a/infra_error_frac"] == 0.5
+    assert m["a/turns_mean"] == 2.0
+    s.record(tasks["a"][0], 0.0, status="timeout")  # a float reward with a failed status counts too
+    assert s.metrics.summary(reset=True)["a/infra_error_frac"] == 1.0
     assert s.metrics.summary() == {}
 
