@@ -4,10 +4,11 @@ Hand-written problems (`PROBLEMS`): (id, question, answer, check) where `check` 
 so a typo in an answer cannot ship (the builder asserts it). Every fifth of them is held out.
 
 Generated problems (`FAMILIES`, ids math-gen-<family>-<n>): 20 seeded families with integer or exact fraction
-answers, an easy tier for small models (one-step sums, differences, products, halves, x + a = b) and a medium
-tier (linear equations, fractions, percentages, sequences and series, counting, gcd/lcm, remainders, word
-problems, quadratics with integer roots, exponential equations). Each answer is computed from the parameters,
-written as LaTeX and checked with math-verify against the computed value when built.
+answers: an easy tier for small models (one-step sums, differences, products, halves, x + a = b, rectangle
+area and perimeter) and a medium tier (linear equations, fractions, percentages, sequences and series,
+counting, gcd/lcm, remainders, word problems, quadratics with integer roots, exponential equations). Each
+answer is computed from the parameters, written as LaTeX and checked with math-verify against the computed
+value when built.
 Split rule (see `envs.suite_gen`): a generated task is held out exactly when its family's key parameter lies
 in the family's held-out band, so train and held-out tasks of a family never share that parameter's value.
 """

@@ -6,13 +6,14 @@ Held out: whole templates (`_hand_split`: the square-root problems and the log's
 no held-out prompt is a train prompt with other numbers or other files.
 
 Generated tasks (`FAMILIES`, ids tool-gen-<family>-<n>): 13 seeded families. Easy tier: two-number sums and
-products for the calculator, a number or a password to read from a workspace file. Medium: compound
+products for the calculator, a locker code or a password to look up in a workspace file. Medium: compound
 interest, means and modular powers (calculator), questions over orders.csv, server.log, scores.json and
 story.txt (read_file or run_python), and number-theory counts meant for run_python. Every answer is computed
 twice: from the generator's data and again from what the model sees (the rendered file text, or the
 calculator tool on the expression); the build fails if the two disagree.
 Split rule (see `envs.suite_gen`): a generated task is held out exactly when its family's key parameter (an
-operand, a row count, a bound) lies in the family's held-out band.
+operand, a row count, a bound, the locker or account asked about) lies in the family's held-out band. File
+tasks name that key in the prompt, so no prompt is in both splits.
 Data is generated with fixed seeds, so the files are byte-stable.
 """
 from __future__ import annotations
