@@ -259,8 +259,9 @@ def test_code_correct_partial_and_broken_solutions(sandbox):
 
 
 def test_code_suite_canonical_solutions_pass(sandbox):
+    """The hand-written tasks; the generated ones are checked in tests/test_suites.py (a sample; all when slow)."""
     env = make_env("code", sandbox=sandbox)
-    for t in load_domain("code"):
+    for t in (t for t in load_domain("code") if "family" not in t.payload):
         env.reset(t)
         r = env.step("```python\n" + t.payload["canonical_solution"] + "```")
         assert r.reward == 1.0, (t.id, r.reward_result.reasons)
