@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from envs.countdown.curriculum import CurriculumConfig
 from envs.mixture import DomainConfig, MixtureConfig
 from megatron_rl.config import ConfigError
-from megatron_rl.loop.config import CurriculumConfig, EpisodesConfig, EvalConfig, RLLoopConfig
+from megatron_rl.loop.config import EpisodesConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig

@@ -12,7 +12,6 @@ import envs  # noqa: F401  (registers the built-in environments and sandbox back
 from envs.base import (
     ENVIRONMENTS,
     Budget,
-    EnvConfig,
     EnvError,
     RewardComponent,
     RewardSpec,
@@ -89,32 +88,41 @@ def test_third_party_environment_via_entry_point(tmp_path, monkeypatch):
         ENVIRONMENTS._items.pop("echo", None)
 
 
-def test_env_config_documented_validated_and_loaded_from_dict():
-    assert undocumented_fields(EnvConfig) == []
-    cfg = from_dict(EnvConfig, {"names": ["countdown", "math"], "weights": {"math": 0.5}, "max_turns": 3,
-                                "reward_weights": {"math": {"format": 0.0}}, "sandbox": {"workers": 2}})
-    assert cfg.weights == {"math": 0.5} and cfg.max_turns == 3 and cfg.sandbox.workers == 2
-    with pytest.raises(ConfigError, match="unknown environment 'chess'; known: arithmetic, code, countdown"):
-        EnvConfig(names=["chess"]).validate()
-    with pytest.raises(ConfigError, match=r"envs.weights names \['code'\]"):
-        EnvConfig(names=["math"], weights={"code": 1.0}).validate()
-    with pytest.raises(ConfigError, match="split"):
-        EnvConfig(split="test").validate()
+def test_mixture_config_documented_validated_and_loaded_from_dict():
+    from envs.mixture import DomainConfig, MixtureConfig
+
+    assert undocumented_fields(MixtureConfig) == [] and undocumented_fields(DomainConfig) == []
+    cfg = from_dict(MixtureConfig, {"domains": {"countdown": {}, "math": {"weight": 0.5, "max_turns": 3,
+                                                                          "reward_weights": {"format": 0.0}}}})
+    assert cfg.domains["math"].weight == 0.5 and cfg.budget("math", 512).max_turns == 3
+    assert cfg.budget("countdown", 512).max_tokens == 512 and cfg.budget("countdown", 256).max_tokens == 256
+    with pytest.raises(ConfigError, match="envs.domains.chess: not a registered environment; known:"):
+        MixtureConfig({"chess": DomainConfig()}).validate()
+    with pytest.raises(ConfigError, match=r"envs.domains.math.reward_weights: unknown reward component"):
+        MixtureConfig({"math": DomainConfig(reward_weights={"style": 1.0})}).validate()
+    with pytest.raises(ConfigError, match="no domain has a weight > 0"):
+        MixtureConfig({"math": DomainConfig(weight=0.0)}).validate()
+    with pytest.raises(ConfigError, match="wieght"):
+        from_dict(MixtureConfig, {"domains": {"math": {"wieght": 2}}})
 
 
-def test_env_config_build_runs_concurrent_episodes_on_a_sandbox_pool():
-    cfg = EnvConfig(names=["countdown", "math"], weights={"math": 0.0, "countdown": 1.0}, max_turns=2,
-                    reward_weights={"countdown": {"format": 0.0}}, sandbox=SandboxConfig(workers=2))
-    suite = cfg.build()
+def test_mixture_config_builds_environments_for_concurrent_episodes_on_a_sandbox_pool():
+    from envs.mixture import DomainConfig, MixtureConfig
+
+    cfg = MixtureConfig({"countdown": DomainConfig(max_turns=2, reward_weights={"format": 0.0}),
+                         "math": DomainConfig(weight=0.0)})
+    tasks = cfg.tasks("train")
+    sampler = DomainSampler(tasks, {d: c.weight for d, c in cfg.domains.items()}, seed=0)
+    sandbox = SandboxConfig(workers=2).build()
     try:
-        tasks = suite.sampler.sample(8)
-        assert {t.domain for t in tasks} == {"countdown"} and all(t.split == "train" for t in tasks)
-        assert suite.make("countdown").budget.max_turns == 2
+        drawn = sampler.sample(8)
+        assert {t.domain for t in drawn} == {"countdown"} and all(t.split == "train" for t in drawn)
+        assert cfg.build_env("countdown", 512, sandbox=sandbox).budget.max_turns == 2
 
         def episode(i: int):
-            env = suite.make("countdown")  # one environment per concurrent episode, one shared pool
-            env.reset(tasks[i])
-            answer = tasks[i].payload["solution"] if i % 2 == 0 else "1 + 1"
+            env = cfg.build_env("countdown", 512, sandbox=sandbox)  # one env per concurrent episode, one pool
+            env.reset(drawn[i])
+            answer = drawn[i].payload["solution"] if i % 2 == 0 else "1 + 1"
             return env.step(f"<answer>{answer}</answer>")
 
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
@@ -122,7 +130,7 @@ def test_env_config_build_runs_concurrent_episodes_on_a_sandbox_pool():
         assert [r.reward for r in results] == [1.0, 0.0] * 4  # format weighs 0 here
         assert all(r.reward_result.components["format"] == 1.0 for r in results)
     finally:
-        suite.close()
+        sandbox.close()
 
 
 # ------------------------------------------------------------------------------------------ task files

@@ -205,3 +205,30 @@ def test_engine_requests_of_follow_up_turns_carry_the_whole_context(hf_tok):
     for rid in follow:  # each turn's context is a prefix of the final sequence (never re-tokenised)
         assert full[:len(prompts[rid])] == prompts[rid]
     assert list(itertools.accumulate(g.masks[0]))[-1] == sum(g.masks[0]) > 0
+
+
+def test_dispatched_episodes_keep_their_loss_mask_when_the_loop_repacks_them(tmp_path, hf_tok):
+    """A 3-turn episode published by a rollout worker: the loop's re-pack (read_episodes -> Group ->
+    trajectory) keeps its observation tokens at loss_mask 0, token for token; truncated is trained."""
+    from megatron_rl.data.shards import Trajectory, write_shard
+    from megatron_rl.loop.config import EpisodesConfig, RLLoopConfig
+    from megatron_rl.loop.dispatched import DispatchRollouts, episode_id
+    from megatron_rl.loop.rollout import Group
+
+    prompt = [1, 5, 6, 7]
+    tokens, mask = _expected(hf_tok, prompt)[:2]
+    n = len(tokens)
+    trajs = [Trajectory(tokens=np.asarray(tokens, np.int32), logprobs=np.where(mask, -0.5, 0.0).astype(np.float32),
+                        loss_mask=np.asarray(mask, np.uint8), prompt_len=len(prompt), reward=1.1, group_id=0,
+                        policy_version_first=0, policy_version_last=0, env="tool_use", task_id=TASK.id,
+                        episode_id=episode_id(0, i), status=["ok", "truncated"][i], timings={"turns": 3.0},
+                        token_versions=np.zeros(n, np.int32)) for i in range(2)]
+    write_shard(tmp_path / "a.h5", trajs)
+    rollouts = DispatchRollouts(None, None, hf_tok, lambda t: prompt, RLLoopConfig(group_size=2), 1, EpisodesConfig(),
+                                None, tmp_path, None)
+    out = rollouts._dispatch([Group(0, 0, TASK, prompt)], tmp_path, url="http://unused")
+    g = Group(0, 0, TASK, prompt)
+    rollouts._fill([g], out["episodes"])
+    assert g.turns == [3, 3] and [r[2] for r in g.rewards] == ["ok", "ok"]
+    for t in rollouts.trajectories([g], "x"):
+        assert t.tokens.tolist() == tokens and t.loss_mask.tolist() == mask and 0 in mask[len(prompt):]

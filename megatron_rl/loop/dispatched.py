@@ -269,9 +269,10 @@ def batch_name(groups: list[Group]) -> str:
 
 
 def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
-    """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward, components, status
-    for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard is skipped with a
-    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
+    """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
+    components, status for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
+    is skipped with a logged reason and appended to `unreadable` ("path: reason"); its episodes count as
+    missing."""
     from megatron_rl.data.shards import ShardError, read_shard
 
     out: dict[str, dict] = {}

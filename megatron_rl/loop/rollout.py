@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_rl.data.shards import Trajectory
 from megatron_rl.rollout import SamplingParams
 
+
 @dataclass
 class Group:
     """One prompt's episodes, destined for train step `step` (or an evaluation, `step` None)."""
@@ -308,7 +309,8 @@ class Rollouts:
 
 
 def _group_state(g: Group) -> dict:
-    return {"gid": g.gid, "step": g.step, "task": f"{g.task.domain}/{g.task.id}", "prompt": list(g.prompt), "rewards": g.rewards,
+    return {"gid": g.gid, "step": g.step, "task": f"{g.task.domain}/{g.task.id}", "prompt": list(g.prompt),
+            "rewards": g.rewards,
             "masks": [list(m) for m in g.masks], "turns": list(g.turns),
             "samples": [{"index": s.index, "token_ids": list(s.token_ids), "logprobs": list(s.logprobs),
                          "policy_versions": list(s.policy_versions), "finish_reason": s.finish_reason}

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.config import ConfigError
 from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
 from megatron_rl.tokenizer import Tokenizer
@@ -19,7 +20,7 @@ def task_lists(cfg: RunConfig) -> dict:
     """Tasks: train and heldout of data.domain (the warm-up's), rl (the RL loop's, per domain of the mixture)
     and eval (held-out tasks of every domain of the mixture, eval.tasks each)."""
     if cfg.curriculum.enabled:
-        from megatron_rl.loop.tasks import generate
+        from envs.countdown.curriculum import generate
 
         heldout = generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")
         return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"), "heldout": heldout,
@@ -32,6 +33,23 @@ def task_lists(cfg: RunConfig) -> dict:
             "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks],
             "rl": {d: ts for d, ts in cfg.envs.tasks("train").items() if cfg.envs.domains[d].weight > 0},
             "eval": [t for ts in evals.values() for t in ts[:cfg.eval.tasks]]}
+
+
+def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
+    """The RL and eval tasks whose prompt leaves room for a turn of rl.max_new_tokens in model.max_seq_length
+    (the others are left out and counted); a domain with no task left is refused, naming the fix."""
+    room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
+    fits = lambda ts: [t for t in ts if len(prompt_ids(tok, t)) <= room]  # noqa: E731
+    rl = {d: fits(ts) for d, ts in tasks["rl"].items()}
+    out = {**tasks, "rl": rl, "eval": fits(tasks["eval"])}
+    for d, ts in rl.items():
+        if not ts:
+            raise ConfigError(f"envs.domains.{d}: no task's prompt fits model.max_seq_length={cfg.model.max_seq_length}"
+                              f" with rl.max_new_tokens={cfg.rl.max_new_tokens}; raise max_seq_length")
+        if say and len(ts) < len(tasks["rl"][d]):
+            print(f"[megatron-rl] {d}: {len(tasks['rl'][d]) - len(ts)} of {len(tasks['rl'][d])} tasks left out "
+                  f"(prompt longer than {room} tokens)", flush=True)
+    return out
 
 
 def task_key(task) -> str:
@@ -114,11 +132,11 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
 
-    tasks, rank0 = task_lists(cfg), ctx.rank == 0
+    tok = cfg.tokenizer.build(cfg.model)
+    tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
-    tok = cfg.tokenizer.build(cfg.model)
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
     runner = episode_runner(cfg, run_dir) if rank0 else None
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
@@ -211,9 +229,13 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
     m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
          **clock.summary()}
     counts = {k.split("/")[0]: v for k, v in domains.items() if k.endswith("/count")}
-    n = sum(counts.values()) or 1.0
-    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in counts.items()) / n
-    m["sandbox_error_rate"] = sum(domains[f"{d}/invalid_frac"] * c for d, c in counts.items()) / n
+    valid = {d: c * (1.0 - domains[f"{d}/infra_error_frac"]) for d, c in counts.items()}  # scored episodes
+    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in valid.items()) / (sum(valid.values()) or 1.0)
+    m["sandbox_error_rate"] = sum(c - valid[d] for d, c in counts.items()) / (sum(counts.values()) or 1.0)
+    for d in parts.sampler.domains:  # every domain of the mixture, sampled this step or not
+        if d not in counts:
+            m.update({f"{d}/count": 0.0, f"{d}/reward_mean": None, f"{d}/turns_mean": None,
+                      f"{d}/infra_error_frac": None})
     if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
