@@ -27,8 +27,9 @@ TASK = Task("t-42", "tool_use", "What is 6 times 7? Use the calculator.", {"answ
 class ScriptedEngine:
     """Turn k of every episode answers SCRIPT[k] (k = the observations already in its context) + end of turn."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, script=None):
         self.tok, self.pending, self.counters, self.version = tok, [], {"steps": 0}, 3
+        self.script = script
         self.prompts: dict[str, list[int]] = {}
 
     def add_request(self, prompt, params, request_id):
@@ -48,7 +49,8 @@ class ScriptedEngine:
     def _samples(self, prompt, params):
         text = self.tok.decode(prompt)
         turn = text.count("<tool_response") + text.count("<tool_error")
-        ids = self.tok.encode(SCRIPT[min(turn, 2)]) + [self.tok.stop_ids[-1]]
+        script = self.script or SCRIPT
+        ids = self.tok.encode(script[min(turn, len(script) - 1)]) + [self.tok.stop_ids[-1]]
         lps = [-0.01 * (1 + k % 7) for k in range(len(ids))]
         return [SampleOutput(i, ids, lps, [self.version] * len(ids), "stop") for i in range(params.n)]
 
@@ -62,13 +64,14 @@ def hf_tok(tmp_path):
     return HFTokenizer(tmp_path)
 
 
-def _rollouts(tok, runner, group_size=2):
+def _rollouts(tok, runner, group_size=2, script=None):
     from megatron_rl.loop.config import RLLoopConfig
     from megatron_rl.loop.rollout import Rollouts
     from megatron_rl.prompts import prompt_ids
 
     cfg = RLLoopConfig(prompts_per_step=1, group_size=group_size, max_new_tokens=64, dynamic_sampling=False)
-    return Rollouts(ScriptedEngine(tok), runner, tok, lambda t: prompt_ids(tok, t), cfg, seed=1, max_tokens=4096)
+    return Rollouts(ScriptedEngine(tok, script), runner, tok, lambda t: prompt_ids(tok, t), cfg, seed=1,
+                    max_tokens=4096)
 
 
 def _runner(make=None):
@@ -232,3 +235,31 @@ def test_dispatched_episodes_keep_their_loss_mask_when_the_loop_repacks_them(tmp
     assert g.turns == [3, 3] and [r[2] for r in g.rewards] == ["ok", "ok"]
     for t in rollouts.trajectories([g], "x"):
         assert t.tokens.tolist() == tokens and t.loss_mask.tolist() == mask and 0 in mask[len(prompt):]
+
+
+@pytest.mark.parametrize("solve", [True, False])
+def test_terminal_tasks_are_evaluated_by_their_verifier(hf_tok, solve):
+    """eval through the episode loop on a multi-turn domain: the reference commands as a shell tool call pass
+    the hidden verifier (pass@k 1), doing nothing fails it (0); turns are counted."""
+    import json
+
+    from envs.sandbox import SandboxConfig
+    from envs.tasks import load_domain
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
+    from megatron_rl.loop.setup import heldout_success
+    from megatron_rl.run_config import RunConfig
+
+    task = next(t for t in load_domain("terminal", split="train") if t.id == "terminal-fix-median")
+    call = json.dumps({"name": "shell", "arguments": {"command": task.payload["reference_commands"][0]}})
+    script = [f"<tool_call>{call}</tool_call>" if solve else "I give up.", "Done."]
+    runner = ThreadEpisodeRunner(SandboxConfig(), 2)
+    try:
+        rollouts = _rollouts(hf_tok, runner, script=script)
+        cfg = RunConfig()
+        cfg.eval.k, cfg.rl.max_new_tokens = 2, 256
+        m = heldout_success(rollouts, [task], cfg, tag="ev")
+    finally:
+        runner.close()
+    want = 1.0 if solve else 0.0
+    assert m["terminal/success_greedy"] == m["terminal/pass@1"] == m["terminal/pass@2"] == want, m
+    assert m["terminal/turns_mean"] == (2.0 if solve else 1.0) and m["infra_error_frac"] == 0.0
