@@ -10,10 +10,12 @@
 Design: the `GPTModel` is built with `build_gpt` (same definition and parameter names as the trainer) and
 run by `ModelRunner` with a paged KV cache (`kv_cache.py`). Each `step()` is one forward over the mixed
 prefill/decode batch chosen by the `Scheduler` (continuous batching under `max_tokens_per_step`). The n
-samples of a prompt share its KV blocks (copy-on-write). Weight updates happen between steps; with
-policy 'continue' in-flight samples keep going and every token records the version that produced it
-(their cached K/V is recomputed under the new weights unless `kv_on_update='keep'`); with 'abort' they
-end with finish reason 'abort'.
+samples of a prompt share its KV blocks (copy-on-write), and a request whose leading tokens were computed
+before (the same prompt again, a multi-turn episode's context so far) shares their blocks through the prefix
+cache (`kv_cache.py`; `prefix_cache: false` turns it off) and prefills only the rest. Weight updates
+happen between steps (and clear the prefix cache); with policy 'continue' in-flight samples keep going and
+every token records the version that produced it (their cached K/V is recomputed under the new weights
+unless `kv_on_update='keep'`); with 'abort' they end with finish reason 'abort'.
 
 Tensor parallel: every TP rank runs the same engine with the same requests in the same order; the
 scheduler is deterministic, logits are gathered over TP, and the sampled tokens are broadcast from TP
