@@ -29,6 +29,8 @@ class DomainConfig:
     """Task files (.jsonl/.yaml); [] = the environment's shipped suite."""
     train_tasks: int = 0
     """Train tasks used at most (0 = all)."""
+    tier: str = ""
+    """Only tasks whose payload `tier` is this (the generated suites' easy / medium); '' = all tasks."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Overrides of the environment's reward component weights, e.g. {format: 0.0}."""
     max_turns: int = 4
@@ -71,16 +73,24 @@ class MixtureConfig:
                 make_env(name, reward_weights=d.reward_weights)
             except EnvError as e:
                 raise ConfigError(f"envs.domains.{name}.reward_weights: {e}") from None
+        for name, d in domains.items():
+            if d.tier and not self.tasks("train", only=name)[name]:
+                raise ConfigError(f"envs.domains.{name}.tier={d.tier!r}: no train task of {name!r} has that tier "
+                                  f"(payload.tier); leave it '' for all tasks")
         if not any(d.weight > 0 for d in domains.values()):
             raise ConfigError("envs.domains: no domain has a weight > 0, so the RL loop has nothing to sample")
 
-    def tasks(self, split: str) -> dict[str, list[Task]]:
-        """Tasks per domain of `split` (train: capped at each domain's train_tasks)."""
+    def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
+        """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""
         from envs.tasks import load_domain
 
         out = {}
         for name, d in self.domains.items():
+            if only is not None and name != only:
+                continue
             tasks = load_domain(name, d.task_files or None, split=split)
+            if d.tier:
+                tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
             out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
         return out
 
