@@ -102,6 +102,10 @@ def test_mixture_config_documented_validated_and_loaded_from_dict():
         MixtureConfig({"math": DomainConfig(reward_weights={"style": 1.0})}).validate()
     with pytest.raises(ConfigError, match="no domain has a weight > 0"):
         MixtureConfig({"math": DomainConfig(weight=0.0)}).validate()
+    easy = MixtureConfig({"math": DomainConfig(tier="easy")}).tasks("heldout")["math"]
+    assert easy and {t.payload["tier"] for t in easy} == {"easy"}
+    with pytest.raises(ConfigError, match=r"envs.domains.arithmetic.tier='easy': no train task"):
+        MixtureConfig({"arithmetic": DomainConfig(tier="easy")}).validate()
     with pytest.raises(ConfigError, match="wieght"):
         from_dict(MixtureConfig, {"domains": {"math": {"wieght": 2}}})
 
