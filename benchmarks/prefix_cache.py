@@ -7,10 +7,15 @@ multi-turn episodes do. All episodes' turn k run together (continuous batching).
 the same weights; their tokens must be identical. Prints one JSON object with the ratio.
 
     .venv/bin/python benchmarks/prefix_cache.py [--episodes 8 --turns 3 --prompt 600 --new 32 --obs 64]
+    .venv/bin/python benchmarks/prefix_cache.py --layers 30 --hidden 576 --heads 9 --groups 3   # SmolLM2-135M's shape
+
+The default model is tiny (4 layers, hidden 256), where decode steps dominate and prefill is cheap; the
+main job's model shape shows what prefill costs there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -23,7 +28,7 @@ CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_quer
                   max_seq_length=2048)
 
 
-def build():
+def build(args):
     from megatron.core import tensor_parallel
 
     from megatron_rl.compat.testing import init_weights_by_name
@@ -33,7 +38,9 @@ def build():
 
     ctx = init_distributed(ParallelConfig(), source="single")
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    model = build_gpt(CFG, ParallelConfig(), ctx.pgs)
+    cfg = dataclasses.replace(CFG, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                              num_query_groups=args.groups)
+    model = build_gpt(cfg, ParallelConfig(), ctx.pgs)
     init_weights_by_name(model, seed=0)
     return model.eval(), ctx.pgs
 
@@ -61,11 +68,12 @@ def main() -> None:
     from megatron_rl.rollout import EngineConfig, RolloutEngine
 
     ap = argparse.ArgumentParser()
-    for name, default in (("episodes", 8), ("turns", 3), ("prompt", 600), ("new", 32), ("obs", 64)):
+    for name, default in (("episodes", 8), ("turns", 3), ("prompt", 600), ("new", 32), ("obs", 64), ("layers", 4),
+                          ("hidden", 256), ("heads", 8), ("groups", 4)):
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, pgs = build()
+    model, pgs = build(args)
     prompts, obs = episodes(args)
     res = {}
     for name, on in (("cold", False), ("prefix_cache", True)):
