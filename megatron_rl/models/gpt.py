@@ -138,8 +138,7 @@ class MLAConfig:
     def enabled(self) -> bool:
         return self.kv_lora_rank > 0
 
-    def validate(self, cfg: ModelConfig) -> None:
-        """Refuse settings MLA does not combine with (each names its key)."""
+    def validate(self) -> None:
         if self.kv_lora_rank < 0:
             raise ConfigError(f"model.mla.kv_lora_rank={self.kv_lora_rank} must be >= 0")
         if not self.enabled:
@@ -149,6 +148,12 @@ class MLAConfig:
         for key, n in sizes.items():
             if n < 1 or (key == "qk_pos_emb_head_dim" and n % 2):
                 raise ConfigError(f"model.mla.{key}={n} must be a positive size (even for the RoPE part)")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse model settings MLA does not combine with (each names its key)."""
+        self.validate()
+        if not self.enabled:
+            return
         for key in _mla_clashes(cfg):
             raise ConfigError(f"model.{key}={_get(cfg, key)!r} does not apply to multi-latent attention "
                               f"(model.mla.kv_lora_rank > 0: MLA has its own head sizes, always normalises its "
@@ -254,7 +259,7 @@ class ModelConfig:
                               f"num_layers={self.num_layers}")
         if self.fp8 != "none" and self.transformer_impl != "transformer_engine":
             raise ConfigError("model.fp8 needs model.transformer_impl=transformer_engine (FP8 runs through TE)")
-        self.mla.validate(self)
+        self.mla.check_model(self)
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,

@@ -29,7 +29,7 @@ KINDS = ("hf", "mcore")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
                "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
                "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
-               "position_embedding", "moe")
+               "position_embedding", "moe", "mla")
 META = "megatron_rl_convert.json"
 
 

@@ -57,10 +57,24 @@ class Batch:
     """[R] packed indices whose logits are returned (the last token of sequences that sample)."""
 
 
+def check_servable(model_cfg) -> None:
+    """Refuse (ConfigError, before any rank starts) a model this engine cannot serve."""
+    from megatron_rl.config import ConfigError
+
+    if model_cfg.mla.enabled:
+        raise ConfigError(f"model.mla.kv_lora_rank={model_cfg.mla.kv_lora_rank}: multi-latent attention "
+                          f"(DeepSeek-V3, Kimi-K2) is not supported by the rollout engine yet (its paged cache "
+                          f"holds per-head K/V, not MLA's compressed latent + RoPE key); such a model can be "
+                          f"converted and trained, not served by megatron-rl's engine")
+
+
 class ModelRunner:
     """Runs a `GPTModel` (one pipeline stage holding the whole model) over paged batches."""
 
     def __init__(self, model, tp_group=None, cp_group=None):
+        if getattr(model.config, "multi_latent_attention", False):
+            raise ValueError("rollout engine: multi-latent attention (model.mla) is not supported by the paged "
+                             "attention yet (it caches per-head K/V, not the compressed latent)")
         if getattr(model.config, "window_size", None):
             raise ValueError(f"rollout engine: sliding-window attention (window_size={model.config.window_size}) "
                              f"is not supported by the paged attention yet; serve a full-attention model")
