@@ -141,8 +141,7 @@ def test_impossible_layouts_are_refused_naming_the_key(par, words):
 def test_expert_bias_update_runs_in_finalize_model_grads(ctx):
     """router_bias_update_rate > 0: Megatron's finalize_model_grads (the trainer's finalize_model_grads_func)
     moves each expert's bias by the rate towards balance; the default 0 keeps the loaded bias."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     for rate in (0.0, 0.01):
         model = build(tiny_dsv3(router_bias_update_rate=rate), ctx)
