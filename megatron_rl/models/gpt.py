@@ -430,12 +430,14 @@ def layer_spec(cfg: ModelConfig, cp: int = 1, tcfg=None, *, vp_stage: int | None
 
 
 def _swap_core_attention(spec, cfg: ModelConfig, cp: int) -> None:
-    """Local spec: CP attention for cp > 1; MLA's head sizes for multi-latent attention (models/mla_attention)."""
+    """Local spec: CP attention for cp > 1; for multi-latent attention its head sizes and a replicated kv down
+    projection (models/mla_attention: the TP gradient of the shared RoPE key)."""
     from megatron_rl.models.cp_attention import CPDotProductAttention
-    from megatron_rl.models.mla_attention import MLADotProductAttention
+    from megatron_rl.models.mla_attention import MLADotProductAttention, replicated_linear
 
     if cfg.mla.enabled:
         spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        spec.submodules.self_attention.submodules.linear_kv_down_proj = replicated_linear()
     elif cp > 1:
         spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
 
@@ -461,4 +463,8 @@ def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_proce
         post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         rotary_base=cfg.rotary_base, pg_collection=pgs, vp_stage=vp_stage, **rope_kwargs(cfg))
     finish_rope(model, cfg)
+    if cfg.mla.enabled:
+        from megatron_rl.models.mla_attention import fix_rope_key_grad
+
+        fix_rope_key_grad(model, pgs.tp if pgs is not None else parallel_state.get_tensor_model_parallel_group())
     return model
