@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tests.mp.launch import emit, free_port
 
 SEED, STEPS, VOCAB = 1234, 3, 64
-LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe: bool or "dsv3"/"mla" (DeepSeek-V3), distributed optimizer)
+LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe: bool or "dsv3"/"mla", distributed optimizer)
     "tp2": (dict(tp=2), 2, False, False),
     "pp2": (dict(pp=2), 2, False, False),
     "pp2_vpp2": (dict(pp=2, vpp=2), 4, False, False),
