@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.config import ConfigError
 from megatron_rl.models.gpt import MLAConfig, ModelConfig, MoEConfig
 from tools.convert.arch.base import Arch, ConvertError, MoENames, Rule, hf_dtype, hf_rope_scaling, rope_scaling
 
@@ -46,8 +47,11 @@ class DeepseekV3Arch(Arch):
                           qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
                           v_head_dim=hf["v_head_dim"]),
             moe=self._moe_config(hf))
-        cfg.validate()
-        cfg.moe.validate()
+        try:
+            cfg.validate()
+            cfg.moe.validate()
+        except ConfigError as e:
+            raise ConvertError(f"{self.name}: {e}") from None
         return cfg, {}
 
     def _moe_config(self, hf: dict) -> MoEConfig:
