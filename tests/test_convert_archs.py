@@ -389,3 +389,22 @@ def test_deepseek_v3_variants_it_cannot_convert_are_refused(change, words, tmp_p
     (hf / "config.json").write_text(json.dumps({**cfg, **change}))
     err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
     assert words in err, err
+
+
+def test_deepseek_v3_bf16_with_the_original_config_keys(tmp_path, capsys):
+    """A bf16 checkpoint whose config.json carries DeepSeek's own keys (topk_method, scoring_func, auto_map...):
+    converted; exported in bf16 except the expert bias, which Megatron and DeepSeek's files keep in fp32."""
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf", dtype=torch.bfloat16)
+    cfg = json.loads((hf / "config.json").read_text())
+    own = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1,
+           "aux_loss_alpha": 0.001, "seq_aux": True, "num_nextn_predict_layers": 0,
+           "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (hf / "config.json").write_text(json.dumps({**cfg, **own}))
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["dtype_casts"] == [] and rep["verify"]["max_abs_logit_diff"] <= 5e-2
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"], capsys)
+    assert rep["verify"]["dtypes"] == ["BF16", "F32"]
+    x, y = hf_tensors(hf), hf_tensors(tmp_path / "hf2")
+    bias = [k for k in x if k.endswith("e_score_correction_bias")]
+    assert bias and all(y[k].dtype == torch.float32 and torch.equal(y[k], x[k].float()) for k in bias)
+    assert all(y[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x if k not in bias)

@@ -146,8 +146,13 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
             continue
         if name not in rules:
             raise ConvertError(f"checkpoint tensor {name!r} has no mapping in the {arch.name} table")
+        keep = name.endswith(_FP32_TENSORS)  # fp32 in Megatron and in the source checkpoints: never rounded
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
-            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) else part)
+            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) and not keep else part)
+
+
+_FP32_TENSORS = (".router.expert_bias",)
+"""Written in fp32 whatever the config's dtype (DeepSeek-V3's e_score_correction_bias is fp32 in its files)."""
 
 
 def _layer_rules_for(arch, hf, tensors):
