@@ -1,7 +1,8 @@
 """DeepSeek-V3 / Kimi-K2 in the trainer (one process, CPU): Megatron-Core's multi-latent attention with YaRN,
 the sigmoid router with its expert bias, grouped top-k, routed scaling, shared experts and first-k dense layers,
 on the local spec; the refusals of impossible settings and layouts (naming the key); model.init=hf:DIR of a
-DeepseekV3ForCausalLM folder gives transformers' logits; the rollout engine and `megatron-rl train` refuse MLA.
+DeepseekV3ForCausalLM folder gives transformers' logits; the rollout engine serves MLA on the local spec
+only, and `megatron-rl train` refuses it with TE up front.
 
 Parallel layouts (TP2, EP2, PP2) are compared with this one-process run in tests/test_trainer_multiproc.py.
 """
@@ -184,22 +185,23 @@ def test_model_init_from_a_deepseek_v3_folder_gives_transformers_logits(tmp_path
         ModelConfig(init=f"hf:{hf}", max_seq_length=64, mla=MLAConfig(kv_lora_rank=32)).validate()
 
 
-def test_rollout_engine_refuses_mla_before_any_work(ctx):
-    from megatron_rl.rollout.model_runner import ModelRunner, check_servable
+def test_rollout_engine_serves_mla_on_the_local_spec_only():
+    """The engine serves MLA with the local spec (tests/test_rollout_engine.py); with TE it is refused before
+    any rank starts (checked by `megatron-rl train`'s config validation)."""
+    from megatron_rl.rollout.model_runner import check_servable
 
-    with pytest.raises(ConfigError, match="multi-latent attention .* not supported by the rollout engine"):
-        check_servable(tiny_dsv3())
-    check_servable(ModelConfig())  # standard attention is served
-    with pytest.raises(ValueError, match="multi-latent attention"):
-        ModelRunner(build(tiny_dsv3(), ctx))
+    check_servable(tiny_dsv3())
+    with pytest.raises(ConfigError, match="serves multi-latent attention with the local layer spec only"):
+        check_servable(dataclasses.replace(tiny_dsv3(), transformer_impl="transformer_engine"))
 
 
-def test_train_config_with_an_mla_model_is_refused_before_any_rank_starts():
+def test_train_config_with_an_mla_model_it_cannot_serve_is_refused_before_any_rank_starts():
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
 
     argv = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24", "model.mla.qk_head_dim=8",
             "model.mla.qk_pos_emb_head_dim=4", "model.mla.v_head_dim=8", "data.domain=arithmetic",
             "curriculum.enabled=false", "launch.nproc_per_node=1"]
-    with pytest.raises(ConfigError, match="not supported by the rollout engine"):
-        C.load(RunConfig, None, argv)
+    assert C.load(RunConfig, None, argv).model.mla.enabled  # served: accepted
+    with pytest.raises(ConfigError, match="local layer spec only"):
+        C.load(RunConfig, None, [*argv, "model.transformer_impl=transformer_engine"])
