@@ -254,10 +254,10 @@ def test_sliding_window_model_is_refused_by_the_engine(pgs):
 def test_mla_model_logprobs_equal_full_forward(pgs):
     """DeepSeek-V3 in miniature (MLA with YaRN over the compressed-latent cache, sigmoid-routed MoE): sampled
     log-probs equal a full no-cache forward; shared prompt blocks (n=2) and continuous batching included."""
+    from dataclasses import replace
+
     from megatron_rl.compat.testing import init_weights_by_name
     from tests.test_deepseek_v3 import tiny_dsv3
-
-    from dataclasses import replace
 
     cfg = replace(tiny_dsv3(), vocab_size=384, max_seq_length=128)
     model = build_gpt(cfg, ParallelConfig(), pgs)

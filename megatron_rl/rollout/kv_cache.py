@@ -10,9 +10,9 @@
 Storage: one tensor `kv` of shape [layers, 2, num_blocks, block_size, kv_heads/tp, head_dim] (index 0 = K,
 1 = V), i.e. per layer K and V each [num_blocks, block_size, kv_heads/tp, head_dim]. Multi-latent attention
 (`parts=1`, kv_heads=1): one row per token instead, [layers, 1, ...], the normalised kv latent and the RoPE'd
-shared key (kv_lora_rank + qk_pos_emb_head_dim values; DeepSeek's compressed cache), the same on all TP ranks. Nothing is allocated
-after construction, so a full pool never runs out of memory: `ensure` returns False and the scheduler
-queues or preempts. Shared blocks (the prompt of n samples) are copied on the first write into them.
+shared key (kv_lora_rank + qk_pos_emb_head_dim values; DeepSeek's compressed cache), the same on all TP ranks.
+Nothing is allocated after construction, so a full pool never runs out of memory: `ensure` returns False and
+the scheduler queues or preempts. Shared blocks (the prompt of n samples) are copied on the first write into them.
 """
 from __future__ import annotations
 
