@@ -57,6 +57,10 @@ class OptimConfig:
 LossFn = Callable[[torch.Tensor | HeadOutput, dict], tuple[torch.Tensor, dict]]
 
 
+FORWARD_BUFFERS = (".router.expert_bias",)
+"""Buffer names (suffixes) that are weights: loaded from checkpoints, read by the forward, synced to engines."""
+
+
 class Policy:
     """Model chunks + DDP + optimizer of one rank."""
 
@@ -189,10 +193,17 @@ class Policy:
                   num_microbatches=len(microbatches), seq_length=seq_length,
                   micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's weights by name, as the rollout engine and weight pushes take them: every parameter, then
+        the buffers the forward reads that are not derived from the config (FORWARD_BUFFERS: DeepSeek-V3's
+        expert bias, which Megatron keeps as a buffer; without it an engine would route differently)."""
         for i, chunk in enumerate(self.chunks):
+            prefix = f"chunk{i}." if len(self.chunks) > 1 else ""
             for name, p in chunk.module.named_parameters():
-                yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), p
+                yield prefix + name, p
+            for name, b in chunk.module.named_buffers():
+                if name.endswith(FORWARD_BUFFERS):
+                    yield prefix + name, b
 
 
 def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, data_iterator, model):
