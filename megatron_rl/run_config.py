@@ -154,6 +154,7 @@ class RunConfig:
         from megatron_rl.rollout.model_runner import check_servable
 
         self.model.check_parallel(self.parallel)
+        self.model.check_training(self.parallel)
         check_servable(self.model)  # the rollout engine serves this policy (refused here, before any rank starts)
         if self.tokenizer.resolved_path(self.model):
             self.tokenizer.build(self.model)  # the HF tokenizer loads and its ids fit the model

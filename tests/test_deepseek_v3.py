@@ -129,10 +129,13 @@ def test_router_settings_it_cannot_honour_are_refused(change, words):
 @pytest.mark.parametrize("par, words", [
     (dict(tp=3), "num_attention_heads=4 is not divisible by parallel.tp=3"),
     (dict(cp=2), "parallel.cp=2 with multi-latent attention"),
+    (dict(tp=2), "parallel.sequence_parallel=false with MoE at parallel.tp=2"),
 ])
 def test_impossible_layouts_are_refused_naming_the_key(par, words):
     with pytest.raises(ConfigError, match=words):
         tiny_dsv3().check_parallel(ParallelConfig(**par))
+        tiny_dsv3().check_training(ParallelConfig(**par))
+    tiny_dsv3().check_training(ParallelConfig(tp=2, sequence_parallel=True))
     cfg = dataclasses.replace(tiny_dsv3(), num_attention_heads=6, mla=MLAConfig(kv_lora_rank=16, q_lora_rank=24,
                                                                              qk_head_dim=8, qk_pos_emb_head_dim=6))
     with pytest.raises(ConfigError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=22 is not divisible by parallel.tp=3"):

@@ -267,6 +267,13 @@ class ModelConfig:
         if self.mla.enabled:
             _check_mla_parallel(self.mla, parallel)
 
+    def check_training(self, parallel: ParallelConfig) -> None:
+        """Layouts Megatron-Core trains only with extra settings (serving them is fine)."""
+        if self.moe.num_experts and parallel.tp > 1 and not parallel.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel=false with MoE at parallel.tp={parallel.tp}: Megatron-Core "
+                              f"refuses to train MoE layers under TP without sequence parallelism; set "
+                              f"parallel.sequence_parallel=true")
+
 
 def _check_mla_parallel(mla: MLAConfig, parallel: ParallelConfig) -> None:
     """MLA's down projections are column-parallel (split over TP ranks, then gathered); no CP here."""

@@ -67,6 +67,7 @@ class Policy:
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, ctx: DistContext, total_steps: int,
                  init: Callable[[torch.nn.Module], None] | None = None):
         self.cfg, self.optim_cfg, self.ctx = model_cfg, optim_cfg, ctx
+        model_cfg.check_training(ctx.parallel)
         self.tcfg = transformer_config(model_cfg, ctx.parallel)
         self.chunks = self._build_chunks(init)
         self.optimizer = self._build_optimizer()
