@@ -372,6 +372,9 @@ def test_deepseek_v3_mtp_layers_are_dropped_on_import(tmp_path, capsys):
     (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
     assert rep["verify"]["max_abs_logit_diff"] <= TOL
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"], capsys)
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert not [k for k in hf_tensors(tmp_path / "hf2") if k.startswith("model.layers.3.")]  # the export has none
 
 
 @pytest.mark.parametrize("change, words", [

@@ -177,6 +177,8 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
+    if hf.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers were dropped on import: none written
+        hf["num_nextn_predict_layers"] = 0
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)
