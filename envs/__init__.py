@@ -5,8 +5,8 @@ and reward functions; third-party ones come through the `megatron_rl.environment
 `megatron_rl.rewards` entry-point groups.
 """
 from envs import arithmetic, code, countdown, docqa, math, terminal, tool_use  # noqa: F401  (register the built-ins)
-from envs.base import ENVIRONMENTS, EnvConfig, Environment, Observation, RewardResult, StepResult, Task, make_env
+from envs.base import ENVIRONMENTS, Environment, Observation, RewardResult, StepResult, Task, make_env
 from envs.rewards import REWARDS
 
-__all__ = ["ENVIRONMENTS", "REWARDS", "EnvConfig", "Environment", "Observation", "RewardResult", "StepResult",
+__all__ = ["ENVIRONMENTS", "REWARDS", "Environment", "Observation", "RewardResult", "StepResult",
            "Task", "make_env"]

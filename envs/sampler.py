@@ -32,29 +32,39 @@ class DomainMetrics:
         self._comp = defaultdict(lambda: defaultdict(float))
         self._status = defaultdict(lambda: defaultdict(int))
         self._invalid = defaultdict(int)
+        self._turns = defaultdict(int)
 
-    def record(self, domain: str, reward: RewardResult | float, status: str = "ok") -> None:
+    def record(self, domain: str, reward: RewardResult | float, status: str = "ok", turns: int = 1) -> None:
+        """One episode: its reward, its status (not ok: an infrastructure failure, whose reward is not a score
+        and is left out of the reward statistics) and its turns."""
         total = reward.total if isinstance(reward, RewardResult) else float(reward)
+        valid = reward.valid if isinstance(reward, RewardResult) else status == "ok"
         self._n[domain] += 1
+        self._turns[domain] += turns
+        self._status[domain][status] += 1
+        self._invalid[domain] += not valid
+        if not valid:
+            return
         self._sum[domain] += total
         self._sq[domain] += total * total
-        self._status[domain][status] += 1
         if isinstance(reward, RewardResult):
             for name, v in reward.components.items():
                 self._comp[domain][name] += v
-            self._invalid[domain] += not reward.valid
 
     def summary(self, reset: bool = False) -> dict[str, float]:
-        """Flat metrics: '<domain>/reward_mean', '/reward_std', '/count', '/<component>_mean',
-        '/status_<s>' (fraction), '/invalid_frac'."""
+        """Flat metrics: '<domain>/reward_mean', '/reward_std', '/count', '/turns_mean', '/<component>_mean',
+        '/status_<s>' (fraction), '/infra_error_frac' (episodes whose status is not ok: sandbox errors,
+        infrastructure timeouts, lost workers; never scored, dropped from training; alias '/invalid_frac')."""
         out = {}
         for d, n in sorted(self._n.items()):
-            mean = self._sum[d] / n
+            nv = max(n - self._invalid[d], 1)  # reward statistics over the valid episodes only
+            mean = self._sum[d] / nv
             out[f"{d}/count"] = float(n)
             out[f"{d}/reward_mean"] = mean
-            out[f"{d}/reward_std"] = math.sqrt(max(self._sq[d] / n - mean * mean, 0.0))
-            out[f"{d}/invalid_frac"] = self._invalid[d] / n
-            out.update({f"{d}/{c}_mean": v / n for c, v in sorted(self._comp[d].items())})
+            out[f"{d}/reward_std"] = math.sqrt(max(self._sq[d] / nv - mean * mean, 0.0))
+            out[f"{d}/turns_mean"] = self._turns[d] / n
+            out[f"{d}/infra_error_frac"] = out[f"{d}/invalid_frac"] = self._invalid[d] / n
+            out.update({f"{d}/{c}_mean": v / nv for c, v in sorted(self._comp[d].items())})
             out.update({f"{d}/status_{s}": c / n for s, c in sorted(self._status[d].items())})
         if reset:
             self.reset()
@@ -115,9 +125,9 @@ class DomainSampler:
         while True:
             yield self.next()
 
-    def record(self, task: Task, reward: RewardResult | float, status: str = "ok") -> None:
+    def record(self, task: Task, reward: RewardResult | float, status: str = "ok", turns: int = 1) -> None:
         """Accumulate an episode's reward into the per-domain metrics."""
-        self.metrics.record(task.domain, reward, status)
+        self.metrics.record(task.domain, reward, status, turns)
 
     def state_dict(self) -> dict:
         return {"version": 1, "seed": self.seed, "draws": self.draws,

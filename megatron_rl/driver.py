@@ -1,8 +1,9 @@
 """The RL loop, on every trainer rank (torchrun/srun), with the rollout engine in-process on the same ranks.
 
-    sample prompts across domains -> generate (engine) -> env step + sandboxed reward (rank 0's thread pool)
-    -> HDF5 shard -> advantages + policy update (Megatron) -> weights copied into the engine by name
-    (policy_version += 1) -> evaluate / checkpoint / log, repeated.
+    sample prompts across the mixture's domains -> episodes (envs/episode.py: generate with the engine ->
+    env step in rank 0's sandboxed thread pool -> next turn ...) -> composed reward -> HDF5 shard
+    -> advantages + policy update (Megatron) -> weights copied into the engine by name (policy_version += 1)
+    -> evaluate / checkpoint / log, repeated.
 
 The engine shares the trainer's TP group and model definition, so a weight sync is a copy by parameter name.
 `rl.max_staleness` = 0 is synchronous training; k >= 1 submits each step's prompts k steps early, so their

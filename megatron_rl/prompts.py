@@ -15,7 +15,8 @@ def compact_prompt(task) -> str:
 
 
 @cache
-def _env(domain: str):
+def environment(domain: str):
+    """A default instance of the domain's environment (its prompt format, tools and success definition)."""
     import envs  # noqa: F401  (registers the built-in environments)
     from envs.base import make_env
 
@@ -24,11 +25,11 @@ def _env(domain: str):
 
 def messages(task) -> list[dict]:
     """The chat of a task: one user turn with the environment's rendered prompt (its format instructions)."""
-    return [{"role": "user", "content": _env(task.domain).render_prompt(task)}]
+    return [{"role": "user", "content": environment(task.domain).render_prompt(task)}]
 
 
 def prompt_ids(tok, task) -> list[int]:
     """Token ids the policy is prompted with for `task`, ending where its answer starts."""
     if tok.has_chat_template:
-        return tok.prompt_ids(messages(task), _env(task.domain).tool_schemas() or None)
+        return tok.prompt_ids(messages(task), environment(task.domain).tool_schemas() or None)
     return tok.prompt_ids([{"role": "user", "content": compact_prompt(task)}])

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from envs.countdown.curriculum import CurriculumConfig
+from envs.mixture import DomainConfig, MixtureConfig
 from megatron_rl.config import ConfigError
-from megatron_rl.loop.config import CurriculumConfig, EpisodesConfig, EvalConfig, RLLoopConfig
+from megatron_rl.loop.config import EpisodesConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig
@@ -50,7 +52,7 @@ class DataConfig:
     """Task data for the warm-up phase."""
 
     domain: str = "countdown"
-    """Environment whose task suite provides the data."""
+    """Environment of the warm-up's data, and the RL loop's only domain when `envs.domains` is empty."""
     train_tasks: int = 256
     """Training tasks taken from the suite."""
     heldout_tasks: int = 32
@@ -132,7 +134,9 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Task data."""
+    """Task data of the warm-up, sandbox and episode threads."""
+    envs: MixtureConfig = field(default_factory=MixtureConfig)
+    """The RL loop's mixture of domains (weights, tasks, rewards, budgets, judge)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Supervised warm-up."""
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
@@ -150,6 +154,30 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     """The HF export at the end of the run."""
 
+    def _resolve_domains(self) -> None:
+        """`envs.domains` empty: the one domain data.domain with rl.reward_weights (the single-domain form)."""
+        if not self.envs.domains:
+            self.envs.domains = {self.data.domain: DomainConfig(reward_weights=dict(self.rl.reward_weights))}
+        elif self.rl.reward_weights and any(d.reward_weights != self.rl.reward_weights
+                                            for d in self.envs.domains.values()):
+            raise ConfigError("rl.reward_weights applies to data.domain alone; with envs.domains set, give each "
+                              "domain its own envs.domains.<name>.reward_weights")
+        self.envs.validate()
+
+    def _check_warmup(self) -> None:
+        """The supervised warm-up trains on reference answers (`payload.solution`); refuse a domain without."""
+        if self.train.steps == 0 or self.curriculum.enabled:
+            return
+        from envs.tasks import load_domain
+
+        missing = [t.id for t in load_domain(self.data.domain, split="train")[:self.data.train_tasks]
+                   if not isinstance(t.payload.get("solution"), str)]
+        if missing:
+            raise ConfigError(f"train.steps={self.train.steps} (the supervised warm-up) needs a reference answer "
+                              f"(payload.solution) in every task, but {len(missing)} tasks of data.domain "
+                              f"{self.data.domain!r} have none (e.g. {missing[0]!r}); set train.steps=0 to start "
+                              f"RL from the model as it is, or pick a domain with reference answers")
+
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
 
@@ -165,19 +193,17 @@ class RunConfig:
         if self.rl.max_new_tokens + 16 > self.model.max_seq_length:
             raise ConfigError(f"rl.max_new_tokens={self.rl.max_new_tokens} leaves no room for a prompt in "
                               f"model.max_seq_length={self.model.max_seq_length} (keep 16 tokens for it)")
-        if self.rl.reward_weights:
-            from envs.base import EnvError, make_env
-
-            try:
-                make_env(self.data.domain, reward_weights=self.rl.reward_weights)
-            except EnvError as e:
-                raise ConfigError(f"rl.reward_weights for data.domain {self.data.domain!r}: {e}") from None
+        self._resolve_domains()
+        self._check_warmup()
         if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
             raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
                               f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")
+        if self.curriculum.enabled and set(self.envs.domains) != {"countdown"}:
+            raise ConfigError(f"curriculum.enabled generates countdown tasks for the RL loop but envs.domains is "
+                              f"{sorted(self.envs.domains)}; set curriculum.enabled=false")
         if self.curriculum.enabled and self.data.domain != "countdown":
             raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
                               f"{self.data.domain!r}; set curriculum.enabled=false")

@@ -48,6 +48,11 @@ class Tokenizer(Protocol):
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
 
+    def observation_ids(self, role: str, text: str, stopped: bool) -> list[int]:
+        """Tokens that follow a model turn in a multi-turn episode: the end of that turn (unless the model
+        `stopped` on an end-of-turn token already), the observation as a `role` message, and the next
+        assistant header."""
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -78,6 +83,10 @@ class ByteTokenizer:
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """bos + the messages' contents (the compact format of tiny byte-level models: no template)."""
         return [self.bos_id, *self.encode("".join(m["content"] for m in messages))]
+
+    def observation_ids(self, role: str, text: str, stopped: bool) -> list[int]:
+        """The observation's bytes (no chat format)."""
+        return self.encode(text)
 
 
 class HFTokenizer:
@@ -167,8 +176,65 @@ class HFTokenizer:
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.specials)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the rendered chat, ending with the assistant's generation prompt."""
+        """Token ids of the rendered chat, ending with the assistant's generation prompt. Tools go to the
+        template when it renders them, else into a system message in the Hermes format (`TOOLS_SYSTEM`)."""
+        if tools and not self.template_renders_tools:
+            return self.encode(self.render(with_tools_system(messages, tools)))
         return self.encode(self.render(messages, tools))
+
+    @property
+    def template_renders_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def observation_ids(self, role: str, text: str, stopped: bool) -> list[int]:
+        """See `Tokenizer.observation_ids`. Rendered by the chat template around placeholders, so the tokens
+        are the template's own; a tool result is a `user` message when the template has no tool role."""
+        if not self.has_chat_template:
+            return self.encode(text)
+        closing, pre, post = self._observation_frame("tool" if role == "tool" and self.template_renders_tools
+                                                     else "user" if role == "tool" else role)
+        if stopped:
+            for i in self.stop_ids:
+                stop = self._tok.id_to_token(i) or ""
+                if stop and closing.startswith(stop):
+                    closing = closing[len(stop):]
+                    break
+        return self.encode(closing + pre + text + post)
+
+    def _observation_frame(self, role: str) -> tuple[str, str, str]:
+        """(what ends an assistant turn, text before an observation, text after it incl. the next header)."""
+        frame = self._frames.get(role) if hasattr(self, "_frames") else None
+        if frame is None:
+            a_mark, o_mark = "\x01ASSISTANT\x01", "\x01OBSERVATION\x01"
+            chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                    {"role": "assistant", "content": a_mark}]
+            head = self.render(chat, add_generation_prompt=False)
+            full = self.render(chat + [{"role": role, "content": o_mark}], add_generation_prompt=True)
+            if not full.startswith(head) or a_mark not in head or o_mark not in full:
+                raise ConfigError(f"{self.path}: the chat template does not render a conversation as a prefix of "
+                                  f"its continuation, so multi-turn episodes cannot be tokenised exactly")
+            closing = head[head.index(a_mark) + len(a_mark):]
+            pre, post = full[len(head):].split(o_mark, 1)
+            self._frames = {**getattr(self, "_frames", {}), role: (closing, pre, post)}
+            frame = self._frames[role]
+        return frame
+
+
+TOOLS_SYSTEM = (
+    "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+"""The tool prompt of templates that do not render tools (the Hermes / Qwen2.5 format, which
+`envs.base.parse_tool_calls` reads back)."""
+
+
+def with_tools_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tools' JSON schemas in the system message (added, or appended to the first one)."""
+    block = TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
 
 
 def _read_json(path: Path) -> dict:

@@ -36,7 +36,7 @@ def tiny_tokenizer(folder: Path, vocab_size: int = 200, template: str | None = C
 
 
 def tiny_llama(folder: Path, tok, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-               seed: int = 0, dtype: str = "float32"):
+               seed: int = 0, dtype: str = "float32", max_positions: int = 512):
     """A random LlamaForCausalLM whose vocabulary is `tok`'s, saved (safetensors) with the tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -44,7 +44,8 @@ def tiny_llama(folder: Path, tok, layers: int = 2, hidden: int = 64, heads: int 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      max_position_embeddings=max_positions, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     with torch.no_grad():  # larger logits than the default init: sampled answers differ between seeds

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from envs.countdown.curriculum import CurriculumConfig, generate
 from megatron_rl.config import ConfigError
-from megatron_rl.loop.config import CurriculumConfig, RLLoopConfig
+from megatron_rl.loop.config import RLLoopConfig
 from megatron_rl.loop.rollout import Group, seed_of, trajectory
-from megatron_rl.loop.tasks import generate
 from megatron_rl.rollout import SampleOutput
 
 

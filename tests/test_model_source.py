@@ -20,7 +20,7 @@ def hf_dir(tmp_path_factory):
 
 def _load(hf_dir, *overrides):
     return C.load(RunConfig, None, [f"model.init=hf:{hf_dir}", "data.domain=arithmetic", "curriculum.enabled=false",
-                                    "launch.nproc_per_node=1", *overrides])
+                                    "train.steps=0", "launch.nproc_per_node=1", *overrides])
 
 
 def test_shape_and_tokenizer_come_from_the_checkpoint(hf_dir):
@@ -99,7 +99,8 @@ def test_mcore_init_from_a_converted_checkpoint(hf_dir, tmp_path):
     hf_to_mcore(str(hf_dir), str(tmp_path / "ckpt"))
     via_hf = _load(hf_dir, "model.max_seq_length=64")
     cfg = C.load(RunConfig, None, [f"model.init=mcore:{tmp_path / 'ckpt'}", "model.max_seq_length=64",
-                                   "data.domain=arithmetic", "curriculum.enabled=false", "launch.nproc_per_node=1"])
+                                   "data.domain=arithmetic", "curriculum.enabled=false", "train.steps=0",
+                                   "launch.nproc_per_node=1"])
     assert {**C.to_dict(cfg.model), "init": ""} == {**C.to_dict(via_hf.model), "init": ""}
     assert cfg.tokenizer.build(cfg.model).has_chat_template
     ctx = start()

@@ -1,14 +1,29 @@
 """Build the shipped code task suite: python -m envs.code.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
-Each problem: (id, signature, description, canonical solution, tests). Every fifth problem is held out.
-The suite's own test checks that every canonical solution passes all of its tests in the sandbox.
+Hand-written problems (`PROBLEMS`): (id, signature, description, canonical solution, tests). Every fifth is
+held out.
+
+Generated problems (`FAMILIES`, ids code-gen-<family>-<n>): 18 families of small functions whose spec carries
+constants drawn with a fixed seed (add k, multiply by k, divisible by k, repeat a string, count a character,
+clamp to a range, shift letters, rotate, chunk, write in base b, window sums, ...); an easy tier is one-line
+arithmetic or string functions. Each task's canonical_solution is rendered from source with the constants
+filled in, while the expected values of its asserts come from a separate Python reference of the spec
+(`ref`), so running one against the other checks both: the builder runs each canonical_solution against its
+asserts in-process (trusted code, written here) and fails on a mismatch; the suite's tests run them again in
+the sandbox through the domain's reward. Test inputs are drawn per task with a seeded RNG, plus edge cases (empty inputs).
+Split rule (see `envs.suite_gen`): a generated task is held out exactly when its family's key constant lies in
+the family's held-out band, so no train task of a family uses a held-out constant.
 """
 # ruff: noqa: E501  (task data tables)
 from __future__ import annotations
 
+import random
+import string
+from dataclasses import dataclass
 from pathlib import Path
 
 from envs.base import Task
+from envs.suite_gen import Family, meta, split_of
 from envs.tasks import write_splits
 
 PROBLEMS = [
@@ -218,6 +233,235 @@ PROBLEMS = [
 ]
 
 
+# ------------------------------------------------------------------------------------- generated families
+@dataclass(frozen=True)
+class Spec:
+    """A family's function: signature, description, solution source and reference, all from the constants."""
+
+    entry: str
+    sig: str
+    desc: object
+    """params -> the spec text."""
+    source: object
+    """params -> canonical solution source."""
+    ref: object
+    """(params, *args) -> the expected return value."""
+    inputs: object
+    """(params, rng) -> list of argument tuples."""
+
+
+def _ints(rng, n=4, lo=-50, hi=50):
+    return [(rng.randint(lo, hi),) for _ in range(n)]
+
+
+def _lists(rng, n=4, lo=-20, hi=60, length=(0, 12)):
+    return [([rng.randint(lo, hi) for _ in range(rng.randint(*length))],) for _ in range(n - 1)] + [([],)]
+
+
+def _words(rng, n=4):
+    def word():
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 11)))
+
+    return [(" ".join(word() for _ in range(rng.randint(1, 7))),) for _ in range(n - 1)] + [("",)]
+
+
+def _text(rng, n=4):
+    alphabet = string.ascii_lowercase + "  ,.!"
+    return [("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 25))),) for _ in range(n - 1)] + [("",)]
+
+
+def _shift(p, s):
+    k = p["k"] if p["dir"] == "forward" else -p["k"]
+    return "".join(chr((ord(c) - 97 + k) % 26 + 97) if "a" <= c <= "z" else c for c in s)
+
+
+def _base(p, n):
+    digits = string.digits + string.ascii_lowercase
+    out = ""
+    while n:
+        n, r = divmod(n, p["b"])
+        out = digits[r] + out
+    return out or "0"
+
+
+def _c(p):
+    return p["c"]
+
+
+SPECS = {
+    "add_k": Spec("add_k", "add_k(x: int) -> int", lambda p: f"Return x plus {p['k']}.",
+                  lambda p: f"def add_k(x):\n    return x + {p['k']}\n", lambda p, x: x + p["k"], lambda p, g: _ints(g)),
+    "times_k": Spec("times_k", "times_k(x: int) -> int", lambda p: f"Return x multiplied by {p['k']}.",
+                    lambda p: f"def times_k(x):\n    return x * {p['k']}\n", lambda p, x: x * p["k"], lambda p, g: _ints(g)),
+    "is_multiple": Spec(
+        "is_multiple", "is_multiple(n: int) -> bool", lambda p: f"Return True if n is divisible by {p['k']}, else False.",
+        lambda p: f"def is_multiple(n):\n    return n % {p['k']} == 0\n", lambda p, n: n % p["k"] == 0,
+        lambda p, g: [(p["k"] * g.randint(-9, 9),), (p["k"] * g.randint(1, 9) + 1,), (g.randint(-99, 99),), (0,)]),
+    "repeat_text": Spec(
+        "repeat_text", "repeat_text(s: str) -> str",
+        lambda p: f"Return {p['k']} copies of s joined by the separator {p['sep']!r}.",
+        lambda p: f"def repeat_text(s):\n    return {p['sep']!r}.join([s] * {p['k']})\n",
+        lambda p, s: p["sep"].join(s for _ in range(p["k"])),
+        lambda p, g: [("ab",), ("x",), ("",), ("hi there",)]),
+    "count_char": Spec(
+        "count_char", "count_char(s: str) -> int",
+        lambda p: f"Return how many times the character {_c(p)!r} occurs in s (case-sensitive).",
+        lambda p: f"def count_char(s):\n    return s.count({_c(p)!r})\n", lambda p, s: sum(ch == _c(p) for ch in s),
+        lambda p, g: [(_c(p) * 3 + "xy" + _c(p).upper(),)] + _text(g, 3)),
+    "clamp": Spec(
+        "clamp", "clamp(x: int) -> int",
+        lambda p: f"Return x limited to the range [{p['lo']}, {p['hi']}]: values below {p['lo']} become {p['lo']}, "
+                  f"values above {p['hi']} become {p['hi']}, others are returned unchanged.",
+        lambda p: f"def clamp(x):\n    return max({p['lo']}, min({p['hi']}, x))\n",
+        lambda p, x: p["lo"] if x < p["lo"] else p["hi"] if x > p["hi"] else x,
+        lambda p, g: [(p["lo"] - 3,), (p["hi"] + 1,), ((p["lo"] + p["hi"]) // 2,), (p["lo"],)]),
+    "power_plus": Spec(
+        "power_plus", "power_plus(x: int) -> int", lambda p: f"Return x to the power {p['e']}, plus {p['c']}.",
+        lambda p: f"def power_plus(x):\n    return x ** {p['e']} + {p['c']}\n", lambda p, x: x ** p["e"] + p["c"],
+        lambda p, g: _ints(g, 4, -9, 9)),
+    "sum_multiples": Spec(
+        "sum_multiples", "sum_multiples(xs: list[int]) -> int",
+        lambda p: f"Return the sum of the elements of xs that are multiples of {p['k']} (0 if there are none).",
+        lambda p: f"def sum_multiples(xs):\n    return sum(x for x in xs if x % {p['k']} == 0)\n",
+        lambda p, xs: sum(x for x in xs if x % p["k"] == 0),
+        lambda p, g: [([p["k"], 2 * p["k"] + 1, -3 * p["k"]],)] + _lists(g, 3)),
+    "keep_above": Spec(
+        "keep_above", "keep_above(xs: list[int]) -> list[int]",
+        lambda p: f"Return the elements of xs that are greater than {p['t']}, in their original order.",
+        lambda p: f"def keep_above(xs):\n    return [x for x in xs if x > {p['t']}]\n",
+        lambda p, xs: [x for x in xs if x > p["t"]],
+        lambda p, g: [([p["t"], p["t"] + 1],)] + _lists(g, 3)),
+    "shift_letters": Spec(
+        "shift_letters", "shift_letters(s: str) -> str",
+        lambda p: f"Shift each lowercase ASCII letter of s {p['k']} places {p['dir']} in the alphabet, wrapping "
+                  f"around between z and a; every other character stays as it is.",
+        lambda p: ("def shift_letters(s):\n    out = ''\n    for c in s:\n        if 'a' <= c <= 'z':\n"
+                   f"            c = chr((ord(c) - 97 {'+' if p['dir'] == 'forward' else '-'} {p['k']}) % 26 + 97)\n"
+                   "        out += c\n    return out\n"),
+        _shift, lambda p, g: [("xyz abc",)] + _text(g, 3)),
+    "rotate_left": Spec(
+        "rotate_left", "rotate_left(xs: list) -> list",
+        lambda p: f"Return a new list: xs rotated left by {p['k']} positions, taken modulo len(xs) when xs is "
+                  f"shorter; an empty list gives an empty list.",
+        lambda p: f"def rotate_left(xs):\n    if not xs:\n        return []\n    k = {p['k']} % len(xs)\n"
+                  "    return xs[k:] + xs[:k]\n",
+        lambda p, xs: [xs[(i + p["k"]) % len(xs)] for i in range(len(xs))],
+        lambda p, g: [(list(range(p["k"] + 2)),)] + _lists(g, 3)),
+    "chunks": Spec(
+        "chunks", "chunks(xs: list) -> list[list]",
+        lambda p: f"Split xs into consecutive pieces of {p['k']} elements (the last piece may be shorter) and return "
+                  "the list of pieces.",
+        lambda p: f"def chunks(xs):\n    return [xs[i:i + {p['k']}] for i in range(0, len(xs), {p['k']})]\n",
+        lambda p, xs: [list(xs[i * p["k"]:(i + 1) * p["k"]]) for i in range(-(-len(xs) // p["k"]))],
+        lambda p, g: [(list(range(2 * p["k"] + 1)),)] + _lists(g, 3, length=(0, 30))),
+    "to_base": Spec(
+        "to_base", "to_base(n: int) -> str",
+        lambda p: f"Return the non-negative integer n written in base {p['b']}, using the digits 0-9 and then "
+                  "lowercase letters a-z, without a prefix; 0 is '0'.",
+        lambda p: ("def to_base(n):\n    digits = '0123456789abcdefghijklmnopqrstuvwxyz'\n    out = ''\n"
+                   f"    while n:\n        out = digits[n % {p['b']}] + out\n        n //= {p['b']}\n"
+                   "    return out or '0'\n"),
+        _base, lambda p, g: [(0,), (p["b"],), (g.randint(1, 999),), (g.randint(1000, 10**6),)]),
+    "count_long_words": Spec(
+        "count_long_words", "count_long_words(text: str) -> int",
+        lambda p: f"Return how many of the space-separated words of text have {p['cmp']} {p['k']} characters.",
+        lambda p: ("def count_long_words(text):\n"
+                   f"    return sum(1 for w in text.split() if len(w) {'>' if p['cmp'] == 'more than' else '>='} "
+                   f"{p['k']})\n"),
+        lambda p, t: len([w for w in t.split() if len(w) > p["k"] - (p["cmp"] == "at least")]),
+        lambda p, g: _words(g)),
+    "every_kth": Spec(
+        "every_kth", "every_kth(xs: list) -> list",
+        lambda p: f"Return every {p['k']}th element of xs, starting with the element at index {p['s']} "
+                  "(an empty list if xs is too short).",
+        lambda p: f"def every_kth(xs):\n    return xs[{p['s']}::{p['k']}]\n",
+        lambda p, xs: [x for i, x in enumerate(xs) if i >= p["s"] and (i - p["s"]) % p["k"] == 0],
+        lambda p, g: [(list(range(20)),)] + _lists(g, 3, length=(0, 25))),
+    "pad_number": Spec(
+        "pad_number", "pad_number(n: int) -> str",
+        lambda p: f"Return the decimal digits of the non-negative integer n as a string, padded on the left with "
+                  f"{p['ch']!r} to at least {p['w']} characters.",
+        lambda p: f"def pad_number(n):\n    return str(n).rjust({p['w']}, {p['ch']!r})\n",
+        lambda p, n: p["ch"] * max(0, p["w"] - len(str(n))) + str(n),
+        lambda p, g: [(0,), (7,), (g.randint(10, 9999),), (10 ** p["w"],)]),
+    "window_sums": Spec(
+        "window_sums", "window_sums(xs: list[int]) -> list[int]",
+        lambda p: f"Return the sums of every run of {p['k']} consecutive elements of xs, in order (an empty list "
+                  f"if xs has fewer than {p['k']} elements).",
+        lambda p: f"def window_sums(xs):\n    return [sum(xs[i:i + {p['k']}]) for i in range(len(xs) - {p['k']} + 1)]\n",
+        lambda p, xs: [sum(xs[i + j] for j in range(p["k"])) for i in range(max(0, len(xs) - p["k"] + 1))],
+        lambda p, g: [(list(range(p["k"] + 3)),)] + _lists(g, 3, length=(0, 25))),
+    "count_divisible": Spec(
+        "count_divisible", "count_divisible(lo: int, hi: int) -> int",
+        lambda p: f"Return how many integers from lo to hi inclusive are divisible by {p['k']} (0 if lo > hi).",
+        lambda p: f"def count_divisible(lo, hi):\n    return sum(1 for n in range(lo, hi + 1) if n % {p['k']} == 0)\n",
+        lambda p, lo, hi: max(0, hi // p["k"] - (lo - 1) // p["k"]),
+        lambda p, g: [(1, 100), (0, 0), (g.randint(-50, 50), g.randint(50, 400)), (10, 3)]),
+}
+
+
+def _r(rng: random.Random, lo: int, hi: int) -> int:
+    return rng.randint(lo, hi)
+
+
+# name, tier, key, held band, n, draw
+_FAMILY_SPECS = [
+    ("add_k", "easy", "k", (41, 60), 24, lambda g: {"k": _r(g, 1, 99)}),
+    ("times_k", "easy", "k", (21, 30), 22, lambda g: {"k": _r(g, 2, 50)}),
+    ("is_multiple", "easy", "k", (12, 16), 20, lambda g: {"k": _r(g, 2, 30)}),
+    ("repeat_text", "easy", "k", (6, 7), 20, lambda g: {"k": _r(g, 2, 11), "sep": g.choice(["", "-", " ", ", "])}),
+    ("count_char", "easy", "i", (20, 25), 20, lambda g: (lambda i: {"i": i, "c": chr(97 + i)})(_r(g, 0, 25))),
+    ("clamp", "easy", "lo", (-5, -1), 20, lambda g: (lambda lo: {"lo": lo, "hi": lo + _r(g, 3, 40)})(_r(g, -20, 10))),
+    ("power_plus", "easy", "c", (8, 11), 20, lambda g: {"e": _r(g, 2, 5), "c": _r(g, 0, 20)}),
+    ("sum_multiples", "medium", "k", (11, 14), 18, lambda g: {"k": _r(g, 2, 25)}),
+    ("keep_above", "medium", "t", (10, 24), 18, lambda g: {"t": _r(g, -20, 50)}),
+    ("shift_letters", "medium", "k", (10, 14), 20, lambda g: {"k": _r(g, 1, 25), "dir": g.choice(["forward", "backward"])}),
+    ("rotate_left", "medium", "k", (13, 18), 18, lambda g: {"k": _r(g, 1, 30)}),
+    ("chunks", "medium", "k", (10, 13), 18, lambda g: {"k": _r(g, 1, 25)}),
+    ("to_base", "medium", "b", (15, 20), 18, lambda g: {"b": _r(g, 2, 36)}),
+    ("count_long_words", "medium", "k", (6, 7), 18, lambda g: {"k": _r(g, 1, 10), "cmp": g.choice(["more than", "at least"])}),
+    ("every_kth", "medium", "k", (5, 5), 18, lambda g: (lambda k: {"k": k, "s": _r(g, 0, k - 1)})(_r(g, 2, 7))),
+    ("pad_number", "medium", "w", (6, 7), 18, lambda g: {"w": _r(g, 2, 12), "ch": g.choice(["0", "*", ".", "#", "_"])}),
+    ("window_sums", "medium", "k", (8, 10), 18, lambda g: {"k": _r(g, 1, 20)}),
+    ("count_divisible", "medium", "k", (17, 22), 18, lambda g: {"k": _r(g, 2, 40)}),
+]
+FAMILIES = [(Family(name, tier, key, held, n, draw), SPECS[name]) for name, tier, key, held, n, draw in _FAMILY_SPECS]
+SEED = "code-gen-0"
+
+
+def _tests(spec: Spec, params: dict, rng: random.Random) -> list[str]:
+    out = []
+    for args in spec.inputs(params, rng):
+        call = f"{spec.entry}({', '.join(repr(a) for a in args)})"
+        out.append(f"assert {call} == {spec.ref(params, *args)!r}")
+    return list(dict.fromkeys(out))
+
+
+def _self_check(task: Task) -> None:
+    """Run the task's canonical solution (our own code) against its asserts in-process."""
+    scope: dict = {}
+    exec(task.payload["canonical_solution"], scope)  # trusted: generated here
+    for test in task.payload["tests"]:
+        try:
+            exec(test, dict(scope))
+        except AssertionError:
+            raise AssertionError(f"{task.id}: canonical solution fails {test!r}") from None
+
+
+def generated() -> list[Task]:
+    tasks = []
+    for fam, spec in FAMILIES:
+        for i, params in enumerate(fam.params(SEED)):
+            rng = random.Random(f"{SEED}-{fam.name}-{i}-inputs")
+            payload = {"entry_point": spec.entry, "tests": _tests(spec, params, rng),
+                       "canonical_solution": spec.source(params), **meta(fam, params)}
+            tasks.append(Task(id=f"code-gen-{fam.name}-{i}", domain="code",
+                              prompt=f"Write a Python function `{spec.sig}`.\n\n{spec.desc(params)}",
+                              payload=payload, split=split_of(fam, params)))
+            _self_check(tasks[-1])
+    return tasks
+
+
 def build() -> list[Task]:
     tasks = []
     for i, (name, sig, desc, solution, tests) in enumerate(PROBLEMS):
@@ -225,7 +469,7 @@ def build() -> list[Task]:
         tasks.append(Task(id=f"code-{name}", domain="code", prompt=prompt,
                           payload={"entry_point": name, "tests": tests, "canonical_solution": solution},
                           split="heldout" if i % 5 == 4 else "train"))
-    return tasks
+    return tasks + generated()
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from envs.sandbox.base import Limits
 @ENVIRONMENTS.register("code")
 class CodeEnv(SingleTurnEnvironment):
     name = "code"
+    success_component = "tests"
     instructions = "Write the complete function in Python 3 inside a single ```python code block."
     limits = Limits(wall_s=10.0, cpu_s=10.0, memory_mb=512)
 

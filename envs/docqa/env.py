@@ -15,6 +15,7 @@ from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvir
 @ENVIRONMENTS.register("docqa")
 class DocQAEnv(SingleTurnEnvironment):
     name = "docqa"
+    success_component = "rules"
     instructions = ("Answer with a JSON object inside <answer></answer> tags with the fields \"value\" (a number), "
                     "\"unit\" (e.g. \"USD millions\", \"%\" or \"x\") and \"explanation\" (the line items and the "
                     "calculation you used).")

@@ -1,18 +1,29 @@
 """Build the shipped math task suite: python -m envs.math.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
-Each problem: (id, question, answer, check) where `check` recomputes the answer in Python so a typo in an
-answer cannot ship (the builder asserts it). Every fifth problem is held out.
+Hand-written problems (`PROBLEMS`): (id, question, answer, check) where `check` recomputes the answer in Python
+so a typo in an answer cannot ship (the builder asserts it). Every fifth of them is held out.
+
+Generated problems (`FAMILIES`, ids math-gen-<family>-<n>): 20 seeded families with integer or exact fraction
+answers: an easy tier for small models (one-step sums, differences, products, halves, x + a = b, rectangle
+area and perimeter) and a medium tier (linear equations, fractions, percentages, sequences and series,
+counting, gcd/lcm, remainders, word problems, quadratics with integer roots, exponential equations). Each
+answer is computed from the parameters, written as LaTeX and checked with math-verify against the computed
+value when built.
+Split rule (see `envs.suite_gen`): a generated task is held out exactly when its family's key parameter lies
+in the family's held-out band, so train and held-out tasks of a family never share that parameter's value.
 """
 # ruff: noqa: E501  (task data tables)
 from __future__ import annotations
 
 import math
+import random
 from fractions import Fraction as F
 from pathlib import Path
 
 import sympy as sp
 
 from envs.base import Task
+from envs.suite_gen import Family, meta, split_of
 from envs.tasks import write_splits
 
 x = sp.symbols("x")
@@ -70,6 +81,160 @@ PROBLEMS = [
 ]
 
 
+# ------------------------------------------------------------------------------------- generated families
+def _tex(v) -> str:
+    """An exact value as the LaTeX a solver would write: an integer, a terminating decimal or \\frac{p}{q}."""
+    v = F(v)
+    if v.denominator == 1:
+        return str(v.numerator)
+    d = v.denominator
+    while d % 2 == 0:
+        d //= 2
+    while d % 5 == 0:
+        d //= 5
+    if d == 1:
+        return str(v.numerator / v.denominator)
+    sign = "-" if v < 0 else ""
+    return f"{sign}\\frac{{{abs(v.numerator)}}}{{{v.denominator}}}"
+
+
+def _signed(c: int) -> str:
+    """' + c' or ' - |c|' for writing a term after another."""
+    return f" + {c}" if c >= 0 else f" - {-c}"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _r(rng: random.Random, lo: int, hi: int) -> int:
+    return rng.randint(lo, hi)
+
+
+def _linear(p):
+    a, x, b = p["a"], p["x"], p["b"]
+    return f"Find $x$ if ${a}x{_signed(b)} = {a * x + b}$.", x
+
+
+def _frac(p):
+    a, b, c, d, op = p["a"], p["b"], p["c"], p["d"], p["op"]
+    value = F(a, b) + F(c, d) if op == "+" else F(a, b) - F(c, d)
+    return f"Compute $\\frac{{{a}}}{{{b}}} {op} \\frac{{{c}}}{{{d}}}$ exactly.", value
+
+
+def _arith_seq(p):
+    a, d, n = p["a"], p["d"], p["n"]
+    return (f"The arithmetic sequence ${a}, {a + d}, {a + 2 * d}, \\ldots$ continues with the same difference. "
+            f"What is its {_ordinal(n)} term?", a + (n - 1) * d)
+
+
+def _arith_sum(p):
+    a, d, n = p["a"], p["d"], p["n"]
+    return (f"What is the sum of the first {n} terms of the arithmetic sequence ${a}, {a + d}, {a + 2 * d}, "
+            f"\\ldots$?", n * (2 * a + (n - 1) * d) // 2)
+
+
+def _geom(p):
+    a, r, n = p["a"], p["r"], p["n"]
+    return (f"The geometric sequence ${a}, {a * r}, {a * r * r}, \\ldots$ continues with the same ratio. What is its "
+            f"{_ordinal(n)} term?", a * r ** (n - 1))
+
+
+def _shop(p):
+    n, price, bill = p["n"], p["price"], p["bill"]
+    return (f"{p['who']} buys {n} {p['item']} at {price} dollars each and pays with {bill} dollars. How many "
+            f"dollars of change does {p['who']} get?", bill - n * price)
+
+
+def _rect(p):
+    w, h = p["w"], p["h"]
+    if p["ask"] == "area":
+        return f"A rectangle is {w} cm wide and {h} cm long. What is its area in square centimetres?", w * h
+    return f"A rectangle is {w} cm wide and {h} cm long. What is its perimeter in centimetres?", 2 * (w + h)
+
+
+def _quad(p):
+    r, s = p["r"], p["s"]
+    b, c = -(r + s), r * s
+    bx = "" if b == 0 else f"{_signed(b)}x".replace(" 1x", " x")
+    cterm = _signed(c) if c else ""
+    return f"The equation $x^2{bx}{cterm} = 0$ has two integer roots. What is the smaller one?", min(r, s)
+
+
+def _draw_frac(rng):
+    b, d = _r(rng, 2, 12), _r(rng, 2, 12)
+    return {"a": _r(rng, 1, b - 1), "b": b, "c": _r(rng, 1, d - 1), "d": d, "op": rng.choice("+-")}
+
+
+def _draw_shop(rng):
+    n, price = _r(rng, 2, 9), _r(rng, 1, 9)
+    return {"who": rng.choice(["Ana", "Ben", "Chloe", "Dev", "Ema"]), "item": rng.choice(["pens", "apples", "cards"]),
+            "n": n, "price": price, "bill": 10 * (n * price // 10 + _r(rng, 1, 3))}
+
+
+def _draw_quad(rng):
+    r = _r(rng, -9, 8)
+    return {"r": r, "s": _r(rng, r + 1, 9)}
+
+
+# name, tier, key, held band, n, draw, render(params) -> (prompt, exact value)
+_SPECS = [
+    ("add", "easy", "a", (18, 24), 40, lambda g: {"a": _r(g, 2, 40), "b": _r(g, 2, 40)},
+     lambda p: (f"What is ${p['a']} + {p['b']}$?", p["a"] + p["b"])),
+    ("sub", "easy", "b", (7, 10), 40, lambda g: {"a": _r(g, 20, 99), "b": _r(g, 1, 19)},
+     lambda p: (f"Compute ${p['a']} - {p['b']}$.", p["a"] - p["b"])),
+    ("mul", "easy", "a", (7, 8), 40, lambda g: {"a": _r(g, 2, 12), "b": _r(g, 2, 12)},
+     lambda p: (f"What is ${p['a']} \\times {p['b']}$?", p["a"] * p["b"])),
+    ("half", "easy", "k", (25, 34), 30, lambda g: {"k": _r(g, 3, 60)},
+     lambda p: (f"What is half of {2 * p['k']}?", p["k"])),
+    ("onestep", "easy", "x", (13, 18), 30, lambda g: {"x": _r(g, 1, 30), "a": _r(g, 1, 30)},
+     lambda p: (f"If $x + {p['a']} = {p['x'] + p['a']}$, what is $x$?", p["x"])),
+    ("linear", "medium", "x", (3, 7), 30, lambda g: {"a": _r(g, 2, 9), "x": _r(g, -9, 15), "b": _r(g, -30, 30)},
+     _linear),
+    ("frac", "medium", "b", (7, 8), 25, _draw_frac, _frac),
+    ("percent", "medium", "p", (40, 55), 25, lambda g: {"p": 5 * _r(g, 1, 19), "n": 20 * _r(g, 1, 20)},
+     lambda p: (f"What is ${p['p']}\\%$ of ${p['n']}$?", F(p["p"] * p["n"], 100))),
+    ("arith_seq", "medium", "d", (6, 7), 20, lambda g: {"a": _r(g, 1, 20), "d": _r(g, 2, 12), "n": _r(g, 10, 40)},
+     _arith_seq),
+    ("arith_sum", "medium", "n", (20, 25), 20, lambda g: {"a": _r(g, 1, 9), "d": _r(g, 1, 6), "n": _r(g, 5, 40)},
+     _arith_sum),
+    ("geom", "medium", "a", (3, 4), 20, lambda g: {"a": _r(g, 1, 6), "r": _r(g, 2, 4), "n": _r(g, 3, 8)}, _geom),
+    ("choose", "medium", "n", (10, 11), 20, lambda g: (lambda n: {"n": n, "k": _r(g, 2, n - 2)})(_r(g, 5, 16)),
+     lambda p: (f"In how many ways can {p['k']} items be chosen from {p['n']} distinct items?",
+                math.comb(p["n"], p["k"]))),
+    ("arrange", "medium", "n", (8, 9), 20, lambda g: {"n": _r(g, 4, 12), "k": _r(g, 2, 4)},
+     lambda p: (f"{p['n']} runners race. In how many different ways can the first {p['k']} places be filled?",
+                math.perm(p["n"], p["k"]))),
+    ("gcd", "medium", "g", (6, 7), 20, lambda g: {"g": _r(g, 2, 12), "m": _r(g, 2, 15), "k": _r(g, 2, 15)},
+     lambda p: (f"Find $\\gcd({p['g'] * p['m']}, {p['g'] * p['k']})$.", math.gcd(p["g"] * p["m"], p["g"] * p["k"]))),
+    ("lcm", "medium", "a", (9, 11), 20, lambda g: {"a": _r(g, 2, 20), "b": _r(g, 2, 20)},
+     lambda p: (f"Find the least common multiple of {p['a']} and {p['b']}.", math.lcm(p["a"], p["b"]))),
+    ("remainder", "medium", "b", (7, 8), 20, lambda g: {"a": _r(g, 20, 500), "b": _r(g, 3, 12)},
+     lambda p: (f"What is the remainder when {p['a']} is divided by {p['b']}?", p["a"] % p["b"])),
+    ("shop", "medium", "n", (5, 6), 20, _draw_shop, _shop),
+    ("rect", "easy", "w", (7, 9), 25, lambda g: {"w": _r(g, 2, 15), "h": _r(g, 2, 15), "ask": g.choice(["area", "perimeter"])},
+     _rect),
+    ("quad", "medium", "r", (-2, 0), 20, _draw_quad, _quad),
+    ("exp", "medium", "x", (5, 5), 20, lambda g: {"b": _r(g, 2, 5), "x": _r(g, 2, 8)},
+     lambda p: (f"Solve ${p['b']}^x = {p['b'] ** p['x']}$ for $x$.", p["x"])),
+]
+FAMILIES = [(Family(name, tier, key, held, n, draw), render) for name, tier, key, held, n, draw, render in _SPECS]
+SEED = "math-gen-0"
+
+
+def generated() -> list[tuple[Task, object]]:
+    """(task, exact value) for every generated problem."""
+    out = []
+    for fam, render in FAMILIES:
+        for i, params in enumerate(fam.params(SEED)):
+            prompt, value = render(params)
+            out.append((Task(id=f"math-gen-{fam.name}-{i}", domain="math", prompt=prompt,
+                             payload={"answer": _tex(value), **meta(fam, params)}, split=split_of(fam, params)),
+                        value))
+    return out
+
+
 def _check(answer: str, value) -> None:
     from envs.rewards import math_equal
 
@@ -83,6 +248,9 @@ def build() -> list[Task]:
         _check(answer, value)
         tasks.append(Task(id=f"math-{pid}", domain="math", prompt=question, payload={"answer": answer},
                           split="heldout" if i % 5 == 4 else "train"))
+    for task, value in generated():
+        _check(task.payload["answer"], value)
+        tasks.append(task)
     return tasks
 
 

@@ -31,6 +31,7 @@ SHELL = Tool("shell", "Run a shell command (/bin/sh) in your workspace directory
 @ENVIRONMENTS.register("terminal")
 class TerminalEnv(ToolEnvironment):
     name = "terminal"
+    success_component = "verified"
     tools = (SHELL,)
     limits = Limits(wall_s=15.0, cpu_s=10.0, memory_mb=512)
     instructions = ("You work in a terminal. Run a command with <tool_call>{\"name\": \"shell\", \"arguments\": "

@@ -62,11 +62,11 @@ def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
     if ckpt is None or not ckpt.is_dir():
         raise C.ConfigError(f"no checkpoint {'at ' + str(ckpt) if ckpt else 'in ' + str(run_dir / 'checkpoints')}; "
                             "train first or pass --checkpoint DIR")
-    extra = [d for d in args.domains.split(",") if d and d != cfg.data.domain]
+    extra = [d for d in args.domains.split(",") if d and d not in cfg.envs.domains]
     unknown = [d for d in extra if d not in ENVIRONMENTS.names()]
     if unknown:
         raise C.ConfigError(f"--domains: {unknown} not registered; known: {sorted(ENVIRONMENTS.names())}")
-    return {"checkpoint": ckpt, "domains": [cfg.data.domain, *extra],
+    return {"checkpoint": ckpt, "domains": [*cfg.envs.domains, *extra],
             "out": Path(args.out) if args.out else run_dir / "eval.json"}
 
 
@@ -94,8 +94,10 @@ def _heldout(cfg: RunConfig, domain: str) -> list:
     from envs.tasks import load_domain
     from megatron_rl.loop.setup import task_lists
 
-    tasks = task_lists(cfg)["heldout"] if domain == cfg.data.domain else load_domain(domain, split="heldout")
-    return tasks[:cfg.eval.tasks]
+    if cfg.curriculum.enabled and domain == "countdown":
+        return task_lists(cfg)["eval"]
+    return load_domain(domain, cfg.envs.domains[domain].task_files or None if domain in cfg.envs.domains else None,
+                       split="heldout")[:cfg.eval.tasks]
 
 
 def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path) -> int:
@@ -104,9 +106,8 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
     from megatron.core import tensor_parallel
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
-    from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.rollout import Rollouts
-    from megatron_rl.loop.setup import heldout_success
+    from megatron_rl.loop.setup import episode_runner, heldout_success
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.checkpoint import load_checkpoint
@@ -120,13 +121,14 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
     engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
-    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers) if rank0 else None
-    rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed)
+    runner = episode_runner(cfg, Path(cfg.output_dir) / cfg.name) if rank0 else None
+    rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed,
+                        max_tokens=cfg.model.max_seq_length)
     results = {}
     for domain in domains:
         tasks = _fitting(_heldout(cfg, domain), tok, cfg)
         if tasks:
-            results[domain] = {**heldout_success(rollouts, runner, tok, tasks, cfg, tag=f"eval-{domain}"),
+            results[domain] = {**heldout_success(rollouts, tasks, cfg, tag=f"eval-{domain}"),
                                "k": cfg.eval.k}
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)

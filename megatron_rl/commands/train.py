@@ -222,12 +222,15 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float, export_dir: Path | No
              f"held-out loss {sft_eval[0]['loss']:.3f} -> {sft_eval[-1]['loss']:.3f}")
     if rl:
         w = max(1, min(5, len(rl) // 2))
+        trained = sum(not r.get("update_skipped") for r in rl)
         first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (rl[:w], rl[-w:]))
         _say(f"RL: {len(rl)} GRPO steps, rollout reward (mean of {w} steps) {first:.3f} -> {last:.3f}; "
+             f"{trained} updates (a step whose groups all have equal rewards has none); "
              f"trainer idle {sum(r['trainer_idle_frac'] for r in rl) / len(rl):.0%}")
     if len(evals) >= 2:
         k = cfg.eval.k
-        _say(f"held-out success (sandboxed {cfg.data.domain} reward, {evals[0]['tasks']} tasks): greedy "
+        domains = ", ".join(cfg.envs.domains)
+        _say(f"held-out success ({domains}: each domain's own sandboxed success, {evals[0]['tasks']} tasks): greedy "
              f"{evals[0]['success_greedy']:.3f} -> {evals[-1]['success_greedy']:.3f}, pass@1 "
              f"{evals[0]['pass@1']:.3f} -> {evals[-1]['pass@1']:.3f}, pass@{k} "
              f"{evals[0][f'pass@{k}']:.3f} -> {evals[-1][f'pass@{k}']:.3f} (before -> after GRPO, "

@@ -102,6 +102,9 @@ class WorkerConfig:
     """HF tokenizer folder of the run (on the shared filesystem); '' = the byte tokenizer."""
     reward_weights: dict[str, dict[str, float]] = field(default_factory=dict)
     """Environment name -> weights of its reward components (e.g. {countdown: {format: 0.0}}); {} = the env's."""
+    budgets: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Environment name -> its episode budget {max_turns, max_tokens, max_observation_chars} (the run's
+    envs.domains); an environment not listed gets max_turns and max_tokens above."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
 

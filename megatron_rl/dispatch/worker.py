@@ -17,7 +17,6 @@ every rank (rank 0 too, when MPI has thread support) asks for more when idle.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -170,64 +169,55 @@ def build_generator(config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: i
 
 
 # ------------------------------------------------------------------------------------------------- episode
-def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer):
-    """One episode -> Trajectory: reset, [generate -> step]* until done.
+def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30):
+    """One episode -> Trajectory, through the one episode loop (`envs.episode`: reset, [generate -> step]*
+    until done), each turn one call of `generator`.
 
     A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
     `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
     """
     from envs.base import Task
+    from envs.episode import drive, episode
     from megatron_rl.data.shards import Trajectory
 
-    t0 = time.perf_counter()
-    timings = {"generate": 0.0, "env": 0.0}
+    t0, gen_s = time.perf_counter(), [0.0]
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
-    obs = env.reset(task)
-    tokens = list(ep.prompt_ids) or tok.prompt_ids([{"role": obs.role, "content": obs.text}], obs.tools or None)
-    prompt_len = len(tokens)
-    logprobs, mask = [0.0] * prompt_len, [0] * prompt_len
-    versions: list[int] = []                                            # per token; prompt filled in below
-    for turn in itertools.count():
-        t = time.perf_counter()
-        try:
-            ids, lps, version = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
-        except GenerationError as e:
-            if e.retryable:
-                raise
-            return failed_trajectory(ep, tokens[:prompt_len], e.status, str(e))
-        timings["generate"] += time.perf_counter() - t
-        token_versions = [int(version)] * len(ids) if isinstance(version, (int, np.integer)) else list(version)
-        if not len(ids) == len(lps) == len(token_versions):
-            return failed_trajectory(ep, tokens[:prompt_len], "error", f"generator returned {len(ids)} tokens, "
-                                     f"{len(lps)} log-probs and {len(token_versions)} policy versions")
-        tokens += ids
-        logprobs += lps
-        mask += [1] * len(ids)                                          # model tokens: loss_mask 1
-        versions += token_versions
-        t = time.perf_counter()
-        res = env.step(tok.decode(ids), action_tokens=len(ids))
-        timings["env"] += time.perf_counter() - t
-        if res.done:
-            break
-        obs_ids = tok.encode(res.observation.text)                      # observation: loss_mask 0
-        tokens += obs_ids
-        logprobs += [0.0] * len(obs_ids)
-        mask += [0] * len(obs_ids)
-        versions += [versions[-1] if versions else 0] * len(obs_ids)
-    timings["total"] = time.perf_counter() - t0
-    timings.update(env.tool_summary())                                  # tool.<name>.calls / .errors / .latency_s
-    model_versions = [v for v, m in zip(versions, mask[prompt_len:]) if m] or [0]
-    rr = res.reward_result
-    prov = {k: json.dumps(v, sort_keys=True) for k, v in (rr.provenance if rr else {}).items()}
+    co = episode(env, task, tok, min(max_tokens, env.budget.max_tokens), prompt=list(ep.prompt_ids) or None)
+    try:
+        r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s))
+    except GenerationError as e:
+        if e.retryable:
+            raise
+        return failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))
+    timings = {"generate": gen_s[0], **r.timings, "turns": float(r.turns), "total": time.perf_counter() - t0}
+    prov = {k: json.dumps(v, sort_keys=True) for k, v in r.reward.provenance.items()}
     if isinstance(generator, ScriptedGenerator):
         prov["policy"] = "scripted test policy (not a model)"
+    model_versions = [v for v, m in zip(r.versions, r.loss_mask) if m] or [0]
     return Trajectory(
-        tokens=np.asarray(tokens, np.int32), logprobs=np.asarray(logprobs, np.float32),
-        loss_mask=np.asarray(mask, np.uint8), prompt_len=prompt_len, reward=float(res.reward),
+        tokens=np.asarray(r.tokens, np.int32), logprobs=np.asarray(r.logprobs, np.float32),
+        loss_mask=np.asarray(r.loss_mask, np.uint8), prompt_len=r.prompt_len, reward=float(r.reward.total),
         group_id=ep.group_id, policy_version_first=min(model_versions), policy_version_last=max(model_versions),
-        env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=res.info.get("status", "ok"),
-        reward_components=dict(res.info.get("reward_components", {})), timings=timings, provenance=prov,
-        token_versions=np.asarray([model_versions[0]] * prompt_len + versions, np.int32))
+        env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=_status(r),
+        reward_components=dict(r.reward.components), timings=timings, provenance=prov,
+        token_versions=np.asarray(r.versions, np.int32))
+
+
+def _status(r) -> str:
+    """The shard status: the reward's failure (sandbox_error, error) first, else the episode's (ok, truncated)."""
+    return r.reward.status if not r.reward.valid else r.status
+
+
+def _generate(generator: Generator, tokens: list[int], ep: EpisodeSpec, turn: int, gen_s: list[float]):
+    """One turn from the generator, checked: (ids, logprobs, per-token versions); GenerationError if malformed."""
+    t = time.perf_counter()
+    ids, lps, version = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
+    gen_s[0] += time.perf_counter() - t
+    versions = [int(version)] * len(ids) if isinstance(version, (int, np.integer)) else list(version)
+    if not len(ids) == len(lps) == len(versions):
+        raise GenerationError(f"generator returned {len(ids)} tokens, {len(lps)} log-probs and {len(versions)} "
+                              "policy versions")
+    return list(ids), list(lps), versions
 
 
 def failed_trajectory(ep: EpisodeSpec, prompt: list[int], status: str, reason: str):
@@ -341,13 +331,15 @@ class EpisodeRunner:
         from envs.base import Budget, make_env
 
         self.spec, self.publisher = spec, publisher
+        budget = (lambda name: Budget(**{"max_turns": w.max_turns, "max_tokens": w.max_tokens,
+                                         **w.budgets.get(name, {})}))
         w = spec.worker
         self.threads = w.threads or _default_threads()
         self.tok = from_path(w.tokenizer, w.vocab_size)
         self.generator = build_generator(w.generator, self.tok, w.max_tokens)
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
         self._make_env = lambda name: make_env(
-            name, budget=Budget(w.max_turns, w.max_tokens), sandbox=self.sandbox,
+            name, budget=budget(name), sandbox=self.sandbox,
             token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name))
         self._done = 0
         self._lock = threading.Lock()
@@ -362,7 +354,7 @@ class EpisodeRunner:
         if self.stop.is_set():
             return
         try:
-            traj = run_episode(ep, self._make_env(ep.env), self.generator, self.tok)
+            traj = run_episode(ep, self._make_env(ep.env), self.generator, self.tok, self.spec.worker.max_tokens)
         except GenerationError as e:  # retryable: not published; the dispatcher's next round re-runs it
             log.warning("episode %s not finished (%s, retryable): %s", ep.episode_id, e.status, e)
             with self._lock:

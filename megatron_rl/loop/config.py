@@ -84,28 +84,6 @@ class EvalConfig:
     """Samples per task for pass@k (temperature rl.temperature); success is also measured greedily."""
 
 
-@dataclass
-class CurriculumConfig:
-    """Generated countdown tasks (envs/countdown's reward, easier numbers) instead of the shipped suite."""
-
-    enabled: bool = True
-    """Use generated tasks for warm-up, RL and evaluation; false = the domain's shipped suite."""
-    min_numbers: int = 2
-    """Numbers per task at least."""
-    max_numbers: int = 3
-    """Numbers per task at most."""
-    max_value: int = 9
-    """Numbers are drawn from 1..max_value."""
-    max_ops: int = 2
-    """Operations in the reference solution at most."""
-    rl_tasks: int = 600
-    """Generated training tasks for the RL phase (disjoint from the warm-up's and the held-out ones)."""
-
-    def validate(self) -> None:
-        if not 2 <= self.min_numbers <= self.max_numbers or self.max_value < 2 or self.max_ops < 1:
-            raise ConfigError("curriculum: need 2 <= min_numbers <= max_numbers, max_value >= 2, max_ops >= 1")
-
-
 def _default_dispatch() -> DispatchConfig:
     return DispatchConfig(folder="", episodes_per_task=8, time_min=20, max_retries=2)
 

@@ -52,8 +52,8 @@ class DispatchRollouts(Rollouts):
     """Rollouts whose episodes run on dispatched rollout workers; see the module docstring."""
 
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, episodes_cfg, worker_cfg, run_dir: Path,
-                 tp_group, server: RolloutServerProcess | None = None):
-        super().__init__(engine, runner, tok, prompt_fn, cfg, seed)
+                 tp_group, server: RolloutServerProcess | None = None, max_tokens: int = 1 << 30):
+        super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens)
         self.episodes_cfg, self.worker_cfg, self.run_dir, self.tp_group = episodes_cfg, worker_cfg, run_dir, tp_group
         self.server = server
         """The separate rollout server (rank 0; None when colocated or on other ranks)."""
@@ -215,17 +215,22 @@ class DispatchRollouts(Rollouts):
         from megatron_rl.rollout import SampleOutput
 
         for g in groups:
-            g.samples, g.rewards = [], []
+            g.samples, g.rewards, g.masks, g.turns = [], [], [], []
             for i in range(self.cfg.group_size):
                 e = episodes.get(episode_id(g.gid, i))
                 if e is None:
                     g.samples.append(SampleOutput(i, [], [], [], "abort"))
                     g.rewards.append((0.0, {}, "missing"))
+                    g.masks.append([])
+                    g.turns.append(0)
                     continue
                 ids = e["token_ids"]
                 finish = "stop" if ids and ids[-1] in self.tok.stop_ids else "length"
                 g.samples.append(SampleOutput(i, ids, e["logprobs"], e["versions"], finish))
-                status = e["status"] if ids or e["status"] != "ok" else "error"  # no response: nothing to train
+                g.masks.append(e["mask"])  # the episode's own: observations stay 0 (never re-derived)
+                g.turns.append(e["turns"])
+                status = "ok" if e["status"] == "truncated" else e["status"]  # truncated: the model's doing
+                status = status if any(e["mask"]) or status != "ok" else "error"  # no model token: nothing to train
                 g.rewards.append((e["reward"], e["components"], status))
 
 
@@ -264,9 +269,10 @@ def batch_name(groups: list[Group]) -> str:
 
 
 def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
-    """episode id -> response token ids, behaviour log-probs, per-token versions, reward, components, status
-    for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard is skipped with a
-    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
+    """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
+    components, status for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
+    is skipped with a logged reason and appended to `unreadable` ("path: reason"); its episodes count as
+    missing."""
     from megatron_rl.data.shards import ShardError, read_shard
 
     out: dict[str, dict] = {}
@@ -286,6 +292,8 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
                 len(t.tokens) - n)
             out[t.episode_id] = {"token_ids": [int(x) for x in t.tokens[n:]],
                                  "logprobs": [float(x) for x in t.logprobs[n:]],
+                                 "mask": [int(x) for x in t.loss_mask[n:]],
+                                 "turns": int(t.timings.get("turns", 1)),
                                  "versions": [int(x) for x in versions], "reward": float(t.reward),
                                  "components": {k: float(v) for k, v in t.reward_components.items()},
                                  "status": str(t.status), "env": str(t.env),

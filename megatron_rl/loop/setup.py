@@ -10,24 +10,51 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.config import ConfigError
 from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
 from megatron_rl.tokenizer import Tokenizer
 
 
-def task_lists(cfg: RunConfig) -> dict[str, list]:
-    """Tasks per split: train (warm-up), rl (the RL phase) and heldout (evaluation)."""
+def task_lists(cfg: RunConfig) -> dict:
+    """Tasks: train and heldout of data.domain (the warm-up's), rl (the RL loop's, per domain of the mixture)
+    and eval (held-out tasks of every domain of the mixture, eval.tasks each)."""
     if cfg.curriculum.enabled:
-        from megatron_rl.loop.tasks import generate
+        from envs.countdown.curriculum import generate
 
-        return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"),
-                "rl": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl"),
-                "heldout": generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")}
+        heldout = generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")
+        return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"), "heldout": heldout,
+                "rl": {"countdown": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl")},
+                "eval": heldout[:cfg.eval.tasks]}
     from envs.tasks import load_domain
 
-    train = load_domain(cfg.data.domain, split="train")
-    return {"train": train[:cfg.data.train_tasks], "rl": train,
-            "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks]}
+    evals = cfg.envs.tasks("heldout")
+    return {"train": load_domain(cfg.data.domain, split="train")[:cfg.data.train_tasks],
+            "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks],
+            "rl": {d: ts for d, ts in cfg.envs.tasks("train").items() if cfg.envs.domains[d].weight > 0},
+            "eval": [t for ts in evals.values() for t in ts[:cfg.eval.tasks]]}
+
+
+def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
+    """The RL and eval tasks whose prompt leaves room for a turn of rl.max_new_tokens in model.max_seq_length
+    (the others are left out and counted); a domain with no task left is refused, naming the fix."""
+    room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
+    fits = lambda ts: [t for t in ts if len(prompt_ids(tok, t)) <= room]  # noqa: E731
+    rl = {d: fits(ts) for d, ts in tasks["rl"].items()}
+    out = {**tasks, "rl": rl, "eval": fits(tasks["eval"])}
+    for d, ts in rl.items():
+        if not ts:
+            raise ConfigError(f"envs.domains.{d}: no task's prompt fits model.max_seq_length={cfg.model.max_seq_length}"
+                              f" with rl.max_new_tokens={cfg.rl.max_new_tokens}; raise max_seq_length")
+        if say and len(ts) < len(tasks["rl"][d]):
+            print(f"[megatron-rl] {d}: {len(tasks['rl'][d]) - len(ts)} of {len(tasks['rl'][d])} tasks left out "
+                  f"(prompt longer than {room} tokens)", flush=True)
+    return out
+
+
+def task_key(task) -> str:
+    """A task's id in checkpoints (ids are unique within a domain only)."""
+    return f"{task.domain}/{task.id}"
 
 
 @dataclass
@@ -60,16 +87,19 @@ def make_rollouts(parts: Parts, run_dir: Path):
 
     cfg = parts.cfg
     if cfg.episodes.runner == "inprocess":
-        return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed)
+        return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed,
+                        max_tokens=cfg.model.max_seq_length)
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
     from megatron_rl.loop.dispatched import DispatchRollouts
 
     gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    seq = cfg.model.max_seq_length
+    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
     worker = WorkerConfig(generator=gen,
-                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads, max_turns=1,
-                          max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
-                          tokenizer=cfg.tokenizer.resolved_path(cfg.model),
-                          reward_weights={cfg.data.domain: dict(cfg.rl.reward_weights)})
+                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
+                          max_tokens=seq, vocab_size=cfg.model.vocab_size,
+                          tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
+                          reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()})
     server = None
     if cfg.episodes.server == "separate" and parts.is_rank0:
         from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
@@ -77,7 +107,7 @@ def make_rollouts(parts: Parts, run_dir: Path):
         server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
                                       server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer)
     return DispatchRollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed, cfg.episodes,
-                            worker, Path(run_dir), parts.ctx.pgs.tp, server)
+                            worker, Path(run_dir), parts.ctx.pgs.tp, server, max_tokens=seq)
 
 
 def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
@@ -96,27 +126,37 @@ def monitor_config(cfg: RunConfig):
 
 def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from envs.sampler import DomainSampler
-    from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.models.source import initializer
     from megatron_rl.monitoring import Monitor
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
 
-    tasks, rank0 = task_lists(cfg), ctx.rank == 0
+    tok = cfg.tokenizer.build(cfg.model)
+    tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
-    tok = cfg.tokenizer.build(cfg.model)
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
-    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers,
-                                 {cfg.data.domain: cfg.rl.reward_weights}) if rank0 else None
-    sampler = DomainSampler({cfg.data.domain: tasks["rl"]}, seed=cfg.seed)
-    by_id = {t.id: t for split in tasks.values() for t in split}
+    runner = episode_runner(cfg, run_dir) if rank0 else None
+    sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
+    by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
+    by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
     return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
-                 engine, runner, sampler, tasks["heldout"], by_id, monitor, rank0)
+                 engine, runner, sampler, tasks["eval"], by_id, monitor, rank0)
+
+
+def episode_runner(cfg: RunConfig, run_dir: Path):
+    """Rank 0's thread pool of episodes: environments of the mixture, each with its reward weights and budget."""
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
+
+    judge, seq = cfg.envs.judge(str(run_dir)), cfg.model.max_seq_length
+    return ThreadEpisodeRunner(
+        cfg.data.sandbox_config(), cfg.data.episode_workers,
+        make_env=lambda name, sandbox: cfg.envs.build_env(name, seq, sandbox=sandbox, judge=judge),
+        max_tokens=lambda name: cfg.envs.budget(name, seq).max_tokens)
 
 
 def sync_weights(parts: Parts, rollouts, version: int) -> None:
@@ -189,9 +229,13 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
     m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
          **clock.summary()}
     counts = {k.split("/")[0]: v for k, v in domains.items() if k.endswith("/count")}
-    n = sum(counts.values()) or 1.0
-    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in counts.items()) / n
-    m["sandbox_error_rate"] = sum(domains[f"{d}/invalid_frac"] * c for d, c in counts.items()) / n
+    valid = {d: c * (1.0 - domains[f"{d}/infra_error_frac"]) for d, c in counts.items()}  # scored episodes
+    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in valid.items()) / (sum(valid.values()) or 1.0)
+    m["sandbox_error_rate"] = sum(c - valid[d] for d, c in counts.items()) / (sum(counts.values()) or 1.0)
+    for d in parts.sampler.domains:  # every domain of the mixture, sampled this step or not
+        if d not in counts:
+            m.update({f"{d}/count": 0.0, f"{d}/reward_mean": None, f"{d}/turns_mean": None,
+                      f"{d}/infra_error_frac": None})
     if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
@@ -223,9 +267,9 @@ def _runner_metrics(runner) -> dict:
 
 # ------------------------------------------------------------------------------------------ evaluation
 def evaluate(parts: Parts, rollouts, step: int) -> dict:
-    """Held-out success of the run's domain, logged as an `eval` row (rank 0; {} on other ranks)."""
+    """Held-out success of every domain of the mixture, logged as an `eval` row (rank 0; {} on other ranks)."""
     cfg = parts.cfg
-    m = heldout_success(rollouts, parts.runner, parts.tok, parts.heldout[:cfg.eval.tasks], cfg, tag=f"eval{step}")
+    m = heldout_success(rollouts, parts.heldout, cfg, tag=f"eval{step}")
     if not parts.is_rank0:
         return {}
     parts.monitor.log("eval", step, m)
@@ -234,34 +278,44 @@ def evaluate(parts: Parts, rollouts, step: int) -> dict:
     return m
 
 
-def heldout_success(rollouts, runner, tok, tasks: list, cfg: RunConfig, tag: str) -> dict:
-    """Greedy success, pass@1 and pass@k (eval.k samples at the rollout temperature) on `tasks`, scored by their
-    environment's reward in the sandbox (`correct` == 1). Every rank generates; rank 0 (the runner's) scores
-    and returns the metrics, the others {}."""
+def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
+    """Greedy success, pass@1 and pass@k (eval.k samples at the rollout temperature) on `tasks`, overall and per
+    domain, each episode judged by its environment's own success definition (`Environment.success`) after the
+    same episode loop as training (multi-turn included). Samples whose episode failed for an infrastructure
+    reason are left out (counted in infra_error_frac), never scored as failures. Every rank runs the engine;
+    rank 0 (the runner's) returns the metrics, the others {}."""
     from megatron_rl.rollout import SamplingParams
 
-    prompts = [prompt_ids(tok, t) for t in tasks]
+    tok = rollouts.tok
     greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=list(tok.stop_ids))
-              for _ in prompts]
-    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(prompts))]
+              for _ in tasks]
+    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(tasks))]
     t0 = time.perf_counter()
-    outs = rollouts.generate_now(prompts + prompts, greedy + sampled, tag=tag)
-    if runner is None:
+    groups = rollouts.run_now(tasks + tasks, greedy + sampled, tag=tag)
+    if not rollouts.is_scorer:
         return {}
-    correct = _score(runner, tok, tasks + tasks, outs)  # [2 * tasks] lists of 0/1
-    n, out = len(prompts), {}
+    n, out = len(tasks), {}
+    solved = [_solved(g) for g in groups]  # per group: 0/1 per valid sample
     for d in sorted({t.domain for t in tasks}):
         idx = [i for i, t in enumerate(tasks) if t.domain == d]
-        out.update({f"{d}/{k}": v for k, v in _success([correct[i] for i in idx], [correct[n + i] for i in idx],
+        out.update({f"{d}/{k}": v for k, v in _success([solved[i] for i in idx], [solved[n + i] for i in idx],
                                                        cfg.eval.k).items()})
-    return {**_success(correct[:n], correct[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0}
+        out[f"{d}/turns_mean"] = float(np.mean([x for i in idx for x in groups[n + i].turns] or [0]))
+    samples = [r for g in groups for r in g.rewards]
+    return {**_success(solved[:n], solved[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0,
+            "infra_error_frac": float(np.mean([r[2] != "ok" for r in samples])) if samples else 0.0}
+
+
+def _solved(g) -> list[int]:
+    from envs.base import RewardResult
+    from megatron_rl.prompts import environment
+
+    env = environment(g.task.domain)
+    return [int(env.success(RewardResult(r[0], dict(r[1]), status=r[2]))) for r in g.rewards if r[2] == "ok"]
 
 
 def _success(greedy: list[list[int]], sampled: list[list[int]], k: int) -> dict:
-    return {"success_greedy": float(np.mean([c[0] for c in greedy])), "pass@1": float(np.mean([np.mean(c)
-            for c in sampled])), f"pass@{k}": float(np.mean([max(c) for c in sampled])), "tasks": len(greedy)}
-
-
-def _score(runner, tok, tasks: list, outs: list) -> list[list[int]]:
-    futs = [[runner.submit(t, tok.decode(s.token_ids)) for s in o.samples] for t, o in zip(tasks, outs)]
-    return [[int(f.result().components.get("correct", 0.0) == 1.0) for f in row] for row in futs]
+    """Means over the tasks that have a valid sample (greedy and sampled separately)."""
+    g, s = [c[0] for c in greedy if c], [c for c in sampled if c]
+    return {"success_greedy": float(np.mean(g)) if g else 0.0, "pass@1": float(np.mean([np.mean(c) for c in s]))
+            if s else 0.0, f"pass@{k}": float(np.mean([max(c) for c in s])) if s else 0.0, "tasks": len(greedy)}

@@ -10,10 +10,12 @@
 Design: the `GPTModel` is built with `build_gpt` (same definition and parameter names as the trainer) and
 run by `ModelRunner` with a paged KV cache (`kv_cache.py`). Each `step()` is one forward over the mixed
 prefill/decode batch chosen by the `Scheduler` (continuous batching under `max_tokens_per_step`). The n
-samples of a prompt share its KV blocks (copy-on-write). Weight updates happen between steps; with
-policy 'continue' in-flight samples keep going and every token records the version that produced it
-(their cached K/V is recomputed under the new weights unless `kv_on_update='keep'`); with 'abort' they
-end with finish reason 'abort'.
+samples of a prompt share its KV blocks (copy-on-write), and a request whose leading tokens were computed
+before (the same prompt again, a multi-turn episode's context so far) shares their blocks through the prefix
+cache (`kv_cache.py`; `prefix_cache: false` turns it off) and prefills only the rest. Weight updates
+happen between steps (and clear the prefix cache); with policy 'continue' in-flight samples keep going and
+every token records the version that produced it (their cached K/V is recomputed under the new weights
+unless `kv_on_update='keep'`); with 'abort' they end with finish reason 'abort'.
 
 Tensor parallel: every TP rank runs the same engine with the same requests in the same order; the
 scheduler is deterministic, logits are gathered over TP, and the sampled tokens are broadcast from TP
@@ -58,6 +60,9 @@ class EngineConfig:
     """With 'continue': recompute in-flight K/V under the new weights, or keep the stale cache."""
     seed: int = 0
     """Seeds requests that bring no seed (same on every TP rank)."""
+    prefix_cache: bool = True
+    """Share the K/V of token prefixes already computed (a task's repeated prompt, a multi-turn episode's
+    context so far) instead of prefilling them again; cleared at every weight update."""
 
     def validate(self) -> None:
         for name in ("num_blocks", "block_size", "max_tokens_per_step", "max_running"):
@@ -116,7 +121,8 @@ class RolloutEngine:
         self.cfg.validate()
         self.runner = ModelRunner(model, tp_group, cp_group)
         self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
-        self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running)
+        self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running,
+                                   self.cfg.prefix_cache)
         self.version = version
         self.lock = threading.RLock()
         self._requests: dict[str, _Request] = {}
@@ -248,6 +254,8 @@ class RolloutEngine:
         samplers, rows, row = [], [], 0
         for seq, chunk in plan:
             seq.num_computed += chunk
+            if self.scheduler.prefix_cache and seq.num_computed == seq.prompt_len:  # shareable by later requests
+                self.cache.register(seq.table, seq.tokens, seq.num_computed)
             if seq.num_computed == len(seq.tokens):  # its last token ran: logits row `row` is its next token's
                 for s in [seq, *self._fork(seq)]:
                     samplers.append(s)
@@ -367,6 +375,7 @@ class RolloutEngine:
         return self.update_weights(version, received(), policy)
 
     def _after_update(self, policy: UpdatePolicy) -> None:
+        self.cache.clear_prefix()  # K/V of the old weights are never shared with new requests
         if policy == "abort":
             for rid in list(self._requests):
                 self.abort(rid)
@@ -381,6 +390,7 @@ class RolloutEngine:
                     "kv_blocks_total": self.cache.num_blocks,
                     "kv_blocks_used": self.cache.num_blocks - self.cache.num_free,
                     "preemptions": s.num_preemptions, "requests_in_flight": len(self._requests),
+                    "prefix_hit_tokens": s.prefix_hit_tokens,
                     "policy_version": self.version, **self.counters}
 
 

@@ -13,10 +13,18 @@ Storage: one tensor `kv` of shape [layers, 2, num_blocks, block_size, kv_heads/t
 shared key (kv_lora_rank + qk_pos_emb_head_dim values; DeepSeek's compressed cache), the same on all TP ranks.
 Nothing is allocated after construction, so a full pool never runs out of memory: `ensure` returns False and
 the scheduler queues or preempts. Shared blocks (the prompt of n samples) are copied on the first write into them.
+
+Prefix cache: every full block whose K/V is computed is registered under the hash of all tokens up to its
+end (a chain hash: the block's tokens and the previous block's hash; K/V at a position depend only on the
+tokens up to it and the weights). A new sequence whose leading blocks match is admitted with those blocks
+shared and their positions already computed: the greedy and the sampled requests of a task share its prompt,
+and the next turn of a multi-turn episode (its whole context so far) prefills only the new tokens. A cached
+block that no sequence holds any more stays cached until its slot is needed (oldest first). Weight updates
+clear the cache (`clear_prefix`): K/V computed under older weights are never shared with new requests.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +37,8 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     """Physical block ids."""
+    hashes: list[int] = field(default_factory=list)
+    """Chain hashes of the leading full blocks already registered in the prefix cache."""
 
 
 class BlockAllocator:
@@ -38,20 +48,33 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self.refcount = [0] * num_blocks
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        """Blocks nobody holds whose K/V stay in the prefix cache (oldest first); reused when the pool is dry."""
+        self.block_hash: dict[int, int] = {}
+        """Block -> its prefix-cache hash (registered blocks only)."""
+        self.by_hash: dict[int, int] = {}
+        """Prefix-cache hash -> block."""
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self.cached)
 
     def allocate(self) -> int | None:
-        """A fresh block with reference count 1, or None when the pool is exhausted."""
-        if not self._free:
+        """A fresh block with reference count 1 (evicting the oldest cached one when no block is free), or
+        None when the pool is exhausted."""
+        if self._free:
+            block = self._free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.block_hash.pop(block)]
+        else:
             return None
-        block = self._free.popleft()
         self.refcount[block] = 1
         return block
 
     def incref(self, block: int) -> None:
+        if self.refcount[block] == 0:  # a cached block taken back into use
+            del self.cached[block]
         self.refcount[block] += 1
 
     def decref(self, block: int) -> None:
@@ -59,7 +82,27 @@ class BlockAllocator:
             raise RuntimeError(f"KV block {block} freed twice")
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
-            self._free.append(block)
+            if block in self.block_hash:
+                self.cached[block] = None
+            else:
+                self._free.append(block)
+
+    def register(self, block: int, h: int) -> None:
+        if h not in self.by_hash and block not in self.block_hash:
+            self.by_hash[h], self.block_hash[block] = block, h
+
+    def forget(self, block: int) -> None:
+        """Drop a block from the prefix cache (before it is written)."""
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.by_hash[h]
+
+    def clear_prefix(self) -> None:
+        """Forget every cached prefix; blocks nobody holds return to the free list."""
+        self._free.extend(self.cached)
+        self.cached.clear()
+        self.block_hash.clear()
+        self.by_hash.clear()
 
 
 class PagedKVCache:
@@ -108,6 +151,7 @@ class PagedKVCache:
     def _copy_on_write(self, table: BlockTable, i: int) -> None:
         block = table.blocks[i]
         if self.allocator.refcount[block] == 1:
+            self.allocator.forget(block)  # written: its cached prefix K/V would no longer hold
             return
         new = self.allocator.allocate()
         self.kv[:, :, new].copy_(self.kv[:, :, block])  # [L, 2, bs, kvh, d]
@@ -118,13 +162,49 @@ class PagedKVCache:
         """A new table sharing every block of `table`."""
         for b in table.blocks:
             self.allocator.incref(b)
-        return BlockTable(list(table.blocks))
+        return BlockTable(list(table.blocks), list(table.hashes))
 
     def release(self, table: BlockTable) -> None:
-        """Drop this table's references; blocks nobody references go back to the free list."""
+        """Drop this table's references; blocks nobody references go back to the free list (or stay cached)."""
         for b in table.blocks:
             self.allocator.decref(b)
         table.blocks.clear()
+        table.hashes.clear()
+
+    # ------------------------------------------------------------------------------ prefix cache
+    def _hashes(self, tokens: list[int], n: int, prev: list[int]) -> list[int]:
+        """Chain hashes of the first n full blocks of `tokens` (extending the known `prev`)."""
+        bs, out = self.block_size, list(prev)
+        for i in range(len(out), n):
+            out.append(hash((out[-1] if out else 0, tuple(tokens[i * bs:(i + 1) * bs]))))
+        return out
+
+    def register(self, table: BlockTable, tokens: list[int], computed: int) -> None:
+        """Register the table's full blocks whose positions [0, computed) are all computed."""
+        n = min(computed // self.block_size, len(table.blocks))
+        if n > len(table.hashes):
+            table.hashes = self._hashes(tokens, n, table.hashes)
+            for b, h in zip(table.blocks[:n], table.hashes[:n]):
+                self.allocator.register(b, h)
+
+    def lookup(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(blocks, hashes) of the longest cached prefix of `tokens`, leaving at least one token to compute."""
+        hashes, blocks = self._hashes(tokens, (len(tokens) - 1) // self.block_size, []), []
+        for h in hashes:
+            b = self.allocator.by_hash.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, hashes[:len(blocks)]
+
+    def adopt(self, table: BlockTable, blocks: list[int], hashes: list[int]) -> None:
+        """Give an empty table the cached `blocks` (references + 1)."""
+        for b in blocks:
+            self.allocator.incref(b)
+        table.blocks, table.hashes = list(blocks), list(hashes)
+
+    def clear_prefix(self) -> None:
+        self.allocator.clear_prefix()
 
     def slots(self, table: BlockTable, positions: range) -> list[int]:
         """Flat slot ids (block * block_size + offset) of `positions` in this table."""

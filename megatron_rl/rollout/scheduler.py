@@ -66,8 +66,11 @@ class Sequence:
 class Scheduler:
     """Waiting queue + running set over one paged KV cache."""
 
-    def __init__(self, cache: PagedKVCache, max_tokens_per_step: int, max_running: int):
+    def __init__(self, cache: PagedKVCache, max_tokens_per_step: int, max_running: int, prefix_cache: bool = True):
         self.cache = cache
+        self.prefix_cache = prefix_cache
+        self.prefix_hit_tokens = 0
+        """Prompt tokens whose K/V came from the prefix cache instead of a prefill."""
         self.max_tokens_per_step = max_tokens_per_step
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
@@ -114,10 +117,19 @@ class Scheduler:
     def _admit_waiting(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            chunk = min(seq.needed, budget)
+            hit, hashes = self.cache.lookup(seq.tokens) if self.prefix_cache and not seq.table.blocks else ([], [])
+            start = max(seq.num_computed, len(hit) * self.cache.block_size)
+            chunk = min(len(seq.tokens) - start, budget)
             reserve = len(self.running)  # keep a block per running sequence for its decode growth
-            if self.cache.blocks_needed(seq.table, seq.num_computed + chunk) + reserve > self.cache.num_free:
+            idle = sum(self.cache.allocator.refcount[b] == 0 for b in hit)  # cached blocks taken out of the pool
+            new = max(0, -(-(start + chunk) // self.cache.block_size) - len(hit)) if hit else \
+                self.cache.blocks_needed(seq.table, start + chunk)
+            if new + idle + reserve > self.cache.num_free:
                 break
+            if hit:
+                self.cache.adopt(seq.table, hit, hashes)
+                seq.num_computed = start
+                self.prefix_hit_tokens += start
             self.cache.ensure(seq.table, seq.num_computed, seq.num_computed + chunk)
             self.waiting.popleft()
             self.running.append(seq)
@@ -142,7 +154,9 @@ class Scheduler:
                 seq.num_computed = 0
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks."""
+        """Remove a finished or aborted sequence and free its blocks (its computed full blocks stay cached)."""
+        if self.prefix_cache:
+            self.cache.register(seq.table, seq.tokens, seq.num_computed)
         self.cache.release(seq.table)
         if seq in self.running:
             self.running.remove(seq)

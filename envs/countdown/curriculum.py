@@ -1,4 +1,5 @@
-"""An easier countdown curriculum for tiny models: few small numbers, targets one or two operations away.
+"""The countdown environment's curriculum (the run config's `curriculum:` section): an easier suite for tiny
+models, few small numbers, targets one or two operations away.
 
 The tasks are ordinary `envs` countdown tasks (domain 'countdown', payload numbers/target/solution), so the
 reward is the real sandboxed countdown reward. Deterministic given (seed, split); splits never share a task.
@@ -6,10 +7,34 @@ reward is the real sandboxed countdown reward. Deterministic given (seed, split)
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from envs.base import Task
 from envs.countdown.env import PROMPT
-from megatron_rl.loop.config import CurriculumConfig
+from megatron_rl.config import ConfigError
+
+
+@dataclass
+class CurriculumConfig:
+    """Generated countdown tasks (envs/countdown's reward, easier numbers) instead of the shipped suite."""
+
+    enabled: bool = True
+    """Use generated tasks for warm-up, RL and evaluation; false = the domain's shipped suite."""
+    min_numbers: int = 2
+    """Numbers per task at least."""
+    max_numbers: int = 3
+    """Numbers per task at most."""
+    max_value: int = 9
+    """Numbers are drawn from 1..max_value."""
+    max_ops: int = 2
+    """Operations in the reference solution at most."""
+    rl_tasks: int = 600
+    """Generated training tasks for the RL phase (disjoint from the warm-up's and the held-out ones)."""
+
+    def validate(self) -> None:
+        if not 2 <= self.min_numbers <= self.max_numbers or self.max_value < 2 or self.max_ops < 1:
+            raise ConfigError("curriculum: need 2 <= min_numbers <= max_numbers, max_value >= 2, max_ops >= 1")
+
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

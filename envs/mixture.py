@@ -1,0 +1,116 @@
+"""The run's mixture of domains (the run config's `envs:` section): weights, tasks, rewards, budgets, judge.
+
+    envs:
+      domains:
+        arithmetic: {weight: 2}
+        math: {weight: 1, reward_weights: {format: 0.0}}
+        tool_use: {weight: 1, max_turns: 3}
+      judge_base_url: http://judge:8000/v1        # optional
+
+Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
+(sampled by the RL loop, weighted, resumable) and heldout (evaluated per domain). `build_env` makes one
+environment for one episode with the domain's reward weights and budget; the RL loop, eval and the rollout
+workers all build their environments through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
+
+
+@dataclass
+class DomainConfig:
+    """One domain of the mixture."""
+
+    weight: float = 1.0
+    """Sampling weight of its tasks in the RL loop (0: evaluated only)."""
+    task_files: list[str] = field(default_factory=list)
+    """Task files (.jsonl/.yaml); [] = the environment's shipped suite."""
+    train_tasks: int = 0
+    """Train tasks used at most (0 = all)."""
+    tier: str = ""
+    """Only tasks whose payload `tier` is this (the generated suites' easy / medium); '' = all tasks."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Overrides of the environment's reward component weights, e.g. {format: 0.0}."""
+    max_turns: int = 4
+    """Model turns per episode at most (single-turn environments take one)."""
+    max_tokens: int = 0
+    """Tokens per episode at most, prompt included (0 = the model's max_seq_length)."""
+    max_observation_chars: int = 2000
+    """Longer observations are cut in the middle before the model sees them."""
+
+
+@dataclass
+class MixtureConfig:
+    """Which domains a run trains and evaluates on (the `envs:` section)."""
+
+    domains: dict[str, DomainConfig] = field(default_factory=dict)
+    """Domain (registered environment name) -> its weight, tasks, rewards and budget ({} in a run config:
+    data.domain alone, with rl.reward_weights)."""
+    judge_base_url: str = ""
+    """OpenAI-compatible judge endpoint including /v1 ('' = no LLM judge; judged domains use rules only)."""
+    judge_model: str = ""
+    """Judge model name (recorded in every judged reward's provenance)."""
+    judge_cache_dir: str = ""
+    """On-disk cache of judge answers ('' = <run>/judge_cache)."""
+
+    def validate(self) -> None:
+        import envs  # noqa: F401  (registers the built-in environments)
+        from megatron_rl.config import ConfigError
+
+        domains = self.domains
+        if not domains:  # a run config fills it from data.domain (RunConfig._resolve_domains)
+            return
+        for name, d in domains.items():
+            if name not in ENVIRONMENTS.names():
+                raise ConfigError(f"envs.domains.{name}: not a registered environment; known: "
+                                  f"{sorted(ENVIRONMENTS.names())}")
+            if not d.weight >= 0 or d.max_turns < 1 or d.max_tokens < 0 or d.train_tasks < 0:
+                raise ConfigError(f"envs.domains.{name}: need weight >= 0, max_turns >= 1, max_tokens >= 0 and "
+                                  f"train_tasks >= 0 (got {d})")
+            try:
+                make_env(name, reward_weights=d.reward_weights)
+            except EnvError as e:
+                raise ConfigError(f"envs.domains.{name}.reward_weights: {e}") from None
+        for name, d in domains.items():
+            if d.tier and not self.tasks("train", only=name)[name]:
+                raise ConfigError(f"envs.domains.{name}.tier={d.tier!r}: no train task of {name!r} has that tier "
+                                  f"(payload.tier); leave it '' for all tasks")
+        if not any(d.weight > 0 for d in domains.values()):
+            raise ConfigError("envs.domains: no domain has a weight > 0, so the RL loop has nothing to sample")
+
+    def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
+        """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""
+        from envs.tasks import load_domain
+
+        out = {}
+        for name, d in self.domains.items():
+            if only is not None and name != only:
+                continue
+            tasks = load_domain(name, d.task_files or None, split=split)
+            if d.tier:
+                tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
+            out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
+        return out
+
+    def budget(self, name: str, max_seq_length: int) -> Budget:
+        d = self.domains.get(name) or DomainConfig()
+        tokens = min(d.max_tokens or max_seq_length, max_seq_length)
+        return Budget(max_turns=d.max_turns, max_tokens=tokens, max_observation_chars=d.max_observation_chars)
+
+    def build_env(self, name: str, max_seq_length: int, sandbox=None, judge=None,
+                  token_counter=None) -> Environment:
+        """A fresh environment of domain `name` for one episode."""
+        d = self.domains.get(name) or DomainConfig()
+        return make_env(name, budget=self.budget(name, max_seq_length), sandbox=sandbox, judge=judge,
+                        reward_weights=d.reward_weights or None, token_counter=token_counter)
+
+    def judge(self, run_dir: str):
+        """The LLM judge client, or None without `judge_base_url`."""
+        if not self.judge_base_url:
+            return None
+        from envs.rewards import JudgeConfig
+
+        return JudgeConfig(base_url=self.judge_base_url, model=self.judge_model,
+                           cache_dir=self.judge_cache_dir or f"{run_dir}/judge_cache").build()

@@ -1,0 +1,80 @@
+"""Rewards as named, weighted components of registered reward functions (`envs.rewards.REWARDS`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.sandbox.base import Sandbox
+from envs.types import EnvError, RewardResult, Task
+
+
+@dataclass
+class RewardComponent:
+    """One named reward component: a registered reward function, its weight and parameters."""
+
+    name: str
+    """Component name (a column in the trajectory shard)."""
+    fn: str
+    """Name of the reward function in `envs.rewards.REWARDS`."""
+    weight: float = 1.0
+    """Weight in the total."""
+    params: dict = field(default_factory=dict)
+    """Keyword arguments passed to the reward function."""
+
+
+@dataclass
+class RewardContext:
+    """Everything a reward function may look at."""
+
+    task: Task
+    """The task of the episode (its payload holds the hidden answers/tests)."""
+    response: str
+    """The model's final action text."""
+    transcript: list[tuple[str, str]] = field(default_factory=list)
+    """(role, text) of the whole episode: ('assistant', ...), ('tool', ...)."""
+    state: dict = field(default_factory=dict)
+    """Environment-specific state (workspace files, extracted answer)."""
+    sandbox: Sandbox | None = None
+    """Where verifiers run model code (never in the worker)."""
+    judge: Any = None
+    """An `envs.rewards.JudgeClient`, or None."""
+
+
+@dataclass
+class RewardSpec:
+    """A weighted composition of reward components."""
+
+    components: list[RewardComponent]
+    """The named components; the total is their weighted sum."""
+
+    def __post_init__(self):
+        names = [c.name for c in self.components]
+        if len(set(names)) != len(names):
+            raise EnvError(f"duplicate reward component names in {names}")
+
+    def with_weights(self, weights: dict[str, float] | None) -> RewardSpec:
+        """A copy with some weights replaced; unknown names are an error listing the known ones."""
+        weights = dict(weights or {})
+        known = {c.name for c in self.components}
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise EnvError(f"unknown reward component(s) {unknown}; known: {sorted(known)}")
+        return RewardSpec([dataclasses.replace(c, weight=float(weights.get(c.name, c.weight)))
+                           for c in self.components])
+
+    def compute(self, ctx: RewardContext) -> RewardResult:
+        from envs.rewards import REWARDS, run_reward
+
+        out = RewardResult(total=0.0)
+        for comp in self.components:
+            r = run_reward(REWARDS.get(comp.fn), ctx, comp.params)
+            r.provenance.setdefault("fn", comp.fn)
+            out.components[comp.name] = float(r.score)
+            out.weights[comp.name] = comp.weight
+            out.reasons[comp.name] = r.reason
+            out.provenance[comp.name] = r.provenance
+            if out.status == "ok" and r.status != "ok":
+                out.status = r.status
+            out.total += comp.weight * float(r.score)
+        return out
