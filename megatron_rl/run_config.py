@@ -179,7 +179,11 @@ class RunConfig:
                               f"RL from the model as it is, or pick a domain with reference answers")
 
     def validate(self) -> None:
+        from megatron_rl.rollout.model_runner import check_servable
+
         self.model.check_parallel(self.parallel)
+        self.model.check_training(self.parallel)
+        check_servable(self.model)  # the rollout engine serves this policy (refused here, before any rank starts)
         if self.tokenizer.resolved_path(self.model):
             self.tokenizer.build(self.model)  # the HF tokenizer loads and its ids fit the model
         self.parallel.resolve(self.launch.nproc_per_node)

@@ -54,3 +54,30 @@ def tiny_llama(folder: Path, tok, layers: int = 2, hidden: int = 64, heads: int 
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return model
+
+
+def tiny_deepseek_v3(folder: Path, tok, seed: int = 0):
+    """A random DeepseekV3ForCausalLM (MLA with YaRN, first layer dense, 8 sigmoid-routed experts in 4 groups,
+    expert bias, shared expert) whose vocabulary is `tok`'s, saved with the tokenizer."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, max_position_embeddings=512,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+                      "mscale_all_dim": 1.0}, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # larger logits than the default init; a non-zero expert bias
+        for name, p in model.named_parameters():
+            p.mul_(4.0) if p.dim() > 1 and "gate" not in name.split(".")[-2:-1] else None
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return model

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.mp.convert_models import hf_tensors, make_hf_model
+from tests.mp.convert_models import KIMI_K2, hf_tensors, make_hf_model
 from tests.test_convert import run_err, run_ok
 
 pytestmark = pytest.mark.slow
@@ -292,3 +292,122 @@ def test_other_quantization_is_refused(tmp_path, capsys):
     (hf / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
     err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
     assert "gptq" in err and "only FP8 block-scaled" in err
+
+
+# -- DeepSeek-V3 / Kimi-K2 ---------------------------------------------------------------------------------
+def ref_logits(path: Path, zero_bias: bool = False, **config_changes) -> torch.Tensor:
+    """HF logits read through the converter's reference config (Kimi-K2's model_type kimi_k2 included)."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.convert.verify import reference_config, tokens
+
+    cfg = reference_config({**json.loads((path / "config.json").read_text()), **config_changes})
+    model = AutoModelForCausalLM.from_pretrained(path, config=cfg, torch_dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if zero_bias and name.endswith("e_score_correction_bias"):
+                b.zero_()
+        return model(tokens(cfg.vocab_size)).logits
+
+
+def assert_dsv3_features_matter(path: Path, *changes: dict, least: float = 1e-3) -> None:
+    """Each change (and zeroing the expert bias) moves the HF logits by more than `least` (> 5 x TOL)."""
+    base = ref_logits(path)
+    for change in [*changes, "expert bias"]:
+        other = ref_logits(path, zero_bias=True) if change == "expert bias" else ref_logits(path, **change)
+        diff = (other - base).abs().max().item()
+        assert diff > least, f"the test model does not exercise {change}: logits differ by {diff}"
+
+
+def test_deepseek_v3_mla_sigmoid_router_grouped_topk(tmp_path, capsys):
+    """MLA (q/kv latents, decoupled interleaved RoPE, YaRN with mscale), sigmoid routing with the expert bias,
+    grouped top-k, routed scaling, a shared expert, the first layer dense: both ways exact, by name too."""
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf")
+    assert_dsv3_features_matter(hf, dict(routed_scaling_factor=1.0), dict(n_group=1, topk_group=1),
+                                dict(rope_scaling=None), dict(first_k_dense_replace=0))
+    rep, cfg = convert_both_ways(hf, tmp_path, capsys, "deepseek_v3")
+    assert rep["arch"] == "deepseek_v3"
+    src = json.loads((hf / "config.json").read_text())
+    keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+            "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+            "num_experts_per_tok", "moe_intermediate_size", "intermediate_size")
+    assert {k: cfg[k] for k in keys} == {k: src[k] for k in keys}
+    assert {k: cfg["rope_scaling"][k] for k in src["rope_scaling"]} == src["rope_scaling"]
+    assert written_logits_diff(tmp_path, hf) <= TOL
+
+
+def test_kimi_k2_variant(tmp_path, capsys):
+    """Kimi-K2's config.json: the same class under model_type kimi_k2, one expert group, two shared experts,
+    YaRN x32, scaling 2.827 (and here no q latent): both ways exact; the export keeps its config."""
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf", **KIMI_K2)
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "kimi_k2"
+    assert_dsv3_features_matter(hf, dict(routed_scaling_factor=1.0), dict(rope_scaling=None), least=5e-4)
+    _, cfg = convert_both_ways(hf, tmp_path, capsys)
+    assert cfg["model_type"] == "kimi_k2" and cfg["n_group"] == 1 and cfg["q_lora_rank"] is None
+    assert (ref_logits(tmp_path / "hf2") - ref_logits(hf)).abs().max().item() <= TOL
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf3"), "--hf-config",
+                  "deepseek_v3", "--verify"], capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+    assert json.loads((tmp_path / "hf3" / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def _add_mtp_layer(hf: Path, layer: int) -> None:
+    """DeepSeek-V3's multi-token-prediction module: tensors of layer `layer` = num_hidden_layers."""
+    from safetensors.torch import save_file
+
+    names = [f"model.layers.{layer}.{n}" for n in ("eh_proj.weight", "enorm.weight", "self_attn.kv_b_proj.weight")]
+    save_file({n: torch.randn(4, 4) for n in names}, str(hf / "mtp.safetensors"))
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(names, "mtp.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_deepseek_v3_mtp_layers_are_dropped_on_import(tmp_path, capsys):
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf")
+    _add_mtp_layer(hf, 3)
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "x")], capsys)
+    assert "unexpected tensor 'model.layers.3." in err  # without num_nextn_predict_layers: not ours to drop
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["verify"]["max_abs_logit_diff"] <= TOL
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"], capsys)
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert not [k for k in hf_tensors(tmp_path / "hf2") if k.startswith("model.layers.3.")]  # the export has none
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(rope_interleave=False), "rope_interleave=False"),
+    (dict(n_group=2, topk_group=1), "num_experts_per_tok=4 with topk_group=1"),
+    (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax'"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "takes plain RoPE or YaRN"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}), "mscale_all_dim without mscale"),
+], ids=["interleave", "groups", "eps", "softmax", "norm", "linear", "mscale"])
+def test_deepseek_v3_variants_it_cannot_convert_are_refused(change, words, tmp_path, capsys):
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, **change}))
+    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    assert words in err, err
+
+
+def test_deepseek_v3_bf16_with_the_original_config_keys(tmp_path, capsys):
+    """A bf16 checkpoint whose config.json carries DeepSeek's own keys (topk_method, scoring_func, auto_map...):
+    converted; exported in bf16 except the expert bias, which Megatron and DeepSeek's files keep in fp32."""
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf", dtype=torch.bfloat16)
+    cfg = json.loads((hf / "config.json").read_text())
+    own = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1, "ep_size": 1,
+           "aux_loss_alpha": 0.001, "seq_aux": True, "num_nextn_predict_layers": 0,
+           "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (hf / "config.json").write_text(json.dumps({**cfg, **own}))
+    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
+    assert rep["dtype_casts"] == [] and rep["verify"]["max_abs_logit_diff"] <= 5e-2
+    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"], capsys)
+    assert rep["verify"]["dtypes"] == ["BF16", "F32"]
+    x, y = hf_tensors(hf), hf_tensors(tmp_path / "hf2")
+    bias = [k for k in x if k.endswith("e_score_correction_bias")]
+    assert bias and all(y[k].dtype == torch.float32 and torch.equal(y[k], x[k].float()) for k in bias)
+    assert all(y[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x if k not in bias)

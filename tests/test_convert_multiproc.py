@@ -89,3 +89,16 @@ def test_mixed_dense_moe_layers_with_shared_expert_pp2_ep2(tmp_path):
     assert_same_tensors(hf, tmp_path / "hf2", tied=False)
     reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--ep", "2", "--verify")
     assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4
+
+
+def test_deepseek_v3_tp2_ep2_round_trip_and_reshard_to_pp2(tmp_path):
+    """DeepSeek-V3 (MLA, expert bias, grouped top-k, first layer dense) at TP=2 x EP=2 -> HF bitwise; resharded
+    to PP=2 it gives the HF model's logits."""
+    hf = make_hf_model("deepseek_v3", tmp_path / "hf", num_hidden_layers=4)
+    reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--tp", "2", "--ep", "2",
+                   "--verify")
+    assert reps[0]["layout"] == {"tp": 2, "pp": 1, "ep": 2} and max(logit_diffs(reps)) <= 1e-4
+    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    assert_same_tensors(hf, tmp_path / "hf2", tied=False)
+    reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--pp", "2", "--verify")
+    assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4

@@ -102,6 +102,13 @@ def _router_gemm_defined():
     return "te_general_gemm" in vars(moe_utils)
 
 
+def _mla_te_probe():
+    """MLA's build-time check `HAVE_TE and isinstance(linear_proj, TELinear)` with TE absent."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    return mla.HAVE_TE and isinstance(torch.nn.Linear(1, 1), mla.TELinear)
+
+
 def _module_attr(module: str, *attrs: str):
     return lambda: functools.reduce(getattr, attrs, importlib.import_module(module))
 
@@ -115,6 +122,7 @@ PROBES = {
     "moe_split_sizes_numpy": lambda: _must(_split_sizes_as_numpy()),
     "sequence_parallel_torch_norm": _sp_norm,
     "cuda_type_names_in_clip_grads": _clip_grads,
+    "mla_te_probe": _mla_te_probe,
 }
 # Patches whose effect needs several ranks (or a DistributedOptimizer): checked by identity of the swapped
 # function here, by behaviour in tests/test_cpu_compat_multiproc.py.

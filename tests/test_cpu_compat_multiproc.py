@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 SCRIPT = Path(__file__).parent / "mp" / "compat_layouts.py"
 LAUNCHES = {
     2: ["dense_dp2", "dense_tp2", "dense_tp2_sp", "pp2", "pp2_vpp2", "moe_ep2_alltoall", "moe_ep2_allgather",
-        "distopt_dp2"],
+        "distopt_dp2", "mla_tp2"],
     4: ["tp2_pp2", "moe_tp2_ep2_sp"],
 }
 ATOL = 1e-5

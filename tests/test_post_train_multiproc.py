@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf_tiny import tiny_llama, tiny_tokenizer
+from tests.hf_tiny import tiny_deepseek_v3, tiny_llama, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
@@ -99,6 +99,34 @@ def test_python_api_through_a_submitit_executor(tmp_path, tiny_hf):
     summary = executor.submit(train, cfg).result()
     assert summary["name"] == "api" and summary["rl_steps"] == 1
     assert (Path(summary["export_dir"]) / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_deepseek_v3_hf_in_rl_hf_out(tmp_path):
+    """The main job on a tiny DeepseekV3ForCausalLM (MLA + YaRN, sigmoid router with expert bias, grouped top-k,
+    first layer dense): the engine's behaviour log-probs equal the trainer's before the update (mismatch_kl 0:
+    the expert bias reaches the engine), the export is verified and keeps the (not updated) expert bias."""
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tiny_deepseek_v3(hf, tiny_tokenizer(hf))
+    proc = subprocess.run([EXE, "train", "configs/post_train_cpu.yaml", f"output_dir={tmp_path}",
+                           f"model.init=hf:{hf}", *SHORT], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = tmp_path / "post_train"
+    rl = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rl"' in x]
+    assert len(rl) == 2 and abs(rl[0]["mismatch_kl"]) < 1e-6
+    assert "verified: max |logit diff|" in proc.stdout
+    out = Path(json.loads((run / "summary.json").read_text())["export_dir"])
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    a = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    b = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sorted(a) == sorted(b)
+    bias = [k for k in a if k.endswith("e_score_correction_bias")]
+    assert bias and all(torch.equal(a[k], b[k]) for k in bias) and a[bias[0]].abs().max() > 0
+    assert max((a[k] - b[k]).abs().max().item() for k in a if k not in bias) > 1e-6  # RL moved the weights
 
 
 def test_export_without_a_checkpoint_is_named(tmp_path):

@@ -249,3 +249,28 @@ def test_sliding_window_model_is_refused_by_the_engine(pgs):
     model = build_gpt(replace(MODEL, sliding_window=8), ParallelConfig(), pgs)
     with pytest.raises(ValueError, match="sliding-window"):
         engine(model, pgs)
+
+
+def test_mla_model_logprobs_equal_full_forward(pgs):
+    """DeepSeek-V3 in miniature (MLA with YaRN over the compressed-latent cache, sigmoid-routed MoE): sampled
+    log-probs equal a full no-cache forward; shared prompt blocks (n=2) and continuous batching included."""
+    from dataclasses import replace
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from tests.test_deepseek_v3 import tiny_dsv3
+
+    cfg = replace(tiny_dsv3(), vocab_size=384, max_seq_length=128)
+    model = build_gpt(cfg, ParallelConfig(), pgs)
+    init_weights_by_name(model, seed=3)
+    with torch.no_grad():
+        model.embedding.word_embeddings.weight.mul_(3)
+    model.eval()
+    eng = engine(model, pgs)
+    assert eng.cache.kv.shape[1:] == (1, 64, 4, 1, 16 + 4)  # one latent + RoPE-key row per token
+    prompts = [PROMPTS[3] * 2, PROMPTS[1], PROMPTS[4]]
+    outs = eng.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=10, seed=5, n=2))
+    for prompt, out in zip(prompts, outs):
+        for sample in out.samples:
+            ref = recomputed_logprobs(model, prompt, sample.token_ids, 0.9)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-5, rtol=0)
+    assert_pool_empty(eng)

@@ -15,8 +15,11 @@ def _by_key(records):
     return {(r["tag"], r["kind"], r["i"]): r for r in records}
 
 
-def test_tp2_generation_equals_tp1_before_and_after_broadcast_update():
-    tp1, tp2 = _by_key(torchrun(SCRIPT, 1)), _by_key(torchrun(SCRIPT, 2))
+@pytest.mark.parametrize("model", ["gqa", "dsv3"])
+def test_tp2_generation_equals_tp1_before_and_after_broadcast_update(model):
+    """dsv3: DeepSeek-V3 in miniature (multi-latent attention over the compressed-latent cache, MoE)."""
+    args = ["--dsv3"] if model == "dsv3" else []
+    tp1, tp2 = _by_key(torchrun(SCRIPT, 1, args)), _by_key(torchrun(SCRIPT, 2, args))
     assert tp1.keys() == tp2.keys() and len(tp1) == 2 * (6 + 3)
     for key, a in tp1.items():
         b = tp2[key]

@@ -67,3 +67,11 @@ def test_world2_kl_in_reward_matches_one_process():
         assert r["loss_diff"] < TOL and r["weight_diff"] < TOL and r["replica_diff"] < TOL, (name, r)
         assert r["metric_diff"] < TOL, (name, r["metric_diff"])
         assert abs(r["ref_kl"][0]) < 1e-6 and r["ref_kl"][-1] > 1e-4, (name, r["ref_kl"])  # the KL term is live
+
+
+def test_world2_deepseek_v3_layouts_match_one_process():
+    """DeepSeek-V3 in miniature (MLA with YaRN, first layer dense, sigmoid router with expert bias, grouped
+    top-k, routed scaling, shared expert) at TP=2 + SP, EP=2 and PP=2, and its attention alone at TP=2 without
+    SP (the shared RoPE key's gradient summed over TP ranks): three GRPO steps equal to the one-process run."""
+    names = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla"]
+    _check_layouts(torchrun(SCRIPT, 2, ["--layouts", ",".join(names)], timeout=500), names)

@@ -440,6 +440,21 @@ def _patch_gloo_p2p_tags() -> list[Undo]:
 
 
 # --------------------------------------------------------------------------------------------------
+# mla_te_probe
+# --------------------------------------------------------------------------------------------------
+def _patch_mla_te_probe() -> list[Undo]:
+    """multi_latent_attention.HAVE_TE = False when TE is absent (0.16.1 sets it True: its TE extension module
+    imports without TE and hands out MagicMock stand-ins, so `isinstance(linear_proj, TELinear)` raises)."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is not None or not mla.HAVE_TE:
+        return []
+    return [_swap(mla, "HAVE_TE", False)]
+
+
+# --------------------------------------------------------------------------------------------------
 # Registry and entry point
 # --------------------------------------------------------------------------------------------------
 PATCHES: dict[str, Patch] = {
@@ -515,6 +530,13 @@ PATCHES: dict[str, Patch] = {
             "order, so activations and gradients swap: no error, wrong losses (4.9287 vs 4.8978 at step 0)",
             "pp2_vpp2: PP=2 x VPP=2 train steps",
             _patch_gloo_p2p_tags,
+        ),
+        Patch(
+            "mla_te_probe",
+            "multi-latent attention build without TE (0.16.1): 'TypeError: isinstance() arg 2 must be a type, "
+            "a tuple of types, or a union' (TELinear is a MagicMock stand-in)",
+            "mla_tp2: TP=2 MLA (DeepSeek-V3 attention) build and train",
+            _patch_mla_te_probe,
         ),
     ]
 }

@@ -26,16 +26,18 @@ def _strip_wrappers(name: str) -> str:
 
 def _prefix_renames(model: torch.nn.Module) -> dict[str, str]:
     """Local module-name prefixes -> global ones for transformer layers and local experts."""
-    renames = {}
+    renames, layers = {}, {}
     for name, module in model.named_modules():
         name = _strip_wrappers(name)
         layer = re.fullmatch(r"(.*layers\.)(\d+)", name)
         if layer and hasattr(module, "layer_number"):
-            renames[name] = f"{layer.group(1)}{module.layer_number - 1}"
+            renames[name] = layers[name] = f"{layer.group(1)}{module.layer_number - 1}"
         if hasattr(module, "local_experts") and hasattr(module, "ep_group"):
             offset = module.ep_group.rank() * module.num_local_experts
+            owner = next((k for k in sorted(layers, key=len, reverse=True) if name.startswith(k + ".")), None)
+            glob = layers[owner] + name[len(owner):] if owner else name  # the layer's global index too (PP)
             for j in range(module.num_local_experts):
-                renames[f"{name}.local_experts.{j}"] = f"{name}.local_experts.{offset + j}"
+                renames[f"{name}.local_experts.{j}"] = f"{glob}.local_experts.{offset + j}"
     return renames
 
 

@@ -44,16 +44,53 @@ class MoEConfig:
     """Scale the shared expert's output by sigmoid(x @ gate) (Qwen2-MoE); needs a shared expert."""
     layer_pattern: list[int] | None = None
     """Per layer 1 = MoE, 0 = dense MLP (model.ffn_hidden_size); None: every layer is MoE."""
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen) or per-expert sigmoid, renormalised over the top-k (DeepSeek-V3)."""
+    router_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for choosing the top-k only (sigmoid)."""
+    router_bias_update_rate: float = 0.0
+    """Expert-bias step after each optimizer step (sign of the load imbalance); 0 keeps the loaded bias."""
+    router_num_groups: int | None = None
+    """Grouped top-k: experts split into this many groups (DeepSeek-V3: 8); None: no grouping."""
+    router_group_topk: int | None = None
+    """Grouped top-k: groups kept per token, ranked by the sum of their top-(topk / group_topk) scores."""
+    routed_scaling_factor: float | None = None
+    """Multiplier of the routed experts' weights (DeepSeek-V3: 2.5, Kimi-K2: 2.827); None: 1."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
             raise ConfigError(f"moe.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts and not 1 <= self.topk <= self.num_experts:
             raise ConfigError(f"moe.topk={self.topk} must be in [1, num_experts={self.num_experts}]")
+        self._validate_router()
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             raise ConfigError("moe.shared_expert_gate needs moe.shared_expert_ffn_hidden_size (a shared expert)")
         if self.layer_pattern is not None and set(self.layer_pattern) - {0, 1}:
             raise ConfigError(f"moe.layer_pattern must hold only 0 (dense) and 1 (MoE), got {self.layer_pattern}")
+
+    def _validate_router(self) -> None:
+        sig = self.router_score_function == "sigmoid"
+        if self.router_expert_bias and not sig:
+            raise ConfigError("moe.router_expert_bias needs moe.router_score_function=sigmoid")
+        if self.router_bias_update_rate < 0 or (self.router_bias_update_rate and not self.router_expert_bias):
+            raise ConfigError(f"moe.router_bias_update_rate={self.router_bias_update_rate} must be >= 0 and "
+                              f"needs moe.router_expert_bias")
+        if sig and self.router_pre_softmax:
+            raise ConfigError("moe.router_pre_softmax applies to softmax routing only "
+                              "(moe.router_score_function=sigmoid)")
+        if self.routed_scaling_factor is not None and not self.routed_scaling_factor > 0:
+            raise ConfigError(f"moe.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        groups, keep = self.router_num_groups, self.router_group_topk
+        if (groups is None) != (keep is None):
+            raise ConfigError("moe.router_num_groups and moe.router_group_topk are set together (grouped top-k)")
+        if groups is None:
+            return
+        if groups < 1 or self.num_experts % groups or not 1 <= keep <= groups:
+            raise ConfigError(f"moe.router_num_groups={groups} must divide num_experts={self.num_experts} and "
+                              f"moe.router_group_topk={keep} be in [1, {groups}]")
+        if self.topk % keep or keep * (self.num_experts // groups) < self.topk:
+            raise ConfigError(f"moe.router_group_topk={keep} must divide moe.topk={self.topk}, and its groups hold "
+                              f"at least topk experts ({keep} x {self.num_experts // groups})")
 
 
 @dataclass
@@ -80,6 +117,68 @@ class RopeScaling:
     """yarn: attention factor denominator coefficient."""
     truncate: bool = True
     """yarn: round the correction range to whole dimensions."""
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi-K2) through Megatron-Core's MLASelfAttention."""
+
+    kv_lora_rank: int = 0
+    """Rank of the compressed key/value latent; 0 = standard (grouped-query) attention."""
+    q_lora_rank: int | None = None
+    """Rank of the compressed query (normalised, then projected up); None: queries from the hidden state."""
+    qk_head_dim: int = 128
+    """Per-head query/key size without RoPE (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head size of the decoupled RoPE part of queries and keys (HF qk_rope_head_dim; one key for all heads)."""
+    v_head_dim: int = 128
+    """Per-head value size."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def validate(self) -> None:
+        if self.kv_lora_rank < 0:
+            raise ConfigError(f"model.mla.kv_lora_rank={self.kv_lora_rank} must be >= 0")
+        if not self.enabled:
+            return
+        sizes = {"q_lora_rank": self.q_lora_rank or 1, "qk_head_dim": self.qk_head_dim,
+                 "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim, "v_head_dim": self.v_head_dim}
+        for key, n in sizes.items():
+            if n < 1 or (key == "qk_pos_emb_head_dim" and n % 2):
+                raise ConfigError(f"model.mla.{key}={n} must be a positive size (even for the RoPE part)")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse model settings MLA does not combine with (each names its key)."""
+        self.validate()
+        if not self.enabled:
+            return
+        for key in _mla_clashes(cfg):
+            raise ConfigError(f"model.{key}={_get(cfg, key)!r} does not apply to multi-latent attention "
+                              f"(model.mla.kv_lora_rank > 0: MLA has its own head sizes, always normalises its "
+                              f"latents, and Megatron's MLA RoPE is plain or YaRN with whole-dimension ranges)")
+        rs = cfg.rope_scaling
+        if rs.kind == "yarn" and rs.mscale_all_dim and not rs.mscale:
+            raise ConfigError("model.rope_scaling.mscale_all_dim without mscale: Megatron's MLA YaRN would scale "
+                              "its RoPE by 1 / mscale(mscale_all_dim), HF does not; set mscale too")
+
+
+def _mla_clashes(cfg: ModelConfig) -> list[str]:
+    """ModelConfig keys set to something multi-latent attention cannot honour."""
+    rs = cfg.rope_scaling
+    clash = {"num_query_groups": cfg.num_query_groups not in (None, cfg.num_attention_heads),
+             "head_dim": cfg.head_dim is not None, "qkv_bias": cfg.qkv_bias, "qk_layernorm": cfg.qk_layernorm,
+             "sliding_window": cfg.sliding_window is not None, "position_embedding": cfg.position_embedding != "rope",
+             "rope_scaling.kind": rs.kind not in ("none", "yarn"),
+             "rope_scaling.truncate": rs.kind == "yarn" and not rs.truncate}
+    return [k for k, bad in clash.items() if bad]
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass
@@ -137,6 +236,8 @@ class ModelConfig:
     """FP8 recipe through Transformer Engine (GPU only)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-latent attention (DeepSeek-V3, Kimi-K2); off unless mla.kv_lora_rank > 0."""
 
     def validate(self) -> None:
         if self.init:
@@ -158,15 +259,37 @@ class ModelConfig:
                               f"num_layers={self.num_layers}")
         if self.fp8 != "none" and self.transformer_impl != "transformer_engine":
             raise ConfigError("model.fp8 needs model.transformer_impl=transformer_engine (FP8 runs through TE)")
+        self.mla.check_model(self)
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                              num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
+        if self.mla.enabled:
+            _check_mla_parallel(self.mla, parallel)
+
+    def check_training(self, parallel: ParallelConfig) -> None:
+        """Layouts Megatron-Core trains only with extra settings (serving them is fine)."""
+        if self.moe.num_experts and parallel.tp > 1 and not parallel.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel=false with MoE at parallel.tp={parallel.tp}: Megatron-Core "
+                              f"refuses to train MoE layers under TP without sequence parallelism; set "
+                              f"parallel.sequence_parallel=true")
+
+
+def _check_mla_parallel(mla: MLAConfig, parallel: ParallelConfig) -> None:
+    """MLA's down projections are column-parallel (split over TP ranks, then gathered); no CP here."""
+    sizes = {"model.mla.q_lora_rank": mla.q_lora_rank or 0,
+             "model.mla.kv_lora_rank + qk_pos_emb_head_dim": mla.kv_lora_rank + mla.qk_pos_emb_head_dim}
+    for key, n in sizes.items():
+        if n % parallel.tp:
+            raise ConfigError(f"{key}={n} is not divisible by parallel.tp={parallel.tp}")
+    if parallel.cp > 1:
+        raise ConfigError(f"parallel.cp={parallel.cp} with multi-latent attention (model.mla) is not supported "
+                          f"(the CPU context-parallel attention is for standard attention)")
 
 
 def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: dict | None = None):
     """Megatron-Core TransformerConfig for this model and layout (`overrides`: extra TransformerConfig fields)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     moe = cfg.moe
     kw = dict(
@@ -196,14 +319,22 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: di
                   moe_z_loss_coeff=moe.z_loss_coeff, moe_grouped_gemm=moe.grouped_gemm,
                   moe_router_pre_softmax=moe.router_pre_softmax, moe_shared_expert_gate=moe.shared_expert_gate,
                   moe_layer_freq=list(moe.layer_pattern) if moe.layer_pattern is not None else 1,
-                  moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none")
+                  moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none",
+                  moe_router_score_function=moe.router_score_function,
+                  moe_router_enable_expert_bias=moe.router_expert_bias,
+                  moe_router_bias_update_rate=moe.router_bias_update_rate,
+                  moe_router_num_groups=moe.router_num_groups, moe_router_group_topk=moe.router_group_topk,
+                  moe_router_topk_scaling_factor=moe.routed_scaling_factor)
+    if cfg.mla.enabled:
+        kw.update(_mla_kwargs(cfg))
     if cfg.fp8 != "none":
         kw.update(fp8="hybrid" if cfg.fp8 == "delayed" else "e4m3", fp8_recipe=cfg.fp8)
     kw.update(overrides or {})
-    top1_after = kw.get("num_moe_experts") and kw["moe_router_topk"] == 1 and not kw["moe_router_pre_softmax"]
+    top1_after = kw.get("num_moe_experts") and kw["moe_router_topk"] == 1 and not kw["moe_router_pre_softmax"] \
+        and kw["moe_router_score_function"] == "softmax"
     if top1_after:  # Megatron refuses this combination up front (see below): validate as pre-softmax
         kw["moe_router_pre_softmax"] = True
-    tc = TransformerConfig(**kw)
+    tc = (MLATransformerConfig if cfg.mla.enabled else TransformerConfig)(**kw)
     if top1_after:
         # Top-1 routing with softmax after top-k gives every token weight 1.0 (Mixtral, Qwen-MoE with
         # norm_topk_prob at k=1). Megatron refuses it because the router then gets no gradient from the
@@ -213,11 +344,28 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: di
     return tc
 
 
+def _mla_kwargs(cfg: ModelConfig) -> dict:
+    """MLATransformerConfig fields: the latent sizes, and its own RoPE (plain, or YaRN with the concentration
+    factor mscale / mscale_all_dim applied to the RoPE and mscale_all_dim's squared to the softmax scale)."""
+    mla, rs = cfg.mla, cfg.rope_scaling
+    kw = dict(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+              qk_head_dim=mla.qk_head_dim, qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim, v_head_dim=mla.v_head_dim,
+              qk_layernorm=True, num_query_groups=None, kv_channels=None, rotary_base=cfg.rotary_base,
+              rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if rs.kind == "yarn":
+        both = bool(rs.mscale) and bool(rs.mscale_all_dim)  # HF: the RoPE factor uses both or neither
+        kw.update(rope_type="yarn", rotary_scaling_factor=rs.factor,
+                  original_max_position_embeddings=rs.original_max_position_embeddings,
+                  beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
+                  mscale=rs.mscale if both else 1.0, mscale_all_dim=rs.mscale_all_dim if both else 0.0)
+    return kw
+
+
 def _set_yarn(tc, cfg: ModelConfig) -> None:
     """GPTModel(position_embedding_type='yarn') and attention read these from the config (not fields of
     TransformerConfig in 0.16.1: MLATransformerConfig's names)."""
     rs = cfg.rope_scaling
-    if rs.kind != "yarn":
+    if rs.kind != "yarn" or cfg.mla.enabled:  # MLA: MLATransformerConfig's own YaRN fields
         return
     tc.yarn_rotary_scaling_factor = rs.factor
     tc.yarn_original_max_position_embeddings = rs.original_max_position_embeddings
@@ -232,7 +380,7 @@ def _set_yarn(tc, cfg: ModelConfig) -> None:
 def rope_kwargs(cfg: ModelConfig) -> dict:
     """GPTModel keyword arguments for the position embedding and its RoPE scaling."""
     rs = cfg.rope_scaling
-    if cfg.position_embedding != "rope" or rs.kind == "none":
+    if cfg.position_embedding != "rope" or rs.kind == "none" or cfg.mla.enabled:  # MLA: RoPE inside attention
         return {"position_embedding_type": cfg.position_embedding}
     if rs.kind == "linear":
         return {"position_embedding_type": "rope", "seq_len_interpolation_factor": rs.factor}
@@ -275,23 +423,30 @@ def layer_spec(cfg: ModelConfig, cp: int = 1, tcfg=None, *, vp_stage: int | None
     if n_exp and cfg.moe.layer_pattern is not None:
         block = specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te, normalization=cfg.normalization,
                                                  vp_stage=vp_stage, pp_rank=pp_rank)
-        for spec in block.layer_specs if cp > 1 and not te else []:
-            _use_cp_attention(spec)
+        for spec in block.layer_specs if not te else []:
+            _swap_core_attention(spec, cfg, cp)
         return block
+    mla = dict(multi_latent_attention=cfg.mla.enabled, qk_layernorm=cfg.qk_layernorm or cfg.mla.enabled)
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm, qk_layernorm=cfg.qk_layernorm)
+            num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm, **mla)
     spec = specs.get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=cfg.moe.grouped_gemm,
-                                          qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
-    if cp > 1:
-        _use_cp_attention(spec)
+                                          normalization=cfg.normalization, **mla)
+    _swap_core_attention(spec, cfg, cp)
     return spec
 
 
-def _use_cp_attention(spec) -> None:
+def _swap_core_attention(spec, cfg: ModelConfig, cp: int) -> None:
+    """Local spec: CP attention for cp > 1; for multi-latent attention its head sizes and a replicated kv down
+    projection (models/mla_attention: the TP gradient of the shared RoPE key)."""
     from megatron_rl.models.cp_attention import CPDotProductAttention
+    from megatron_rl.models.mla_attention import MLADotProductAttention, replicated_linear
 
-    spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
+    if cfg.mla.enabled:
+        spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        spec.submodules.self_attention.submodules.linear_kv_down_proj = replicated_linear()
+    elif cp > 1:
+        spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
 
 
 def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_process: bool = True,
@@ -315,4 +470,8 @@ def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_proce
         post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         rotary_base=cfg.rotary_base, pg_collection=pgs, vp_stage=vp_stage, **rope_kwargs(cfg))
     finish_rope(model, cfg)
+    if cfg.mla.enabled:
+        from megatron_rl.models.mla_attention import fix_rope_key_grad
+
+        fix_rope_key_grad(model, pgs.tp if pgs is not None else parallel_state.get_tensor_model_parallel_group())
     return model

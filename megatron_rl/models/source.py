@@ -6,7 +6,7 @@
       init: ""                                    # random weights of the shape given in the config (tiny tests)
 
 The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base and scaling, sliding
-window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE) comes from the checkpoint's config.json
+window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE, MLA) comes from the checkpoint's config.json
 through the converter's architecture tables (`tools/convert/arch`), never from hand-copied sizes:
 `resolve(model_cfg)` fills them in, and refuses a run config that sets one of them to a different value.
 What stays the run's choice: max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype,
@@ -29,7 +29,7 @@ KINDS = ("hf", "mcore")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
                "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
                "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
-               "position_embedding", "moe")
+               "position_embedding", "moe", "mla")
 META = "megatron_rl_convert.json"
 
 

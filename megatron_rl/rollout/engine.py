@@ -396,8 +396,9 @@ class RolloutEngine:
 
 @torch.no_grad()
 def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy each (name, tensor) into `model`'s parameter of that name; errors name the parameter."""
-    params = dict(model.named_parameters())
+    """Copy each (name, tensor) into `model`'s parameter (or weight buffer: the MoE expert bias) of that name;
+    errors name the parameter."""
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     n = 0
     for name, tensor in named_tensors:
         if name not in params:

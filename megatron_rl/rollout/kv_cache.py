@@ -8,9 +8,11 @@
     pool.release(table)                  # reference counts - 1; blocks at 0 return to the free list
 
 Storage: one tensor `kv` of shape [layers, 2, num_blocks, block_size, kv_heads/tp, head_dim] (index 0 = K,
-1 = V), i.e. per layer K and V each [num_blocks, block_size, kv_heads/tp, head_dim]. Nothing is allocated
-after construction, so a full pool never runs out of memory: `ensure` returns False and the scheduler
-queues or preempts. Shared blocks (the prompt of n samples) are copied on the first write into them.
+1 = V), i.e. per layer K and V each [num_blocks, block_size, kv_heads/tp, head_dim]. Multi-latent attention
+(`parts=1`, kv_heads=1): one row per token instead, [layers, 1, ...], the normalised kv latent and the RoPE'd
+shared key (kv_lora_rank + qk_pos_emb_head_dim values; DeepSeek's compressed cache), the same on all TP ranks.
+Nothing is allocated after construction, so a full pool never runs out of memory: `ensure` returns False and
+the scheduler queues or preempts. Shared blocks (the prompt of n samples) are copied on the first write into them.
 
 Prefix cache: every full block whose K/V is computed is registered under the hash of all tokens up to its
 end (a chain hash: the block's tokens and the previous block's hash; K/V at a position depend only on the
@@ -107,10 +109,10 @@ class PagedKVCache:
     """The block pool of all layers plus the allocator that hands its blocks to sequences."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", parts: int = 2):
         self.block_size = block_size
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
-                              device=device)  # [L, 2, NB, bs, kvh, d]
+        self.kv = torch.zeros(num_layers, parts, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
+                              device=device)  # [L, 2 (K, V) or 1 (MLA latent row), NB, bs, kvh, d]
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -209,11 +211,12 @@ class PagedKVCache:
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in positions]
 
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v [T, kvh, d] of new tokens at flat `slots` [T]."""
-        flat = self.kv[layer].flatten(1, 2)  # [2, NB*bs, kvh, d]
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor | None) -> None:
+        """Store k, v [T, kvh, d] of new tokens at flat `slots` [T] (v None: the one-part MLA cache)."""
+        flat = self.kv[layer].flatten(1, 2)  # [parts, NB*bs, kvh, d]
         flat[0, slots] = k
-        flat[1, slots] = v
+        if v is not None:
+            flat[1, slots] = v
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of padded block tables [S, nb] -> each [S, nb*bs, kvh, d] (padding blocks included)."""

@@ -11,7 +11,8 @@ its own). Tensor parallelism works
 as in training: column/row-parallel linears communicate inside the Megatron modules; the vocab-parallel
 logits of the sampled rows are all-gathered over the TP group passed in.
 
-Supports the dense local (non-TE) spec with RoPE or learned positions, GQA, qk-norm and QKV bias; MoE MLPs
+Supports the dense local (non-TE) spec with RoPE or learned positions, GQA, qk-norm and QKV bias, and
+multi-latent attention over a cache of compressed latents (DeepSeek-V3, Kimi-K2: `mla_runner.py`); MoE MLPs
 run through `layer.mlp` unchanged. Packed tokens use the [T, 1, H] layout (sequence-first, batch 1).
 """
 from __future__ import annotations
@@ -57,6 +58,15 @@ class Batch:
     """[R] packed indices whose logits are returned (the last token of sequences that sample)."""
 
 
+def check_servable(model_cfg) -> None:
+    """Refuse (ConfigError, before any rank starts) a model this engine cannot serve."""
+    from megatron_rl.config import ConfigError
+
+    if model_cfg.mla.enabled and model_cfg.transformer_impl != "local":
+        raise ConfigError("model.mla with model.transformer_impl=transformer_engine: the rollout engine serves "
+                          "multi-latent attention with the local layer spec only (not checked with TE's modules)")
+
+
 class ModelRunner:
     """Runs a `GPTModel` (one pipeline stage holding the whole model) over paged batches."""
 
@@ -74,10 +84,17 @@ class ModelRunner:
         self.head_dim = attn.hidden_size_per_attention_head
         self.scale = model.config.softmax_scale or self.head_dim ** -0.5
         self._freqs = None
+        self.mla = None
+        if getattr(model.config, "multi_latent_attention", False):  # one cached latent row per token
+            from megatron_rl.rollout.mla_runner import MLAAttention
+
+            self.mla = MLAAttention(model, self.tp_group)
+            self.kv_heads, self.head_dim = 1, self.mla.row
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         dtype = next(self.model.parameters()).dtype
-        return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype)
+        return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype,
+                            parts=1 if self.mla else 2)
 
     def _rope(self, positions: Tensor) -> Tensor | None:
         """RoPE frequencies [T, 1, 1, d] of the positions, or None for learned positions."""
@@ -112,11 +129,16 @@ class ModelRunner:
     def _layer(self, i: int, layer, h: Tensor, freqs: Tensor | None, batch: Batch, cache: PagedKVCache) -> Tensor:
         """One TransformerLayer on packed hidden states [T, 1, H] -> [T, 1, H]."""
         attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(h), None)  # [T,1,np,d] [T,1,ng,d] x2
-        if freqs is not None:
-            q, k = self._apply_rope(q, freqs), self._apply_rope(k, freqs)
-        cache.write(i, batch.slots, k[:, 0], v[:, 0])
-        ctx = self._attention(i, q[:, 0], batch, cache)  # [T, np*d]
+        if self.mla is not None:
+            q, row = self.mla.query_and_row(attn, layer.input_layernorm(h), batch.positions)  # [T,np,dq] [T,1,r]
+            cache.write(i, batch.slots, row, None)
+            ctx = self._attention(i, q, batch, cache, attn)  # [T, np*v]
+        else:
+            q, k, v = attn.get_query_key_value_tensors(layer.input_layernorm(h), None)  # [T,1,np,d] [T,1,ng,d] x2
+            if freqs is not None:
+                q, k = self._apply_rope(q, freqs), self._apply_rope(k, freqs)
+            cache.write(i, batch.slots, k[:, 0], v[:, 0])
+            ctx = self._attention(i, q[:, 0], batch, cache)  # [T, np*d]
         out, bias = attn.linear_proj(ctx[:, None])  # [T, 1, H]
         h = h + (out if bias is None else out + bias)
         out, bias = layer.mlp(layer.pre_mlp_layernorm(h))  # [T, 1, H]
@@ -132,22 +154,29 @@ class ModelRunner:
         return apply_rotary_pos_emb(t, freqs, config=self.model.config, cp_group=self.cp_group,
                                     mscale=yarn_mscale(self.model.config))
 
-    def _attention(self, layer: int, q: Tensor, batch: Batch, cache: PagedKVCache) -> Tensor:
-        """Causal attention of packed queries q [T, np, d] over each sequence's cached K/V -> [T, np*d]."""
+    def _attention(self, layer: int, q: Tensor, batch: Batch, cache: PagedKVCache, attn=None) -> Tensor:
+        """Causal attention of packed queries q [T, np, d] over each sequence's cached K/V -> [T, np*dv]
+        (`attn`: the MLA layer whose up projection turns cached latents into keys and values)."""
         if len(batch.groups) == 1 and not batch.groups[0].decode:  # one prefill chunk: nothing to scatter
-            return self._group_attention(layer, q[None], batch.groups[0], cache)[0].flatten(1)
-        out = torch.empty_like(q)  # [T, np, d]
+            return self._group_attention(layer, q[None], batch.groups[0], cache, attn)[0].flatten(1)
+        out = None
         for g in batch.groups:
+            span = None if g.decode else slice(*g.token_index.tolist())
+            part = self._group_attention(layer, q[g.token_index, None] if g.decode else q[None, span], g, cache, attn)
+            part = part[:, 0] if g.decode else part[0]  # [S, np, dv] or [Q, np, dv]
+            out = q.new_empty(q.shape[:2] + part.shape[-1:]) if out is None else out  # [T, np, dv]
             if g.decode:
-                out.index_copy_(0, g.token_index, self._group_attention(layer, q[g.token_index, None], g, cache)[:, 0])
+                out.index_copy_(0, g.token_index, part)
             else:
-                first, end = g.token_index.tolist()
-                out[first:end] = self._group_attention(layer, q[None, first:end], g, cache)[0]
+                out[span] = part
         return out.flatten(1)
 
-    def _group_attention(self, layer: int, q: Tensor, g: AttnGroup, cache: PagedKVCache) -> Tensor:
-        """q [S, Q, np, d] against the group's cached K/V -> [S, Q, np, d] (SDPA, GQA without repeating K/V)."""
+    def _group_attention(self, layer: int, q: Tensor, g: AttnGroup, cache: PagedKVCache, attn=None) -> Tensor:
+        """q [S, Q, np, d] against the group's cached K/V -> [S, Q, np, dv] (SDPA, GQA without repeating K/V)."""
         s = q.shape[0]
+        if self.mla is not None:
+            rows = cache.kv[layer, 0].index_select(0, g.tables).view(s, -1, self.head_dim)  # [S, Lk, row]
+            return self.mla.attend(attn, q, rows, g.mask)
         kv = cache.kv[layer].index_select(1, g.tables)  # [2, S*nb, bs, ng, d]
         kv = kv.view(2, s, -1, self.kv_heads, self.head_dim).transpose(2, 3)  # [2, S, ng, Lk, d]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), kv[0], kv[1], attn_mask=g.mask, scale=self.scale,

@@ -57,12 +57,17 @@ class OptimConfig:
 LossFn = Callable[[torch.Tensor | HeadOutput, dict], tuple[torch.Tensor, dict]]
 
 
+FORWARD_BUFFERS = (".router.expert_bias",)
+"""Buffer names (suffixes) that are weights: loaded from checkpoints, read by the forward, synced to engines."""
+
+
 class Policy:
     """Model chunks + DDP + optimizer of one rank."""
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, ctx: DistContext, total_steps: int,
                  init: Callable[[torch.nn.Module], None] | None = None):
         self.cfg, self.optim_cfg, self.ctx = model_cfg, optim_cfg, ctx
+        model_cfg.check_training(ctx.parallel)
         self.tcfg = transformer_config(model_cfg, ctx.parallel)
         self.chunks = self._build_chunks(init)
         self.optimizer = self._build_optimizer()
@@ -189,10 +194,17 @@ class Policy:
                   num_microbatches=len(microbatches), seq_length=seq_length,
                   micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
 
-    def named_parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's weights by name, as the rollout engine and weight pushes take them: every parameter, then
+        the buffers the forward reads that are not derived from the config (FORWARD_BUFFERS: DeepSeek-V3's
+        expert bias, which Megatron keeps as a buffer; without it an engine would route differently)."""
         for i, chunk in enumerate(self.chunks):
+            prefix = f"chunk{i}." if len(self.chunks) > 1 else ""
             for name, p in chunk.module.named_parameters():
-                yield (f"chunk{i}.{name}" if len(self.chunks) > 1 else name), p
+                yield prefix + name, p
+            for name, b in chunk.module.named_buffers():
+                if name.endswith(FORWARD_BUFFERS):
+                    yield prefix + name, b
 
 
 def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, data_iterator, model):

@@ -205,7 +205,8 @@ class RLTrainer:
             chunk.zero_grad_buffer()
         raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
                                            self.cfg.packing.max_tokens, output=self.output)
-        grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()}
+        grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()
+                 if hasattr(p, "main_grad")}  # not the weight buffers (expert bias)
         return self._reduce(raw)["loss"], grads
 
     def _set_old_and_ref(self, mbs: list[dict]) -> None:

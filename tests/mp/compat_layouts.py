@@ -38,10 +38,12 @@ class Layout:
     """MoE token dispatcher ('alltoall', 'allgather'); None for a dense model."""
     distopt: bool = False
     layers: int = 2
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V3) instead of standard attention."""
 
     def model_key(self) -> str:
         """The one-process model this layout must reproduce."""
-        return f"{'moe' if self.moe else 'dense'}{self.layers}"
+        return f"{'mla' if self.mla else 'moe' if self.moe else 'dense'}{self.layers}"
 
 
 LAYOUTS = {
@@ -55,24 +57,43 @@ LAYOUTS = {
     "distopt_dp2": Layout(distopt=True),
     "tp2_pp2": Layout(tp=2, pp=2),
     "moe_tp2_ep2_sp": Layout(tp=2, ep=2, sp=True, moe="alltoall"),
+    "mla_tp2": Layout(tp=2, mla=True),
 }
-REFERENCES = {"dense2": Layout(), "dense4": Layout(layers=4), "moe2": Layout(moe="alltoall")}
+REFERENCES = {"dense2": Layout(), "dense4": Layout(layers=4), "moe2": Layout(moe="alltoall"),
+              "mla2": Layout(mla=True)}
+MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=16, qk_layernorm=True, rope_type="rope")
+"""MLATransformerConfig fields of the MLA scenario (plain RoPE)."""
 
 
 def transformer_config(lay: Layout):
     """Tiny fp32 GPT config for ``lay``; dropout off so every layout computes the same function."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     moe = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type=lay.moe,
                moe_aux_loss_coeff=0.0, moe_ffn_hidden_size=64, add_bias_linear=False) if lay.moe else {}
-    return TransformerConfig(
+    return (MLATransformerConfig if lay.mla else TransformerConfig)(
         num_layers=lay.layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, tensor_model_parallel_size=lay.tp,
         pipeline_model_parallel_size=lay.pp, virtual_pipeline_model_parallel_size=lay.vpp,
         expert_model_parallel_size=lay.ep, sequence_parallel=lay.sp, bias_dropout_fusion=False,
-        **moe,
+        **moe, **(MLA if lay.mla else {}),
     )
+
+
+def layer_spec(lay: Layout):
+    """The local spec; for MLA with megatron_rl's core attention and kv down projection (models/mla_attention)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_rl.models.mla_attention import MLADotProductAttention, replicated_linear
+
+    spec = get_gpt_layer_local_spec(num_experts=4 if lay.moe else None, multi_latent_attention=lay.mla,
+                                    qk_layernorm=lay.mla)
+    if lay.mla:
+        spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        spec.submodules.self_attention.submodules.linear_kv_down_proj = replicated_linear()
+    return spec
 
 
 def build_chunks(lay: Layout):
@@ -80,12 +101,12 @@ def build_chunks(lay: Layout):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.models.mla_attention import fix_rope_key_grad
 
     config = transformer_config(lay)
-    spec = get_gpt_layer_local_spec(num_experts=4 if lay.moe else None)
+    spec = layer_spec(lay)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=lay.distopt,
                                                overlap_grad_reduce=lay.distopt)
     chunks = []
@@ -95,6 +116,7 @@ def build_chunks(lay: Layout):
                          pre_process=ps.is_pipeline_first_stage(**stage),
                          post_process=ps.is_pipeline_last_stage(**stage), vp_stage=vp if lay.vpp else None,
                          share_embeddings_and_output_weights=True)  # PP: tied copies on first and last stage
+        fix_rope_key_grad(model, ps.get_tensor_model_parallel_group())  # MLA only
         init_weights_by_name(model, SEED)
         chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp > 0))
     return config, chunks

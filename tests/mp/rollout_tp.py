@@ -5,9 +5,11 @@ same model), generates greedy and sampled continuations, then rank 0 broadcasts 
 weights in small buckets, every rank cuts its TP slice, and the greedy run is repeated. Rank 0 emits the
 outputs; tests/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
 
-    torchrun --nproc_per_node=2 tests/mp/rollout_tp.py
+    torchrun --nproc_per_node=2 tests/mp/rollout_tp.py [--dsv3]
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -21,6 +23,12 @@ def build(pgs, tp: int):
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=384,
                       max_seq_length=128)
+    if "--dsv3" in sys.argv:  # DeepSeek-V3 in miniature: MLA over the latent cache, sigmoid-routed MoE
+        from dataclasses import replace
+
+        from tests.test_deepseek_v3 import tiny_dsv3
+
+        cfg = replace(tiny_dsv3(), vocab_size=384, max_seq_length=128)
     model = build_gpt(cfg, ParallelConfig(tp=tp), pgs)
     init_weights_by_name(model, seed=3)
     with torch.no_grad():

@@ -13,6 +13,7 @@ depend on the packing, and emits one record per layout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from tests.mp.launch import emit, free_port
 
 SEED, STEPS, VOCAB = 1234, 3, 64
-LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe, distributed optimizer)
+LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe: bool or "dsv3"/"mla", distributed optimizer)
     "tp2": (dict(tp=2), 2, False, False),
     "pp2": (dict(pp=2), 2, False, False),
     "pp2_vpp2": (dict(pp=2, vpp=2), 4, False, False),
@@ -33,12 +34,46 @@ LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe, distributed opti
     "tp2_logits": (dict(tp=2), 2, False, False),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), 2, False, False),
     "tp2_pp2_logits": (dict(tp=2, pp=2), 2, False, False),
+    "tp2_sp_dsv3": (dict(tp=2, sequence_parallel=True), 2, "dsv3", False),  # MoE + TP needs SP in training
+    "ep2_dsv3": (dict(ep=2), 2, "dsv3", False),
+    "pp2_dsv3": (dict(pp=2), 2, "dsv3", False),
+    "tp2_mla": (dict(tp=2), 2, "mla", False),  # no SP: the shared RoPE key's gradient summed over TP ranks
 }
 
 
-def model_config(layers: int, moe: bool):
+def dsv3_config(layers: int):
+    """DeepSeek-V3 in miniature: MLA (q/kv latents, YaRN), the first layer dense, then 8 sigmoid-routed experts in
+    4 groups (top-2 groups, top-4 experts) with an expert bias, routed scaling and a shared expert."""
+    from megatron_rl.models.gpt import MLAConfig, ModelConfig, MoEConfig, RopeScaling
+
+    return ModelConfig(
+        num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=VOCAB,
+        max_seq_length=64, rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position_embeddings=16,
+                                                    mscale=1.0, mscale_all_dim=1.0),
+        mla=MLAConfig(kv_lora_rank=16, q_lora_rank=24, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8),
+        moe=MoEConfig(num_experts=8, topk=4, ffn_hidden_size=16, shared_expert_ffn_hidden_size=16,
+                      layer_pattern=[0] + [1] * (layers - 1), router_score_function="sigmoid",
+                      router_expert_bias=True, router_num_groups=4, router_group_topk=2, routed_scaling_factor=2.5))
+
+
+def init_model(model) -> None:
+    """Weights from their global names; every MoE layer's expert bias the same fixed draw (not zero)."""
+    from megatron_rl.compat.testing import init_weights_by_name
+
+    init_weights_by_name(model, SEED)
+    bias = torch.rand(8, generator=torch.Generator().manual_seed(SEED)) * 0.2
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.copy_(bias)
+
+
+def model_config(layers: int, moe: bool | str):
     from megatron_rl.models.gpt import ModelConfig, MoEConfig
 
+    if moe in ("dsv3", "mla"):  # "mla": DeepSeek-V3's attention with dense MLPs
+        cfg = dsv3_config(layers)
+        return cfg if moe == "dsv3" else dataclasses.replace(cfg, moe=MoEConfig())
     return ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                        vocab_size=VOCAB, max_seq_length=64,
                        moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32) if moe else MoEConfig())
@@ -78,7 +113,6 @@ def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None
           impl: str = "fused"):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.distributed import init_distributed
     from megatron_rl.parallel import ParallelConfig
     from megatron_rl.trainer.policy import OptimConfig, Policy
@@ -88,7 +122,7 @@ def build(parallel_kwargs: dict, layers: int, moe: bool, distopt: bool, ctx=None
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
     policy = Policy(model_config(layers, moe), OptimConfig(lr=1e-3, clip_grad=1.0, distributed_optimizer=distopt),
-                    ctx, total_steps=STEPS, init=lambda m: init_weights_by_name(m, SEED))
+                    ctx, total_steps=STEPS, init=init_model)
     return RLTrainer(policy, rl_config(max_tokens, impl))
 
 

@@ -33,7 +33,7 @@ def expected_hf_shape(name: str, hf: dict, cfg) -> tuple[int, ...]:
     h, d = hf["hidden_size"], head_dim(hf)
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     ffn = cfg.moe.ffn_hidden_size if (cfg.moe.num_experts and ".experts." in name) else cfg.ffn_hidden_size
-    if ".shared_expert." in name:
+    if ".shared_expert." in name or ".shared_experts." in name:
         ffn = cfg.moe.shared_expert_ffn_hidden_size
     table = {"embed_tokens.weight": (hf["vocab_size"], h), "lm_head.weight": (hf["vocab_size"], h),
              "q_proj.weight": (heads * d, h), "k_proj.weight": (groups * d, h), "v_proj.weight": (groups * d, h),
@@ -50,7 +50,8 @@ def expected_hf_shape(name: str, hf: dict, cfg) -> tuple[int, ...]:
 
 def hf_shapes(reader, arch, rules: dict, cfg, extra: dict) -> None:
     for name in sorted({n for r in rules.values() for n in r.hf}):
-        shape(name, expected_hf_shape(name, reader.config, cfg), reader.shape(name),
+        want = arch.expected_shape(name, reader.config) or expected_hf_shape(name, reader.config, cfg)
+        shape(name, want, reader.shape(name),
               f"in {reader.path / reader.weight_map[name]}")
 
 

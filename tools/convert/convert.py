@@ -146,8 +146,13 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
             continue
         if name not in rules:
             raise ConvertError(f"checkpoint tensor {name!r} has no mapping in the {arch.name} table")
+        keep = name.endswith(_FP32_TENSORS)  # fp32 in Megatron and in the source checkpoints: never rounded
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
-            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) else part)
+            writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) and not keep else part)
+
+
+_FP32_TENSORS = (".router.expert_bias",)
+"""Written in fp32 whatever the config's dtype (DeepSeek-V3's e_score_correction_bias is fp32 in its files)."""
 
 
 def _layer_rules_for(arch, hf, tensors):
@@ -172,6 +177,8 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
+    if hf.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers were dropped on import: none written
+        hf["num_nextn_predict_layers"] = 0
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)

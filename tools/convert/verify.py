@@ -23,7 +23,9 @@ _MATTER = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_v
            "vocab_size", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
            "sliding_window", "use_sliding_window", "num_experts", "num_local_experts", "num_experts_per_tok",
            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "attention_bias",
-           "qkv_bias", "dtype")
+           "qkv_bias", "dtype", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+           "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+           "first_k_dense_replace")
 """config.json keys compared verbatim between the source and a written config (where both set them; the
 ones with several spellings, rope_scaling, layer_types, mlp_only_layers..., through the ModelConfig)."""
 
@@ -71,11 +73,25 @@ def hf_logits(model, toks: torch.Tensor) -> torch.Tensor:
         return model.float().eval()(toks).logits.float()  # [b, s, V]
 
 
+def reference_config(hf: dict):
+    """The transformers config of an HF config.json; a model_type that names another one's architecture
+    (Kimi-K2's kimi_k2 = deepseek_v3) is read as that architecture."""
+    from transformers import AutoConfig
+
+    from tools.convert.arch import for_hf_config
+
+    arch = for_hf_config(hf)
+    rest = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "auto_map")}
+    model_type = arch.model_type if hf.get("model_type") in getattr(arch, "aliases", ()) else hf.get("model_type")
+    return AutoConfig.for_model(model_type or arch.model_type, **rest)
+
+
 def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager",
-                                                output_loading_info=True)
+    config = reference_config(read_config(Path(path)))
+    return AutoModelForCausalLM.from_pretrained(path, config=config, torch_dtype=torch.float32,
+                                                attn_implementation="eager", output_loading_info=True)
 
 
 def compare(mc: torch.Tensor | None, ref_fn, tol: float | None, dtype) -> dict:
@@ -107,13 +123,13 @@ def verify_mcore_against_hf(ckpt: Path, cfg, extra: dict, ctx, hf_dir: str, tol:
 def load_hf_dequantized(path: Path):
     """The HF model of an FP8 block-scaled folder with its weights dequantized (transformers' own FP8
     loading needs a GPU): the architecture from config.json without quantization_config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from tools.convert.hf_io import HFReader
 
     reader = HFReader(path)
-    hf = {k: v for k, v in reader.config.items() if k not in ("architectures", "quantization_config")}
-    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), torch_dtype=torch.float32,
+    hf = {k: v for k, v in reader.config.items() if k != "quantization_config"}
+    ref = AutoModelForCausalLM.from_config(reference_config(hf), torch_dtype=torch.float32,
                                            attn_implementation="eager")
     state = {n: reader.get(n) for n in reader.weight_map if not n.endswith("_scale_inv")}
     missing, unexpected = ref.load_state_dict(state, strict=False)
@@ -151,7 +167,7 @@ def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: 
 
 def hf_reference(ckpt: Path, model, arch, hf: dict):
     """An HF model (transformers, from config) holding the tensors of checkpoint `ckpt`; collective."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from tools.convert.convert import all_rules
 
@@ -166,8 +182,8 @@ def hf_reference(ckpt: Path, model, arch, hf: dict):
         for name, t in layout.load_canonical(str(ckpt), entries, layer, counts, md_dtypes).items():
             if name in rules:
                 state.update(zip(rules[name].hf, to_hf(rules[name], t, hf)))
-    config = AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
-    ref = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(reference_config(hf), torch_dtype=torch.float32,
+                                           attn_implementation="eager")
     missing, unexpected = ref.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
     if missing or unexpected:

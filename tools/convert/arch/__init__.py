@@ -1,10 +1,11 @@
 """Registry of architecture tables (one module per architecture)."""
 from __future__ import annotations
 
-from tools.convert.arch import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from tools.convert.arch import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from tools.convert.arch.base import Arch, ConvertError
 
-ARCHS: dict[str, Arch] = {m.ARCH.name: m.ARCH for m in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral)}
+ARCHS: dict[str, Arch] = {m.ARCH.name: m.ARCH for m in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
+                                                  deepseek_v3)}
 
 
 def supported() -> str:

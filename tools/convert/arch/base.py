@@ -264,8 +264,13 @@ class Arch:
             s, q = m.shared.format(l=layer), p + "shared_experts."
             rules[q + "linear_fc1.weight"] = Rule("glu", (s + "gate_proj.weight", s + "up_proj.weight"))
             rules[q + "linear_fc2.weight"] = Rule("copy", (s + "down_proj.weight",))
-            rules[q + "gate_weight"] = Rule("copy", (m.shared_gate.format(l=layer),))
+            if m.shared_gate:
+                rules[q + "gate_weight"] = Rule("copy", (m.shared_gate.format(l=layer),))
         return rules
+
+    def expected_shape(self, name: str, hf: dict) -> tuple[int, ...] | None:
+        """Shape of an HF tensor this architecture names itself (None: the generic table's, checks.py)."""
+        return None
 
     def ignorable(self, hf: dict, name: str) -> bool:
         """HF tensors that carry no information of their own (tied lm_head copy, RoPE buffers)."""
