@@ -167,6 +167,10 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True)
 
+    def decode_raw(self, ids) -> str:
+        """The ids' text with special tokens kept (what the chat template's text of them is)."""
+        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
+
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The chat template applied to `messages` (as transformers' apply_chat_template(tokenize=False))."""
         if self.chat_template is None:

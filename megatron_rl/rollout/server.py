@@ -356,9 +356,10 @@ def requires_token(handler):
 
 
 def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy",
-               loop: EngineLoop | None = None, token: str | None = None) -> web.Application:
+               loop: EngineLoop | None = None, token: str | None = None, gateway: bool = False) -> web.Application:
     """The aiohttp app; `loop` defaults to an EngineLoop (tp_serve.TPEngineLoop for tensor parallelism).
-    `token`: the bearer token of mutating endpoints (default: $MEGATRON_RL_ROLLOUT_TOKEN, else random)."""
+    `token`: the bearer token of mutating endpoints (default: $MEGATRON_RL_ROLLOUT_TOKEN, else random).
+    `gateway`: also serve the token-recording episode gateway (`gateway.py`; needs a chat-template tokenizer)."""
     app = web.Application(client_max_size=64 << 20)
     app["token"] = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     loop = loop or EngineLoop(engine)
@@ -368,6 +369,10 @@ def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatro
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/update_weights", requires_token(update_weights))
+    if gateway:
+        from megatron_rl.rollout.gateway import add_routes
+
+        add_routes(app, app["state"].tokenizer)
 
     async def on_startup(app):
         loop.start()
@@ -383,9 +388,12 @@ def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatro
 class ServerThread:
     """Runs the app on host:port in a background thread (for tests and for in-process embedding)."""
 
-    def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, **app_kw):
+    def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, unix_path: str | None = None,
+                 **app_kw):
+        """`unix_path`: listen on this Unix socket instead of host:port (a sandbox reaches it through a bind
+        mount, with no network)."""
         self.app = create_app(engine, **app_kw)
-        self.host, self.port = host, port
+        self.host, self.port, self.unix_path = host, port, unix_path
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._serve, name="rollout-http", daemon=True)
@@ -409,9 +417,10 @@ class ServerThread:
         self._loop = asyncio.new_event_loop()
         runner = web.AppRunner(self.app, handler_cancellation=True)
         self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, self.host, self.port)
+        site = web.UnixSite(runner, self.unix_path) if self.unix_path else web.TCPSite(runner, self.host, self.port)
         self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
+        if not self.unix_path:
+            self.port = site._server.sockets[0].getsockname()[1]
         self._ready.set()
         try:
             self._loop.run_forever()
