@@ -161,12 +161,13 @@ def _copy(rest: str, spec: EnvironmentSpec, fail) -> None:
         args = args[1:]
     if not args or args[0].startswith("--") or len(args) < 2 or rest.lstrip().startswith("["):
         raise fail("COPY takes SRC... DEST (no --from, no JSON form)")
-    dest = args[-1] if args[-1].startswith("/") else posixpath.join(spec.workdir, args[-1])
+    dest = posixpath.normpath(posixpath.join(spec.workdir, args[-1]))  # an absolute DEST replaces the workdir
+    dest += "/" if args[-1].endswith(("/", "/.", ".")) or len(args) > 2 else ""
     for src in args[:-1]:
         norm = posixpath.normpath(src)
         if norm.startswith("..") or src.startswith("/") or any(c in src for c in "*?["):
             raise fail(f"COPY source {src!r} must be a plain path inside environment/ (no globs)")
-        spec.copies.append((norm, dest + ("/" if args[-1].endswith("/") and not dest.endswith("/") else "")))
+        spec.copies.append((norm, dest))
 
 
 def _workdir(rest: str, current: str, fail) -> str:
