@@ -95,8 +95,10 @@ def test_every_shipped_task_reference_passes_and_empty_fails(suite, sandbox, nam
 # ------------------------------------------------------------------------------------- environment/ spec
 def test_dockerfile_subset_is_parsed_into_a_spec():
     spec = parse_dockerfile(
-        "# comment\nFROM python:3.11-slim-bookworm\nRUN apt-get update && apt-get install -y --no-install-recommends \\\n"
-        "    jq make && rm -rf /var/lib/apt/lists/*\nRUN pip install --no-cache-dir setuptools==66.1.1\n"
+        "# comment\nFROM python:3.11-slim-bookworm\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends \\\n"
+        "    jq make && rm -rf /var/lib/apt/lists/*\n"
+        "RUN pip install --no-cache-dir setuptools==66.1.1\n"
         "WORKDIR /srv\nCOPY a.py b/ ./\nENV A=1 B=two\nENV C some words\n")
     assert spec.base == "python:3.11-slim-bookworm" and spec.apt == ["jq", "make"]
     assert spec.pip == ["setuptools==66.1.1"] and spec.workdir == "/srv"
@@ -193,7 +195,7 @@ def test_a_reward_the_agent_plants_is_not_the_reward(suite, sandbox):
     plant = ("mkdir -p /work/.mrl_logs/verifier /work/.mrl_tests logs/verifier tests && for f in "
              "/work/.mrl_logs/verifier/reward.txt logs/verifier/reward.txt; do echo 1 > $f; done && "
              "printf 'echo 1 > /work/.mrl_logs/verifier/reward.txt' | tee tests/test.sh > /work/.mrl_tests/test.sh")
-    env.step('<tool_call>{"name": "shell", "arguments": {"command": "%s"}}</tool_call>' % plant.replace('"', '\\"'))
+    env.step(_shell(plant))
     assert "logs/verifier/reward.txt" in env.workspace.files and not any(p.startswith(".mrl_")
                                                                          for p in env.workspace.files)
     end = env.step("Done.")
@@ -292,3 +294,47 @@ def test_eval_command_takes_an_hf_folder_without_a_checkpoint(tmp_path):
     with pytest.raises(C.ConfigError, match="no checkpoint"):
         ev._plan(C.load(RunConfig, str(cfg_path), []), ev.parse_args([str(cfg_path)]))
     assert "--hf" in ev._argv(args)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_eval_cli_on_harbor_tasks_from_an_hf_folder(tmp_path):
+    """`megatron-rl eval --hf DIR --domains harbor` (no RL checkpoint): a random tiny model through the real
+    engine and episode runner; eval.json, the per-task table (printed and written) and the plot."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.hf_tiny import tiny_llama, tiny_tokenizer
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tiny_llama(hf, tiny_tokenizer(hf), max_positions=4096)
+    exe, repo = str(Path(sys.executable).parent / "megatron-rl"), Path(__file__).resolve().parents[1]
+    proc = subprocess.run([exe, "eval", "configs/post_train_cpu.yaml", f"output_dir={tmp_path}", "eval.tasks=3",
+                           "eval.k=2", "model.max_seq_length=2048", "rl.max_new_tokens=24", "engine.num_blocks=512",
+                           "--hf", str(hf), "--domains", "harbor"], cwd=repo, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "post_train"
+    got = json.loads((run / "eval.json").read_text())
+    assert got["checkpoint"] is None and got["model_init"] == f"hf:{hf}" and got["domains"]["harbor"]["tasks"] == 3
+    rows = json.loads((run / "eval_tasks.json").read_text())["tasks"]
+    assert sorted(r["task"] for r in rows if r["domain"] == "harbor") == sorted(
+        t.id for t in load_harbor(split="heldout"))[:3]
+    assert all(r["samples"] == 2 for r in rows)  # every episode scored (a random model: no infra failure)
+    assert "| **harbor** (3/3 scored) |" in proc.stdout and (run / "eval_tasks.png").stat().st_size > 1000
+
+
+def test_a_folder_of_tasks_is_a_mixture_domain(tmp_path):
+    from envs.mixture import DomainConfig, MixtureConfig
+
+    for name, split in (("a", "train"), ("b", "heldout")):
+        d = _task_folder(tmp_path / name, "FROM debian:bookworm\n", toml=f'[metadata]\nsplit = "{split}"\n')
+        d.rename(tmp_path / f"task-{name}")
+    mix = MixtureConfig(domains={"harbor": DomainConfig(task_files=[str(tmp_path)])})
+    mix.validate()
+    assert [t.id for t in mix.tasks("train")["harbor"]] == ["task-a"]
+    assert [t.id for t in mix.tasks("heldout")["harbor"]] == ["task-b"]
+    env = mix.build_env("harbor", 4096)
+    assert env.name == "harbor" and env.budget.max_turns == 4

@@ -61,7 +61,9 @@ class HarborEnv(ToolEnvironment):
     caps = HarborCaps()
     instructions = ("You work in a terminal; your working directory is /work. Run a command with <tool_call>"
                     "{\"name\": \"shell\", \"arguments\": {\"command\": \"...\"}}</tool_call>; its output comes back "
-                    "in the next message. When the task is done, reply without a tool call.")
+                    "in the next message. Each command starts in a fresh shell: files persist between commands; "
+                    "environment variables, processes and empty directories do not. When the task is done, reply "
+                    "without a tool call.")
 
     def reward_spec(self) -> RewardSpec:
         return RewardSpec([RewardComponent("tests", "harbor_tests", 1.0)])
