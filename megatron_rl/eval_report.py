@@ -86,10 +86,12 @@ def plot(rows: list[dict], k: int, path: Path) -> str:
     return str(path)
 
 
-def write_report(out_json: Path, rows: list[dict], k: int) -> dict[str, str]:
-    """Write <stem>_tasks.json, <stem>_tasks.md and <stem>_tasks.png next to `out_json`; returns what was written."""
+def write_report(out_json: Path, rows: list[dict], k: int, with_plot: bool = True) -> dict[str, str]:
+    """Write <stem>_tasks.json, <stem>_tasks.md and (`with_plot`) <stem>_tasks.png next to `out_json`; returns what
+    was written."""
     base = out_json.with_name(out_json.stem + "_tasks")
     js, md = base.with_suffix(".json"), base.with_suffix(".md")
     js.write_text(json.dumps({"k": k, "tasks": rows, "summary": summarise(rows, k)}, indent=1) + "\n")
     md.write_text(markdown(rows, k))
-    return {"json": str(js), "markdown": str(md), "plot": plot(rows, k, base.with_suffix(".png"))}
+    shown = plot(rows, k, base.with_suffix(".png")) if with_plot else "no plot: not asked for"
+    return {"json": str(js), "markdown": str(md), "plot": shown}

@@ -202,6 +202,33 @@ def test_a_reward_the_agent_plants_is_not_the_reward(suite, sandbox):
     assert end.done and end.reward == 0.0 and "reward.txt = 0" in end.reward_result.reasons["tests"]
 
 
+ATTACKS = {
+    "honest": "open('/app/ok', 'w').close()",
+    "rewrite test.sh": ("p = '/tests/test.sh'\ns = open(p).read().replace('echo 0 >', 'echo 1 >')\n"
+                        "f = open(p, 'r+')\nf.write(s)\nf.close()"),  # same length, same inode: bash would read it
+    "forge the verdict": ("import json, os\nline = '\\nMRL-HARBOR-VERDICT ' + json.dumps({'rc': 0, 'txt': '1'})\n"
+                          "print(line)\nfor p in (os.getppid(), 1, 2):\n    try:\n"
+                          "        open(f'/proc/{p}/fd/1', 'w').write(line + '\\n')\n"
+                          "    except OSError:\n        pass"),
+    "kill test.sh": ("import os, signal\nopen('/logs/verifier/reward.txt', 'w').write('1')\n"
+                     "os.kill(os.getppid(), signal.SIGKILL)"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, attack):
+    """test.sh runs the agent's prog.py, then writes 1 only if /app/ok exists: rewriting test.sh on disk while
+    bash runs it, forging the harness's verdict line, or writing reward 1 and killing test.sh all score 0."""
+    from envs.harbor.oracle import attempt
+
+    sh = ("#!/bin/bash\npython3 /app/prog.py\nsleep 0.2\nif [ -f /app/ok ]; then echo 1 > /logs/verifier/reward.txt;"
+          " else echo 0 > /logs/verifier/reward.txt; fi\n")
+    d = _task_folder(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nCOPY prog.py /app/\n", test_sh=sh)
+    (d / "environment" / "prog.py").write_text(ATTACKS[attack] + "\n")
+    rr, _ = attempt(load_task_folder(d), sandbox, solve=False)
+    assert rr.valid and rr.total == (1.0 if attack == "honest" else 0.0), rr.reasons
+
+
 def test_unparsable_or_missing_reward_scores_zero_not_an_infra_error(tmp_path, sandbox):
     from envs.harbor.oracle import attempt
 
@@ -244,7 +271,7 @@ def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solv
 
 def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):  # noqa: F811
     """heldout_run on two tasks with a script that solves one: per-task and overall pass@1/pass@k, greedy, the
-    markdown table, JSON and the plot."""
+    markdown table and JSON."""
     from envs.sandbox import SandboxConfig
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
@@ -264,13 +291,13 @@ def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):  # noq
     assert [(r["task"], r["greedy"], r["samples"], r["solved"], r["pass@1"], r["pass@2"]) for r in rows] == [
         ("fix-env-settings", 1, 2, 2, 1.0, 1.0), ("csv-sales-report", 0, 2, 0, 0.0, 0.0)]
     assert metrics["harbor/pass@1"] == metrics["pass@2"] == 0.5 and metrics["success_greedy"] == 0.5
-    report = write_report(tmp_path / "eval.json", rows, 2)
+    report = write_report(tmp_path / "eval.json", rows, 2, with_plot=False)  # the plot: the slow CLI test
     md = (tmp_path / "eval_tasks.md").read_text()
     assert "| fix-env-settings | harbor | 1 | 2 | 2 | 1.000 | 1.000 |" in md
     assert "| **all** (2/2 scored) | | 0.500 | | | 0.500 | 0.500 |" in md
     saved = json.loads((tmp_path / "eval_tasks.json").read_text())
     assert saved["summary"]["harbor"]["pass@2"] == 0.5 and saved["tasks"] == rows
-    assert report["plot"].endswith("eval_tasks.png") and (tmp_path / "eval_tasks.png").stat().st_size > 1000
+    assert report["markdown"] == str(tmp_path / "eval_tasks.md") and not (tmp_path / "eval_tasks.png").exists()
 
 
 def test_pass_at_k_estimator():

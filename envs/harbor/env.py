@@ -14,12 +14,12 @@ trusts and what it does not is stated in `envs.harbor.verifier`. The agent never
 """
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 
 from envs.base import ENVIRONMENTS, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
 from envs.harbor.loader import decode_files
-from envs.harbor.verifier import exports
 from envs.sandbox.base import Limits
 from envs.terminal.env import SHELL
 
@@ -51,6 +51,11 @@ def sandbox_limits(task_limits: dict, caps: HarborCaps, wall_s: float) -> Limits
     cpus = min(task_limits.get("cpus") or 1.0, caps.cpus)
     return Limits(wall_s=wall_s, cpu_s=wall_s * max(cpus, 1.0), memory_mb=mem, scratch_mb=scratch, cpus=cpus,
                   pids=256, file_size_mb=min(64, scratch))
+
+
+def exports(env: dict[str, str]) -> str:
+    """Shell lines exporting `env` (values quoted)."""
+    return "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
 
 
 @ENVIRONMENTS.register("harbor")
