@@ -365,3 +365,16 @@ def test_a_folder_of_tasks_is_a_mixture_domain(tmp_path):
     assert [t.id for t in mix.tasks("heldout")["harbor"]] == ["task-b"]
     env = mix.build_env("harbor", 4096)
     assert env.name == "harbor" and env.budget.max_turns == 4
+
+
+def test_converter_reproduces_the_committed_terminal_folders(tmp_path):
+    from envs.harbor.convert_terminal import main
+
+    assert main(["--out", str(tmp_path)]) == 0
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert len({m.split("/")[0] for m in made}) == 14
+    for rel in made:
+        assert (tmp_path / rel).read_bytes() == (TASKS_DIR / rel).read_bytes(), rel
+    shipped = sorted(p.relative_to(TASKS_DIR).as_posix() for p in TASKS_DIR.rglob("*")
+                     if p.is_file() and p.parts[len(TASKS_DIR.parts)].startswith("terminal-"))
+    assert shipped == made  # nothing extra committed either
