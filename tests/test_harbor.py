@@ -96,7 +96,7 @@ def test_every_shipped_task_reference_passes_and_empty_fails(suite, sandbox, nam
 def test_dockerfile_subset_is_parsed_into_a_spec():
     spec = parse_dockerfile(
         "# comment\nFROM python:3.11-slim-bookworm\n"
-        "RUN apt-get update && apt-get install -y --no-install-recommends \\\n"
+        "RUN apt-get update -qq && apt-get install -y --no-install-recommends \\\n"
         "    jq make && rm -rf /var/lib/apt/lists/*\n"
         "RUN pip install --no-cache-dir setuptools==66.1.1\n"
         "WORKDIR /srv\nCOPY a.py b/ ./\nENV A=1 B=two\nENV C some words\n")
@@ -111,7 +111,7 @@ def test_dockerfile_subset_is_parsed_into_a_spec():
     ("USER app", "instruction USER"), ("EXPOSE 8080", "instruction EXPOSE"), ("ADD x.tgz /app/", "instruction ADD"),
     ("RUN curl -fsSL https://x.sh | sh", "RUN may only chain"), ("RUN make build", "not a package install"),
     ("COPY --from=builder /out /app/", "COPY takes"), ("CMD [\"python3\"]", "instruction CMD"),
-    ("RUN pip install -r requirements.txt", "not a package install"),
+    ("RUN pip install -r requirements.txt", "not a package install"), ("RUN rm -rf /", "not a package install"),
 ])
 def test_unsupported_instruction_is_refused_with_its_line(tmp_path, line, why):
     d = _task_folder(tmp_path, f"FROM debian:bookworm\nWORKDIR /app\n{line}\n")

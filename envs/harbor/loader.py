@@ -86,16 +86,16 @@ def initial_files(folder: Path, spec: EnvironmentSpec, where: str) -> dict[str, 
         path = ctx / src
         if path.is_dir():
             for p, data in read_tree(path, where).items():
-                out[posixpath_join(rel, p)] = data
+                out[_join(rel, p)] = data
         elif path.is_file():
-            name = posixpath_join(rel, Path(src).name) if dest.endswith("/") or not rel else rel
+            name = _join(rel, Path(src).name) if dest.endswith("/") or not rel else rel
             out[name] = path.read_bytes()
         else:
             raise HarborTaskError(f"{where}: COPY source {src!r} not found in environment/")
     return out
 
 
-def posixpath_join(a: str, b: str) -> str:
+def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a else b
 
 

@@ -25,8 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 
 _PKG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*([=<>!~]=?[A-Za-z0-9.*+_-]+)?(\[[A-Za-z0-9,_-]+\])?$")
-_CLEANUPS = (["rm", "-rf", "/var/lib/apt/lists/*"], ["apt-get", "clean"], ["apt-get", "update"],
-             ["apt", "update"], ["apt-get", "-y", "update"], ["apt-get", "update", "-y"])
+_APT_LISTS = ("/var/lib/apt/lists/*", "/var/lib/apt/lists")
 _APT_FLAGS = {"-y", "--yes", "-q", "-qq", "--no-install-recommends", "--quiet", "--assume-yes"}
 _PIP_FLAGS = {"--no-cache-dir", "-q", "--quiet", "--break-system-packages", "--upgrade", "-U", "--user"}
 
@@ -130,7 +129,7 @@ def _run(rest: str, spec: EnvironmentSpec, fail) -> None:
             argv = shlex.split(part)
         except ValueError as e:
             raise fail(f"cannot parse the command ({e})") from None
-        if argv in _CLEANUPS:
+        if _harmless(argv):
             continue
         kind, pkgs = _install(argv)
         if kind is None:
@@ -139,6 +138,14 @@ def _run(rest: str, spec: EnvironmentSpec, fail) -> None:
         if bad or not pkgs:
             raise fail(f"package name(s) {bad or '(none)'} not supported (use name or name==version)")
         getattr(spec, kind).extend(pkgs)
+
+
+def _harmless(argv: list[str]) -> bool:
+    """apt-get/apt update or clean (with flags only), or removing the apt lists: nothing to do here."""
+    words = [a for a in argv if not a.startswith("-")]
+    if argv[:1] in (["apt-get"], ["apt"]) and words[1:] in (["update"], ["clean"]):
+        return True
+    return argv[:2] in (["rm", "-rf"], ["rm", "-fr"]) and bool(argv[2:]) and all(a in _APT_LISTS for a in argv[2:])
 
 
 def _install(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -157,7 +164,7 @@ def _install(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def _copy(rest: str, spec: EnvironmentSpec, fail) -> None:
     args = shlex.split(rest)
-    while args and args[0].startswith("--chown=") or args and args[0].startswith("--chmod="):
+    while args and args[0].startswith(("--chown=", "--chmod=")):
         args = args[1:]
     if not args or args[0].startswith("--") or len(args) < 2 or rest.lstrip().startswith("["):
         raise fail("COPY takes SRC... DEST (no --from, no JSON form)")
