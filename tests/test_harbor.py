@@ -15,7 +15,7 @@ from envs.harbor import paths
 from envs.harbor.host import MissingPackage
 from envs.harbor.loader import TASKS_DIR, HarborTaskError, load_harbor, load_task_folder
 from envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
-from tests.test_multiturn import _rollouts, hf_tok  # noqa: F401  (the scripted engine's helpers and fixture)
+from tests.test_multiturn import _rollouts  # the scripted engine (a test double of RolloutEngine)
 
 FAST_TASKS = ["fix-inventory-package", "csv-sales-report"]
 
@@ -23,6 +23,16 @@ FAST_TASKS = ["fix-inventory-package", "csv-sales-report"]
 @pytest.fixture(scope="module")
 def suite():
     return {t.id: t for t in load_harbor()}
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+    from megatron_rl.tokenizer import HFTokenizer
+    from tests.hf_tiny import tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer(folder)
+    return HFTokenizer(folder)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +257,7 @@ def _shell(command: str) -> str:
 
 
 @pytest.mark.parametrize("solve", [True, False])
-def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solve):  # noqa: F811
+def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solve):
     from envs.sampler import DomainSampler
     from envs.sandbox import SandboxConfig
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
@@ -269,7 +279,7 @@ def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solv
     assert 'os.environ.get("MODE"' in text and "[exit code 0]" in text  # turn 1's observation is in the sequence
 
 
-def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):  # noqa: F811
+def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):
     """heldout_run on two tasks with a script that solves one: per-task and overall pass@1/pass@k, greedy, the
     markdown table and JSON."""
     from envs.sandbox import SandboxConfig
