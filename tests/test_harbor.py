@@ -239,16 +239,19 @@ def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, atta
     assert rr.valid and rr.total == (1.0 if attack == "honest" else 0.0), rr.reasons
 
 
-def test_unparsable_or_missing_reward_scores_zero_not_an_infra_error(tmp_path, sandbox):
+def test_reward_files_parsed_missing_or_bad_ones_score_zero_not_an_infra_error(tmp_path, sandbox):
     from envs.harbor.oracle import attempt
 
     for body, why in [("echo lots > /logs/verifier/reward.txt", "unparsable"), ("exit 0", "wrote no"),
+                      ('D="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"; cat "$D/r" > /logs/verifier/reward.txt',
+                       "reward.txt = 0.5"),
                       ("echo '{\"reward\": 0.75}' > /logs/verifier/reward.json", "reward.json = 0.75")]:
         root = tmp_path / why.split()[0]
         d = _task_folder(root, "FROM debian:bookworm\n", test_sh=f"#!/bin/bash\n{body}\n")
+        (d / "tests" / "r").write_text("0.5\n")  # next to test.sh, found through BASH_SOURCE
         rr, _ = attempt(load_task_folder(d), sandbox, solve=False)
         assert rr.valid and why in rr.reasons["tests"], rr.reasons
-        assert rr.total == (0.75 if "json" in why else 0.0)
+        assert rr.total == {"reward.json = 0.75": 0.75, "reward.txt = 0.5": 0.5}.get(why, 0.0)
 
 
 # ------------------------------------------------------------------------------ episodes through the RL loop

@@ -24,7 +24,7 @@ program it runs can write the result file itself; a test.sh that writes its rewa
 overwrites such a forgery, one that exits early (`set -e` before writing) does not. Such a program can also
 change test files not yet read and the other programs the tests call. A workspace on PATH (ENV PATH naming the
 workdir) lets the agent replace tools the tests call, as in Docker. test.sh runs as `bash -c` with $0 set to its
-path: `$BASH_SOURCE` is empty (use $0 or absolute /tests paths).
+path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text replaced by `$0` (the same file).
 """
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ from envs.sandbox.base import Limits, SandboxResult
 VERDICT = "MRL-HARBOR-VERDICT "
 
 _HARNESS = r'''
-import ctypes, json, os, subprocess, sys
+import ctypes, json, os, re, subprocess, sys
 ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
 with open(".mrl_verify.json") as f:
     spec = json.load(f)
 os.unlink(".mrl_verify.json")
 with open(spec["script"], encoding="utf-8", errors="replace") as f:
     script = f.read()
+script = re.sub(r"\$\{BASH_SOURCE(\[0\])?\}|\$BASH_SOURCE\b", "$0", script)  # its own file, run as bash -c
 os.makedirs(os.path.dirname(spec["txt"]), exist_ok=True)
 
 def read(path, limit=4096):
