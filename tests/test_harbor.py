@@ -162,6 +162,9 @@ def test_malformed_folders_name_the_file(tmp_path):
     d = _task_folder(tmp_path, "FROM debian:bookworm\n", toml="[agent]\ntimeout_sec = 'x'\n")
     with pytest.raises(HarborTaskError, match="task.toml"):
         load_task_folder(d)
+    (d / "task.toml").write_text("[environment]\ngpus = 1\n")
+    with pytest.raises(HarborTaskError, match="GPUs"):
+        load_task_folder(d)
     (d / "task.toml").write_text("")
     (d / "tests" / "test.sh").unlink()
     with pytest.raises(HarborTaskError, match="missing tests/test.sh"):

@@ -113,6 +113,8 @@ def _size_mb(env: dict, key: str) -> int | None:
 def task_limits(cfg: dict) -> dict:
     """The limits task.toml declares (None where it declares none; the environment applies its caps)."""
     env = cfg.get("environment") or {}
+    if env.get("gpus") or env.get("tpu"):
+        raise ValueError("[environment] asks for GPUs/TPUs; this sandbox gives none (drop the task or the key)")
     return {"agent_s": float((cfg.get("agent") or {}).get("timeout_sec", DEFAULT_TIMEOUT_S)),
             "verifier_s": float((cfg.get("verifier") or {}).get("timeout_sec", DEFAULT_TIMEOUT_S)),
             "cpus": float(env["cpus"]) if "cpus" in env else None,
