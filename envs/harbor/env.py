@@ -18,7 +18,7 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from envs.base import ENVIRONMENTS, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
+from envs.base import ENVIRONMENTS, EnvError, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
 from envs.harbor.loader import decode_files
 from envs.sandbox.base import Limits
 from envs.terminal.env import SHELL
@@ -76,7 +76,9 @@ class HarborEnv(ToolEnvironment):
     def _start(self, task) -> None:
         self.workspace = Workspace(max_bytes=self.caps.workspace_bytes, max_files=4096)
         for path, data in decode_files(task.payload.get("files") or {}).items():
-            self.workspace.write(path, data)
+            err = self.workspace.write(path, data)
+            if err:
+                raise EnvError(f"task {task.id}: its environment/ files do not fit the workspace: {err}")
         self.task_limits = task.payload.get("limits") or {}
         self.agent_s_left = min(float(self.task_limits.get("agent_s") or self.caps.agent_s), self.caps.agent_s)
 

@@ -1,7 +1,8 @@
 """Harbor task folders (the Terminal-Bench 2.0 format) -> `Task`s of the `harbor` domain.
 
 A task folder holds `instruction.md` (the prompt), `task.toml` (`[agent] timeout_sec`, `[verifier] timeout_sec`
-and `env`, `[environment] cpus`, `memory_mb`/`memory`, `storage_mb`/`storage`; `[metadata]` free-form),
+and `env`, `[environment] cpus`, `memory_mb`/`memory`, `storage_mb`/`storage`, while `gpus`/`tpu` are refused;
+`[metadata]` free-form),
 `tests/test.sh` (+ its files; writes the reward to /logs/verifier/reward.txt, or reward.json
 `{"reward": x}`), `solution/solve.sh` (the oracle) and `environment/Dockerfile` (+ its build context).
 The task id is the folder name. Loading parses the Dockerfile (`envs.harbor.spec`: unsupported instructions are
