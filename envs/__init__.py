@@ -1,10 +1,20 @@
 """Environments, task suites, sandboxes and rewards for megatron-rl.
 
-Importing `envs` registers the built-in environments (arithmetic, code, math, tool_use, terminal, docqa, countdown)
+Importing `envs` registers the built-in environments (arithmetic, code, math, tool_use, terminal, docqa, countdown,
+harbor)
 and reward functions; third-party ones come through the `megatron_rl.environments` and
 `megatron_rl.rewards` entry-point groups.
 """
-from envs import arithmetic, code, countdown, docqa, math, terminal, tool_use  # noqa: F401  (register the built-ins)
+from envs import (  # noqa: F401  (register the built-ins)
+    arithmetic,
+    code,
+    countdown,
+    docqa,
+    harbor,
+    math,
+    terminal,
+    tool_use,
+)
 from envs.base import ENVIRONMENTS, Environment, Observation, RewardResult, StepResult, Task, make_env
 from envs.rewards import REWARDS
 

@@ -5,6 +5,7 @@
         arithmetic: {weight: 2}
         math: {weight: 1, reward_weights: {format: 0.0}}
         tool_use: {weight: 1, max_turns: 3}
+        harbor: {weight: 1, max_turns: 8, max_tokens: 8192, task_files: [path/to/harbor_tasks]}  # task folders
       judge_base_url: http://judge:8000/v1        # optional
 
 Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
@@ -26,7 +27,8 @@ class DomainConfig:
     weight: float = 1.0
     """Sampling weight of its tasks in the RL loop (0: evaluated only)."""
     task_files: list[str] = field(default_factory=list)
-    """Task files (.jsonl/.yaml); [] = the environment's shipped suite."""
+    """Task files (.jsonl/.yaml), or folders for a folder domain (harbor: task folders or folders of them);
+    [] = the environment's shipped suite."""
     train_tasks: int = 0
     """Train tasks used at most (0 = all)."""
     tier: str = ""

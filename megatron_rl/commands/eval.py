@@ -1,11 +1,16 @@
-"""`megatron-rl eval <run config.yaml> [key=value ...]`: held-out success of a checkpoint, per domain.
+"""`megatron-rl eval <run config.yaml> [key=value ...]`: held-out success of a checkpoint, per domain and per task.
 
-Loads a `train` checkpoint (default: the run's latest, `<output_dir>/<name>/checkpoints/latest`) at the config's
-parallel layout, copies the weights into the rollout engine and measures on each domain's held-out tasks
+Loads a `train` checkpoint (default: the run's latest, `<output_dir>/<name>/checkpoints/latest`), or with
+`--hf DIR` an HF model folder (`model.init=hf:DIR`: no RL checkpoint needed), at the config's parallel layout,
+copies the weights into the rollout engine and measures on each domain's held-out tasks
 greedy success, pass@1 and pass@k (k = eval.k samples at rl.temperature), scored by the domain's own reward in
 the configured sandbox: the same measurement as the RL loop's in-loop evaluation. The run's domain uses the
 run's held-out split (the generated curriculum when enabled); `--domains` adds other registered domains'
-shipped held-out suites. Results are printed and written as JSON (`--out`, default `<run>/eval.json`).
+shipped held-out suites. Results are printed and written as JSON (`--out`, default `<run>/eval.json`); the per-task
+table (pass@1 and pass@k per task, per domain and overall; `megatron_rl.eval_report`) is printed and written next
+to it as `eval_tasks.json`, `eval_tasks.md` and a plot `eval_tasks.png` (when matplotlib is installed).
+Episodes run on the run's episode runner (`episode_runner`), the same one the RL loop uses. Harbor tasks:
+`--domains harbor` (its shipped held-out tasks), or `envs.domains.harbor.task_files=[DIR]` for a folder of tasks.
 Pass the run's saved `<run>/config.yaml` to evaluate it as trained.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("config", help="the run's YAML config (e.g. <run>/config.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.k=8 eval.tasks=32")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
+    p.add_argument("--hf", help="evaluate an HF model folder instead of a checkpoint (sets model.init=hf:DIR)")
     p.add_argument("--domains", default="", help="comma-separated extra domains (their shipped held-out suites)")
     p.add_argument("--out", help="JSON results file (default: <run>/eval.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -34,7 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = C.load(RunConfig, args.config, args.overrides)
+        overrides = [*args.overrides, f"model.init=hf:{args.hf}"] if args.hf else args.overrides
+        cfg = C.load(RunConfig, args.config, overrides)
         plan = _plan(cfg, args)
     except C.ConfigError as e:
         print(f"megatron-rl eval: {e}", file=sys.stderr)
@@ -43,12 +50,20 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(cfg, **plan)
     rc = _launch(cfg, args)
     if rc == 0:
-        for domain, m in json.loads(Path(plan["out"]).read_text())["domains"].items():
-            k = m["k"]
-            print(f"[megatron-rl] eval {domain}: greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}  "
-                  f"pass@{k} {m[f'pass@{k}']:.3f}  ({m['tasks']} tasks)", flush=True)
-        print(f"[megatron-rl] results: {plan['out']}", flush=True)
+        _say(json.loads(Path(plan["out"]).read_text()), plan["out"])
     return rc
+
+
+def _say(results: dict, out: Path) -> None:
+    for domain, m in results["domains"].items():
+        k = m["k"]
+        print(f"[megatron-rl] eval {domain}: greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}  "
+              f"pass@{k} {m[f'pass@{k}']:.3f}  ({m['tasks']} tasks)", flush=True)
+    report = results.get("report") or {}
+    if report.get("markdown"):
+        print(Path(report["markdown"]).read_text(), flush=True)
+    print(f"[megatron-rl] results: {out}; per task: {report.get('json')}, {report.get('markdown')}, "
+          f"{report.get('plot')}", flush=True)
 
 
 def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
@@ -58,8 +73,10 @@ def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
     from megatron_rl.loop.state import latest
 
     run_dir = Path(cfg.output_dir) / cfg.name
-    ckpt = Path(args.checkpoint) if args.checkpoint else latest(run_dir)
-    if ckpt is None or not ckpt.is_dir():
+    if args.hf and args.checkpoint:
+        raise C.ConfigError("--hf and --checkpoint exclude each other: evaluate one model")
+    ckpt = None if args.hf else Path(args.checkpoint) if args.checkpoint else latest(run_dir)
+    if not args.hf and (ckpt is None or not ckpt.is_dir()):
         raise C.ConfigError(f"no checkpoint {'at ' + str(ckpt) if ckpt else 'in ' + str(run_dir / 'checkpoints')}; "
                             "train first or pass --checkpoint DIR")
     extra = [d for d in args.domains.split(",") if d and d not in cfg.envs.domains]
@@ -84,7 +101,7 @@ def _launch(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     out = [args.config, *args.overrides]
-    for flag in ("checkpoint", "domains", "out"):
+    for flag in ("checkpoint", "hf", "domains", "out"):
         if getattr(args, flag):
             out += [f"--{flag}", str(getattr(args, flag))]
     return out
@@ -100,14 +117,17 @@ def _heldout(cfg: RunConfig, domain: str) -> list:
                        split="heldout")[:cfg.eval.tasks]
 
 
-def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path) -> int:
-    """One rank: policy from the checkpoint -> engine -> held-out success per domain (rank 0 scores, writes)."""
+def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out: Path) -> int:
+    """One rank: policy from the checkpoint (None: model.init) -> engine -> held-out success per domain and task
+    (rank 0 scores, writes)."""
     import torch
     from megatron.core import tensor_parallel
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
+    from megatron_rl.eval_report import write_report
     from megatron_rl.loop.rollout import Rollouts
-    from megatron_rl.loop.setup import episode_runner, heldout_success
+    from megatron_rl.loop.setup import episode_runner, heldout_run
+    from megatron_rl.models.source import initializer
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.checkpoint import load_checkpoint
@@ -116,24 +136,29 @@ def worker_main(cfg: RunConfig, checkpoint: Path, domains: list[str], out: Path)
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1))
-    load_checkpoint(policy, checkpoint)
+    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
+                    init=None if checkpoint else initializer(cfg.model))
+    if checkpoint is not None:
+        load_checkpoint(policy, checkpoint)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
     engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
     runner = episode_runner(cfg, Path(cfg.output_dir) / cfg.name) if rank0 else None
     rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed,
                         max_tokens=cfg.model.max_seq_length)
-    results = {}
+    results, rows = {}, []
     for domain in domains:
         tasks = _fitting(_heldout(cfg, domain), tok, cfg)
         if tasks:
-            results[domain] = {**heldout_success(rollouts, tasks, cfg, tag=f"eval-{domain}"),
-                               "k": cfg.eval.k}
+            metrics, task_rows = heldout_run(rollouts, tasks, cfg, tag=f"eval-{domain}")
+            results[domain] = {**metrics, "k": cfg.eval.k}
+            rows += task_rows
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"checkpoint": str(checkpoint), "trainer_step": policy.step_count,
-                                   "domains": results}, indent=1) + "\n")
+        report = write_report(out, rows, cfg.eval.k)
+        out.write_text(json.dumps({"checkpoint": str(checkpoint) if checkpoint else None, "model_init": cfg.model.init,
+                                   "trainer_step": policy.step_count, "domains": results, "report": report},
+                                  indent=1) + "\n")
         runner.close()
     destroy_distributed()
     return 0

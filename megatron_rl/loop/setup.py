@@ -284,6 +284,12 @@ def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
     same episode loop as training (multi-turn included). Samples whose episode failed for an infrastructure
     reason are left out (counted in infra_error_frac), never scored as failures. Every rank runs the engine;
     rank 0 (the runner's) returns the metrics, the others {}."""
+    return heldout_run(rollouts, tasks, cfg, tag)[0]
+
+
+def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, list[dict]]:
+    """`heldout_success`'s metrics and one row per task (`megatron_rl.eval_report.task_rows`); ({}, []) off rank 0."""
+    from megatron_rl.eval_report import task_rows
     from megatron_rl.rollout import SamplingParams
 
     tok = rollouts.tok
@@ -293,7 +299,7 @@ def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
     t0 = time.perf_counter()
     groups = rollouts.run_now(tasks + tasks, greedy + sampled, tag=tag)
     if not rollouts.is_scorer:
-        return {}
+        return {}, []
     n, out = len(tasks), {}
     solved = [_solved(g) for g in groups]  # per group: 0/1 per valid sample
     for d in sorted({t.domain for t in tasks}):
@@ -302,8 +308,9 @@ def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
                                                        cfg.eval.k).items()})
         out[f"{d}/turns_mean"] = float(np.mean([x for i in idx for x in groups[n + i].turns] or [0]))
     samples = [r for g in groups for r in g.rewards]
+    rows = task_rows(tasks, solved[:n], solved[n:], [g.turns for g in groups[n:]], cfg.eval.k)
     return {**_success(solved[:n], solved[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0,
-            "infra_error_frac": float(np.mean([r[2] != "ok" for r in samples])) if samples else 0.0}
+            "infra_error_frac": float(np.mean([r[2] != "ok" for r in samples])) if samples else 0.0}, rows
 
 
 def _solved(g) -> list[int]:

@@ -1,0 +1,2 @@
+#include <stdio.h>
+long count_words(FILE *f);

@@ -1,0 +1,2 @@
+def join_names(names):
+    return ", ".join(sorted(names))

@@ -1,0 +1,4 @@
+USERS = {1: "ada", 2: "grace"}
+
+def get_user(uid):
+    return USERS.get(uid)

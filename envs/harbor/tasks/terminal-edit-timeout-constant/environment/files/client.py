@@ -1,0 +1,2 @@
+def request_timeout():
+    return 30

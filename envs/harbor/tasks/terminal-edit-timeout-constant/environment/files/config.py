@@ -1,0 +1,1 @@
+RETRIES = 3

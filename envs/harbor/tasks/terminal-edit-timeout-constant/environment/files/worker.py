@@ -1,0 +1,2 @@
+def poll_timeout():
+    return 30 * 2

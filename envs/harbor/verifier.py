@@ -1,0 +1,146 @@
+"""The harbor domain's verifier: the task's pristine `tests/test.sh` over a copy of the final workspace, in a
+sandbox of its own; the reward is what test.sh wrote to /logs/verifier/reward.txt (or reward.json).
+
+THREAT MODEL (what the `harbor_tests` reward trusts)
+Trusted: the task folder (tests/, task.toml, the Dockerfile spec), the worker and the harness below. Untrusted:
+every workspace file (the agent wrote or changed them) and every process that runs one.
+- The verifier runs in a fresh sandbox started after the agent's last command ended: no process of the
+  agent survives into it (each agent command ran in its own sandbox whose pid namespace died with it).
+- The tests are the task's pristine copies, written to `/work/.mrl_tests` (the task's /tests); the result
+  directory `/work/.mrl_logs/verifier` (the task's /logs/verifier) starts empty. Neither can come from the
+  agent: `.mrl_` paths are never carried in a workspace (`envs.workspace`), so a planted `tests/test.sh`,
+  `reward.txt` or `.mrl_logs` in the workspace is not what runs or what is read.
+- A harness (`python3 -I -S`, non-dumpable: no /proc/<pid>/fd or mem access, no ptrace by the same uid) reads
+  test.sh into memory before anything runs (a program that rewrites the file on disk while bash executes it
+  changes nothing), runs it with `bash -c` (the task's ENV and [verifier] env, stdin /dev/null, output to a log
+  file), reads the result file itself the moment test.sh exits, and prints the verdict on its own stdout, which
+  no test process holds. test.sh killed by a signal, timed out, or no verdict at all (the harness was killed)
+  scores 0; a missing or unparsable result scores 0 (never an infrastructure error, so an agent cannot turn a
+  failure into a dropped sample by breaking the tests); rewards are clamped to [0, 1].
+- Limits: [verifier] timeout_sec (capped by the environment), memory/cpus of task.toml; a verifier that hits a
+  sandbox limit scores 0; a sandbox that cannot start is `sandbox_error` (dropped, not scored).
+Not covered: test.sh runs the agent's programs in the same sandbox and uid (that is what Harbor tests do), so a
+program it runs can write the result file itself; a test.sh that writes its reward last (the usual pattern)
+overwrites such a forgery, one that exits early (`set -e` before writing) does not. Such a program can also
+change test files not yet read and the other programs the tests call. A workspace on PATH (ENV PATH naming the
+workdir) lets the agent replace tools the tests call, as in Docker. test.sh runs as `bash -c` with $0 set to its
+path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text replaced by `$0` (the same file).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from envs.base import sandbox_problem
+from envs.harbor import paths
+from envs.harbor.loader import decode_files
+from envs.sandbox.base import Limits, SandboxResult
+
+VERDICT = "MRL-HARBOR-VERDICT "
+
+_HARNESS = r'''
+import ctypes, json, os, re, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+with open(".mrl_verify.json") as f:
+    spec = json.load(f)
+os.unlink(".mrl_verify.json")
+with open(spec["script"], encoding="utf-8", errors="replace") as f:
+    script = f.read()
+script = re.sub(r"\$\{BASH_SOURCE(\[0\])?\}|\$BASH_SOURCE\b", "$0", script)  # its own file, run as bash -c
+os.makedirs(os.path.dirname(spec["txt"]), exist_ok=True)
+
+def read(path, limit=4096):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+env = dict(os.environ, **spec["env"])
+with open(spec["log"], "wb") as log:
+    try:
+        rc = subprocess.run(["bash", "-c", script, spec["script"]], stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, env=env, timeout=spec["timeout"]).returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+verdict = {"rc": rc, "txt": read(spec["txt"]), "json": read(spec["json"])}
+try:
+    with open(spec["log"], "rb") as f:
+        f.seek(max(0, os.path.getsize(spec["log"]) - 600))
+        verdict["log"] = f.read().decode("utf-8", "replace")
+except OSError:
+    verdict["log"] = ""
+sys.stdout.write("\n" + spec["prefix"] + json.dumps(verdict) + "\n")
+sys.stdout.flush()
+'''
+
+
+def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Limits) -> dict[str, bytes | str]:
+    """The verifier's scratch: the workspace copy, the pristine tests and the harness (nothing else under .mrl_)."""
+    files: dict[str, bytes | str] = {p: d for p, d in workspace_files.items() if not p.startswith(".mrl_")}
+    files.update(decode_files(payload.get("tests") or {}, prefix=f"{paths.TESTS}/"))
+    env = {**(payload.get("env") or {}), **(payload.get("verifier_env") or {})}
+    spec = {"script": f"{paths.WORK}/{paths.TESTS}/test.sh", "txt": paths.REWARD_TXT, "json": paths.REWARD_JSON,
+            "log": f"{paths.LOGS}/verifier/test-output.log", "env": {k: str(v) for k, v in env.items()},
+            "timeout": 0.9 * limits.wall_s, "prefix": VERDICT}
+    files[".mrl_verify.py"] = _HARNESS
+    files[".mrl_verify.json"] = json.dumps(spec)
+    return files
+
+
+def parse_reward(verdict: dict) -> tuple[float, str]:
+    """(reward in [0, 1], reason) from the verdict's reward.txt, else reward.json; (0, why) when there is none."""
+    text, name = verdict.get("txt"), "reward.txt"
+    if text is None:
+        text, name = verdict.get("json"), "reward.json"
+    if text is None:
+        return 0.0, "test.sh wrote no /logs/verifier/reward.txt"
+    try:
+        value = json.loads(text) if name == "reward.json" else float(text.strip())
+        if isinstance(value, dict):
+            value = value.get("reward", next(iter(value.values()), None))
+        value = float(value)
+    except (ValueError, TypeError, StopIteration):
+        return 0.0, f"unparsable {name}: {text[:80]!r}"
+    if not math.isfinite(value):
+        return 0.0, f"{name} is not finite: {value}"
+    return min(max(value, 0.0), 1.0), f"{name} = {value:g}"
+
+
+def read_verdict(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(VERDICT):
+            try:
+                v = json.loads(line[len(VERDICT):])
+            except ValueError:
+                return None
+            return v if isinstance(v, dict) else None
+    return None
+
+
+def score(verdict: dict | None) -> tuple[float, str]:
+    """The reward of a verdict: 0 unless test.sh exited by itself in time and left a result."""
+    if verdict is None:
+        return 0.0, "the verifier harness gave no verdict (killed?)"
+    rc, log = verdict.get("rc"), str(verdict.get("log", ""))[-300:].strip()
+    if rc is None or not isinstance(rc, int) or rc < 0:
+        return 0.0, f"test.sh {'timed out' if rc is None else f'was killed (signal {-rc})'}: {log}"
+    reward, why = parse_reward(verdict)
+    return reward, f"{why}; test.sh exit {rc}: {log}"
+
+
+def run_tests(sandbox, workspace_files: dict[str, bytes], payload: dict, limits: Limits
+              ) -> tuple[float, str, str, SandboxResult]:
+    """Run the task's tests over the workspace in a fresh sandbox: (reward, reason, status, result)."""
+    res = sandbox.run(["python3", "-I", "-S", ".mrl_verify.py"],
+                      files=verifier_files(workspace_files, payload, limits), limits=limits)
+    problem = sandbox_problem(res)
+    if problem and problem[1] != "ok":
+        return 0.0, problem[0], problem[1], res
+    if problem:
+        return 0.0, f"{problem[0]}: {(res.stdout + res.stderr)[-300:]}", "ok", res
+    reward, why = score(read_verdict(res.stdout))
+    return reward, why, "ok", res
