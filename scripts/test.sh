@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The README's test command: set up (idempotent) and run the whole test suite, Slurm and multi-process
-# tests included. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+# tests included; as root, without arguments, then the sandbox tests again as a normal user
+# (scripts/test_unprivileged.sh; MRL_SKIP_UNPRIVILEGED=1 skips that pass). Extra arguments go to pytest,
+# e.g. `bash scripts/test.sh -m "not slow"` (the main pass only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+if [ $# -gt 0 ] || [ "$(id -u)" != 0 ] || [ -n "${MRL_SKIP_UNPRIVILEGED:-}" ]; then
+  exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+fi
+rc=0
+.venv/bin/python -m pytest -p no:cacheprovider || rc=$?
+bash scripts/test_unprivileged.sh || rc=$((rc ? rc : $?))
+exit "$rc"

@@ -60,7 +60,7 @@ def test_code_reading_the_tests_and_hard_coding_answers_scores_zero(sandbox):
              "for p in glob.glob('**', recursive=True) + glob.glob('/tmp/**', recursive=True):\n"
              "    try:\n"
              "        text = open(p).read()\n"
-             "    except OSError:\n"
+             "    except (OSError, ValueError):\n"
              "        continue\n"
              "    for a, b, want in re.findall(r'gcd\\((\\d+), (\\d+)\\) == (\\d+)', text):\n"
              "        ANSWERS[int(a), int(b)] = int(want)\n"
@@ -168,3 +168,30 @@ def test_code_calls_that_depend_on_earlier_answers_are_replayed(sandbox):
     bad = "def inc(x):\n    return x + 2\ndef sort_in_place(xs):\n    pass\n"
     results, _, status = run_unit_tests(sandbox, bad, tests)
     assert status == "ok" and [p for p, _ in results] == [False] * 4, results
+
+
+def test_code_harness_runs_the_workers_bytecode(sandbox, monkeypatch):
+    """The harness scripts run from the worker's bytecode (not compiled again in the sandbox): with a source
+    that would fail, the reward still comes out right."""
+    from envs.code import verifier as V
+
+    for name in ("_RUNNER_FILES", "_VERIFIER_FILES"):
+        files = dict(getattr(V, name))
+        src = next(n for n in files if n.endswith(".py"))
+        files[src] = b"raise SystemExit('the source was compiled')\n"
+        monkeypatch.setattr(V, name, files)
+    results, _, status = V.run_unit_tests(sandbox, "def inc(x):\n    return x + 1\n",
+                                          ["assert inc(1) == 2", "assert inc(2) == 4"])
+    assert status == "ok" and [p for p, _ in results] == [True, False], results
+
+
+def test_code_harness_falls_back_to_source_for_another_bytecode_format(sandbox, monkeypatch):
+    """A sandbox interpreter with another magic number compiles the harness source instead."""
+    from envs.code import verifier as V
+
+    for name in ("_RUNNER_FILES", "_VERIFIER_FILES"):
+        files = {n: (b"\0\0\r\n" + d[4:] if n.endswith(".pyc") else d) for n, d in getattr(V, name).items()}
+        monkeypatch.setattr(V, name, files)
+    results, _, status = V.run_unit_tests(sandbox, "def inc(x):\n    return x + 1\n",
+                                          ["assert inc(1) == 2", "assert inc(2) == 4"])
+    assert status == "ok" and [p for p, _ in results] == [True, False], results

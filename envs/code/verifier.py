@@ -3,7 +3,7 @@
 THREAT MODEL (what the `unit_tests` reward trusts)
 Trusted: the task's tests (Python statements, usually asserts), the worker, and the two harness scripts
 below. Untrusted: the solution and everything its process writes.
-- Candidate sandbox (first): `python3 -I -S runner.py` (`site=True`: with site packages) loads
+- Candidate sandbox (first): `python3 -I -S` running `runner.py` (`site=True`: with site packages) loads
   `solution.py` and calls its functions with the ARGUMENTS the tests pass (`.mrl_calls.json`), nothing else:
   it never sees the test statements, expected values or assertions, so it cannot read them and hard-code
   answers. Each return value (and each
@@ -12,7 +12,7 @@ below. Untrusted: the solution and everything its process writes.
   comparable. The runner shares the candidate's process, so everything it writes is only the candidate's
   CLAIM of what its function returned - equivalent to returning that value.
 - Verifier sandbox (second, started after the candidate's has ended; no candidate code runs in it):
-  `python3 -I -S verify.py` runs the pristine tests from the task payload, with every free name of a test
+  `python3 -I -S` running `verify.py` runs the pristine tests from the task payload, with every free name of a test
   bound to a stub that answers from the candidate's claims (decoded into exact built-in types, so objects
   whose `__eq__` is always true, patched `json`/`print`/`builtins` and frame inspection cannot exist on this
   side), then writes the verdict file `.mrl_verdict.json`, which the worker collects from the verifier's
@@ -20,6 +20,10 @@ below. Untrusted: the solution and everything its process writes.
 - A test whose calls depend on earlier answers (`f(f(1))`, `assert f(1) == 1 and f(2) == 2`) is replayed:
   the verifier reports the calls it still needs, the candidate sandbox runs again, up to `MAX_ROUNDS`.
   The calls a task's tests make are cached per test suite, so a known task costs two sandbox runs.
+- Both harness scripts are trusted code compiled by the worker: each sandbox gets the worker's bytecode
+  (`runner.pyc`, `verify.pyc`, run by a fixed `-c` loader when the sandbox interpreter's magic number
+  matches, else the source next to it is compiled there). They are written into a scratch the program has
+  not touched, before it starts; in the candidate's sandbox they are the candidate's anyway (see above).
 Not covered: the candidate sees the arguments its function is called with (that is what a function is);
 a test that uses a solution's value without calling it (`assert LIMIT == 3`) or needs a non-plain object
 (a generator, a class instance) fails with a reason - such tasks need their own verifier; calls within a
@@ -29,7 +33,9 @@ is assumed when a test is replayed over rounds.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import marshal
 import threading
 from collections import OrderedDict
 
@@ -346,6 +352,25 @@ for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
 write(".mrl_verdict.json", verdict)
 '''
 
+_LOADER = ("import marshal\nn=%r\nwith open(n+'c','rb') as f: d=f.read()\n"
+           "exec(marshal.loads(d[16:]) if d[:4]==__import__('_frozen_importlib_external').MAGIC_NUMBER "
+           "else compile(open(n,encoding='utf-8').read(),n,'exec'))")
+"""`python3 -c` stub: run the script's bytecode compiled here when the sandbox's interpreter has the same
+magic number (the bytecode format), else compile the source there. Compiling these scripts in the sandbox
+costs more than starting the interpreter (~5 ms of ~10)."""
+
+
+def _harness(name: str, source: str) -> tuple[list[str], dict[str, bytes]]:
+    """Interpreter options and files that run `source` as the trusted script `name` in a sandbox (the
+    worker's own bytecode of it, `NAME` + 'c', with the source as fallback)."""
+    code = compile(source, name, "exec", dont_inherit=True, optimize=0)
+    pyc = importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
+    return ["-c", _LOADER % name], {name: source.encode(), name + "c": pyc}
+
+
+_RUNNER_ARGS, _RUNNER_FILES = _harness("runner.py", _RUNNER)
+_VERIFIER_ARGS, _VERIFIER_FILES = _harness("verify.py", _VERIFIER)
+
 _plans: OrderedDict[str, list] = OrderedDict()
 _plans_lock = threading.Lock()
 _PLAN_CACHE = 4096
@@ -428,18 +453,18 @@ def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None =
 def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_test_s: float,
                    site: bool) -> SandboxResult:
     calls = {"per_call_s": float(per_test_s), "total_s": 0.8 * limits.wall_s, "tests": plan}
-    files = {"solution.py": code, "runner.py": _RUNNER, ".mrl_calls.json": json.dumps(calls)}
-    argv = ["python3", "-I", "runner.py"] if site else ["python3", "-I", "-S", "runner.py"]
+    files = {"solution.py": code, **_RUNNER_FILES, ".mrl_calls.json": json.dumps(calls)}
+    argv = ["python3", "-I", *_RUNNER_ARGS] if site else ["python3", "-I", "-S", *_RUNNER_ARGS]
     return sandbox.run(argv, files=files, limits=limits, collect=[".mrl_results.json"])
 
 
 def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | None, limits: Limits,
                   per_test_s: float) -> tuple[list | None, tuple[str, str] | None]:
     spec = {"tests": tests, "plan": plan, "per_test_s": float(per_test_s), "total_s": 0.8 * limits.wall_s}
-    files: dict[str, str | bytes] = {"verify.py": _VERIFIER, ".mrl_verify.json": json.dumps(spec)}
+    files: dict[str, str | bytes] = {**_VERIFIER_FILES, ".mrl_verify.json": json.dumps(spec)}
     if claimed is not None:
         files["candidate/results.json"] = claimed
-    res = sandbox.run(["python3", "-I", "-S", "verify.py"], files=files, limits=limits,
+    res = sandbox.run(["python3", "-I", "-S", *_VERIFIER_ARGS], files=files, limits=limits,
                       collect=[".mrl_verdict.json"])
     problem = sandbox_problem(res)
     if problem and problem[1] != "ok":

@@ -91,7 +91,7 @@ def remove_tree(path: str) -> list[str]:
                     if entry[1]:
                         n += 1
                         new = f".mrl-rm-{n}"
-                        os.rename(entry[0], new, src_dir_fd=fd, dst_dir_fd=root)
+                        _rename_up(entry[0], fd, new, root)
                         todo.append(new)
                     else:
                         os.unlink(entry[0], dir_fd=fd)
@@ -126,6 +126,14 @@ def _open_dir(name: str, parent: int) -> int:
     except PermissionError:  # made unreadable by its owner (us, when not root): open it up, then retry
         os.chmod(name, 0o700, dir_fd=parent, follow_symlinks=False)
         return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+
+
+def _rename_up(name: str, parent: int, new: str, root: int) -> None:
+    try:
+        os.rename(name, new, src_dir_fd=parent, dst_dir_fd=root)
+    except PermissionError:  # moving a directory needs write access to it (its `..`): open up our own first
+        os.chmod(name, 0o700, dir_fd=parent, follow_symlinks=False)
+        os.rename(name, new, src_dir_fd=parent, dst_dir_fd=root)
 
 
 def _entries(fd: int) -> list[tuple[str, bool]]:
@@ -217,6 +225,14 @@ def process_uid(pid: int) -> int | None:
 
 def pids_of_uid(uid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and process_uid(int(p)) == uid]
+
+
+def pid_namespace(pid: int) -> int | None:
+    """Inode of the pid namespace of `pid` (as bwrap's `pid-namespace` reports it), None when unreadable."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def open_owned_pidfd(pid: int, uid: int) -> int | None:

@@ -49,21 +49,28 @@ Not covered:
 - Side channels (timing, cache), CPU frequency and memory bandwidth contention between slots.
 - I/O bandwidth is not limited. Without cgroups, the memory limit is a per-process rlimit (RLIMIT_AS) and a
   program can exceed it in aggregate with many processes. A worker that is not root gets no scratch tmpfs:
-  scratch is a host directory whose size is checked after the run (files are capped by RLIMIT_FSIZE);
-  cgroup v2 delegation is not used yet.
-- With prespawn (default) the next run's sandbox is set up (namespaces, mounts; no untrusted code yet)
-  while the current one runs, in a second slot with its own uid, cgroups and tmpfs; it is used only if
-  the next run asks for the same rlimits and network setting, else discarded and the run starts cold.
+  scratch is a host directory whose size is checked after the run (the input files before it; each file is
+  capped by RLIMIT_FSIZE), so a run can fill the host disk up to the free space until it ends; its
+  processes are told apart from the worker's own (same uid) by their pid namespace. cgroup v2 delegation
+  is not used yet.
+- With prespawn (default) the next run's sandbox is set up (namespaces, mounts, seccomp, and /bin/sh
+  started in it, blocked reading the slot's `go` FIFO; no untrusted code yet) while the current one runs,
+  in a second slot with its own uid, cgroups and tmpfs; it is used only if the next run asks for the same
+  rlimits and network setting, else discarded and the run starts cold. The FIFO (`/.sandbox/go`, mode
+  0444 on a read-only mount) is written by the worker only; the command itself is the file `/.sandbox/cmd`
+  next to it, written before the go.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import json
 import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -101,7 +108,10 @@ _ETC_GLOBS = ("python3*", "java-*", "perl")
 _ETC_NET = ("resolv.conf", "ssl", "ca-certificates", "ca-certificates.conf", "host.conf", "gai.conf")
 _SKIP_ROOT = {"proc", "dev", "sys", "tmp", "work", ".sandbox", "run", "boot", "home", "media", "mnt", "root", "srv",
               "lost+found"}
-_TRAMPOLINE = ". /.sandbox/cmd"
+_TRAMPOLINE = "read -r _ < /.sandbox/go && . /.sandbox/cmd"
+"""The prespawned sandbox's shell: started (namespaces, mounts, seccomp, exec of /bin/sh all done) before
+the run is known, it blocks on the slot's `go` FIFO; the worker writes the command to `cmd`, then one line to
+`go`. Keeps bwrap's exec and the shell's start-up off the run's critical path."""
 _SCRATCH_INODES = 16384
 _BWRAP_TASKS = 2  # outer bwrap + its pid 1 in the sandbox's pid namespace
 _PREFIX = "megatron-rl-sandbox-"
@@ -111,7 +121,9 @@ _stale_done = False
 
 @dataclass
 class _Launch:
-    """A started bwrap, blocked before exec until `block_w` is written."""
+    """A started bwrap, blocked until `block_w` is written: before exec (bwrap's `--block-fd` pipe, closed after
+    the go) or, with a shell, in the trampoline (then `block_w` is the slot's `go` FIFO, which the slot holds
+    open: a line written before the shell opened the FIFO is not lost)."""
 
     cell: _Cell
     proc: subprocess.Popen
@@ -122,6 +134,7 @@ class _Launch:
     stderr_r: int
     status_r: int
     key: tuple
+    go_fifo: bool = False
     status: dict = field(default_factory=dict)
     pid1fd: int | None = None
     _buf: bytes = b""
@@ -136,6 +149,8 @@ class _Launch:
             except ValueError:
                 continue
             self.status.update(doc)
+            if "pid-namespace" in doc:
+                self.cell.pidns.add(int(doc["pid-namespace"]))
             if "child-pid" in doc and self.pid1fd is None:
                 self.pid1fd = _linux.open_owned_pidfd(int(doc["child-pid"]), self.cell.uid)
 
@@ -147,8 +162,8 @@ class _Launch:
             self.proc.kill()
 
     def close_fds(self) -> None:
-        for fd in (self.pidfd, self.block_w, self.stdin_w, self.stdout_r, self.stderr_r, self.status_r,
-                   self.pid1fd):
+        for fd in (self.pidfd, -1 if self.go_fifo else self.block_w, self.stdin_w, self.stdout_r, self.stderr_r,
+                   self.status_r, self.pid1fd):
             if fd is not None and fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -163,6 +178,7 @@ class _Cell:
         self.root = os.geteuid() == 0
         self.index, self.group, self.uid_base = index, group, uid_base
         self.notes: list[str] = []
+        self.pidns: set[int] = set()  # of its runs whose pid 1 is not known to be gone, for processes()
         self.lease = _linux.UidLease(uid_base) if self.root else None
         self.uid = self.lease.uid if self.lease else os.getuid()
         self.gid = self.uid if self.lease else os.getgid()
@@ -173,6 +189,10 @@ class _Cell:
         for d in (self.dir, self.fs, self.ctl):
             os.makedirs(d, exist_ok=True)
             os.chmod(d, 0o711 if d != self.ctl else 0o755)
+        self.go = os.path.join(self.ctl, "go")
+        os.mkfifo(self.go, 0o600)
+        self.go_fd = os.open(self.go, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)  # never blocks, keeps it alive
+        os.chmod(self.go, 0o444)  # then read-only for everyone, the sandbox's uid too (and on a read-only mount)
         self.scratch_mb = 0
         self.tmpfs = self.root
         try:  # one network namespace per slot, made once: creating one per run costs more than the rest
@@ -250,6 +270,9 @@ class _Cell:
 
     def close(self) -> list[str]:
         problems = self.cg.remove() if self.cg else []
+        if self.go_fd >= 0:
+            os.close(self.go_fd)
+            self.go_fd = -1
         if self.netns is not None:
             os.close(self.netns)
             self.netns = None
@@ -296,10 +319,8 @@ class _State:
 def _dispose(launch: _Launch) -> list[str]:
     """Kill and reap a launch (used or not); returns cleanup problems."""
     problems = []
-    if launch.pid1fd is None and launch.status_r >= 0:  # learn pid 1 if the status was never read
-        with contextlib.suppress(OSError):
-            os.set_blocking(launch.status_r, False)
-            launch.feed_status(os.read(launch.status_r, 1 << 16) + b"\n")
+    if launch.pid1fd is None and launch.status_r >= 0:  # the status was never read: learn pid 1 first
+        _await_pid1(launch)
     launch.kill()
     try:
         launch.proc.wait(timeout=10)
@@ -307,6 +328,8 @@ def _dispose(launch: _Launch) -> list[str]:
         problems.append(f"bwrap {launch.proc.pid} did not exit after SIGKILL")
     if launch.pid1fd is not None and not _linux.reap_pidfd(launch.pid1fd, 5.0):
         problems.append("sandbox pid 1 did not exit after SIGKILL")
+    elif "pid-namespace" in launch.status:  # pid 1 is gone, and every process of its namespace with it
+        launch.cell.pidns.discard(int(launch.status["pid-namespace"]))
     cell = launch.cell
     if cell.cg is not None:
         left = cell.cg.procs()
@@ -318,6 +341,28 @@ def _dispose(launch: _Launch) -> list[str]:
         problems.append("tasks of the slot still exist 5 s after SIGKILL")
     launch.close_fds()
     return problems
+
+
+def _await_pid1(launch: _Launch, timeout_s: float = 5.0) -> None:
+    """Read bwrap's status until it names pid 1 (bwrap may still be setting up: a few ms) or bwrap exits, so
+    that disposing waits for pid 1 - and with it the whole pid namespace - to be gone."""
+    end = time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(launch.status_r, select.POLLIN)
+    poller.register(launch.pidfd, select.POLLIN)
+    os.set_blocking(launch.status_r, False)
+    while launch.pid1fd is None and time.monotonic() < end:
+        ready = {fd for fd, _ in poller.poll(max(1, int((end - time.monotonic()) * 1000)))}
+        try:
+            data = os.read(launch.status_r, 1 << 16) if launch.status_r in ready else b""
+        except BlockingIOError:
+            data = b""
+        except OSError:
+            return
+        launch.feed_status(data)
+        if (launch.pidfd in ready or launch.status_r in ready) and not data:  # bwrap exited
+            launch.feed_status(b"\n")
+            return
 
 
 def _settle(cell: _Cell, timeout_s: float = 5.0) -> bool:
@@ -544,10 +589,19 @@ class BwrapSandbox(Sandbox):
         """Host uids of this sandbox's slots (no other process on the host runs as them)."""
         return [c.uid for c in self._s.cells]
 
+    def processes(self) -> list[int]:
+        """Host pids of this sandbox: running as its slot uids (root) or, for a worker that is not root (its
+        own uid for everything), in the pid namespaces of its runs whose pid 1 was not seen to exit."""
+        cells = self._s.cells
+        if cells and cells[0].root:
+            return [p for u in self.uids for p in _linux.pids_of_uid(u)]
+        ns = {n for c in cells for n in c.pidns}
+        return [p for p in _linux.pids_of_uid(os.getuid()) if _linux.pid_namespace(p) in ns]
+
     def leftover_processes(self) -> list[int]:
-        """Host pids running as this sandbox's uids, other than the idle prespawned bwrap (and its pid 1)
-        waiting for the next run. Empty between runs when nothing survived; for health checks and tests."""
-        pids = [p for u in self.uids for p in _linux.pids_of_uid(u)]
+        """`processes()` other than the idle prespawned bwrap (its pid 1 and shell) waiting for the next run.
+        Empty between runs when nothing survived; for health checks and tests."""
+        pids = self.processes()
         allowed: set[int] = set()
         nxt = self._s.next  # no lock: callable while a run is in progress (then its processes are listed)
         if nxt is not None:
@@ -557,6 +611,7 @@ class BwrapSandbox(Sandbox):
                 outer = None
             if outer is not None:
                 allowed = {outer, *_children(outer)}
+                allowed |= {p for c in list(allowed - {outer}) for p in _children(c)}  # pid 1, its shell
         return [p for p in pids if p not in allowed]
 
     def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
@@ -584,6 +639,8 @@ class BwrapSandbox(Sandbox):
             if launch is None and cell.dirty:
                 cell = self._reset_cell(cell)
             cell.mount(limits.scratch_mb)
+            if not cell.tmpfs and _size(files) > limits.scratch_mb << 20:  # a tmpfs refuses them itself
+                raise OSError(errno.ENOSPC, f"the files exceed the scratch cap of {limits.scratch_mb} MB")
             write_files(cell.work, files, cell.uid if cell.root else None)
             if self._has_sh:
                 with open(os.path.join(cell.ctl, "cmd"), "w") as f:
@@ -604,11 +661,12 @@ class BwrapSandbox(Sandbox):
             return SandboxResult(exit_code=1, stdout="", stderr=f"sandbox setup failed: {e}", wall_s=0.0,
                                  violations=["setup"], notes=cell.notes + problems)
         try:
-            os.write(launch.block_w, b"1")  # go: bwrap execs the program now
+            os.write(launch.block_w, b"\n")  # go: the trampoline (or bwrap) execs the program now
         except OSError:
             pass  # bwrap died during setup: the run reports "setup" with its stderr
-        os.close(launch.block_w)
-        launch.block_w = -1
+        if not launch.go_fifo:
+            os.close(launch.block_w)
+            launch.block_w = -1
         try:
             self._prespawn_next(cell, limits)
             return self._finish(launch, limits, stdin, collect)
@@ -684,6 +742,7 @@ class BwrapSandbox(Sandbox):
         new = _Cell(self._s.base, f"{idx}r{self._s.generation}", cell.group, cell.uid_base,
                     self.default_limits.scratch_mb)
         self._s.cells[idx] = new
+        new.pidns |= cell.pidns
         self.counts["retired"] += 1
         for p in cell.close():
             log.warning("bwrap sandbox: retired slot %s: %s", cell.dir, p)
@@ -705,17 +764,18 @@ class BwrapSandbox(Sandbox):
         key = self._key(limits, cell)
         fds = []
         try:
-            block_r, block_w = os.pipe2(os.O_CLOEXEC)
+            block_r, block_w = self._go_fds(cell)
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
             in_r, in_w = os.pipe2(os.O_CLOEXEC)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
-            fds = [block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w]
+            fds = [fd for fd in (block_r, block_w, status_r, status_w, in_r, in_w, out_r, out_w, err_r, err_w)
+                   if fd >= 0 and fd != cell.go_fd]
             seccomp_r = _seccomp.program_fd(self._seccomp) if self._seccomp else -1
             if seccomp_r >= 0:
                 fds.append(seccomp_r)
             argv = self._argv(cell, limits.network, block_r, status_w, command, seccomp_r)
-            passed = (block_r, status_w) + ((seccomp_r,) if seccomp_r >= 0 else ())
+            passed = (status_w,) + tuple(fd for fd in (block_r, seccomp_r) if fd >= 0)
             proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=passed,
                                     preexec_fn=cell.preexec(key[0], limits.network), env={"PATH": "/usr/bin:/bin"},
                                     cwd="/")
@@ -723,10 +783,21 @@ class BwrapSandbox(Sandbox):
             for fd in fds:
                 os.close(fd)
             raise
-        for fd in (block_r, status_w, in_r, out_w, err_w) + ((seccomp_r,) if seccomp_r >= 0 else ()):
-            os.close(fd)
+        for fd in (block_r, status_w, in_r, out_w, err_w, seccomp_r):
+            if fd >= 0:
+                os.close(fd)
         return _Launch(cell=cell, proc=proc, pidfd=os.pidfd_open(proc.pid), block_w=block_w, stdin_w=in_w,
-                       stdout_r=out_r, stderr_r=err_r, status_r=status_r, key=key)
+                       stdout_r=out_r, stderr_r=err_r, status_r=status_r, key=key, go_fifo=block_r < 0)
+
+    def _go_fds(self, cell: _Cell) -> tuple[int, int]:
+        """(read end for bwrap's --block-fd or -1, the worker's end): with a shell, the slot's `go` FIFO,
+        emptied of any line a killed run's shell did not read."""
+        if not self._has_sh:
+            return os.pipe2(os.O_CLOEXEC)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(cell.go_fd, 4096):
+                pass
+        return -1, cell.go_fd
 
     def _take_prespawned(self, limits: Limits) -> _Launch | None:
         fut, self._s.next = self._s.next, None
@@ -777,7 +848,8 @@ class BwrapSandbox(Sandbox):
             a += ["--setenv", k, v]
         if seccomp_fd >= 0:
             a += ["--seccomp", str(seccomp_fd)]
-        a += ["--json-status-fd", str(status_fd), "--block-fd", str(block_fd), "--"]
+        a += ["--json-status-fd", str(status_fd)]
+        a += ["--block-fd", str(block_fd), "--"] if block_fd >= 0 else ["--"]
         if self._has_sh:
             return a + ["/bin/sh", "-c", _TRAMPOLINE]
         if command is None:
@@ -833,6 +905,10 @@ def _inner_limits(cell: _Cell, limits: Limits) -> str:
         return ""
     n = limits.pids + 1  # + bwrap's pid 1 (the trampoline shell execs the program)
     return f"ulimit -p {n} 2>/dev/null || ulimit -u {n} 2>/dev/null\n"
+
+
+def _size(files: dict | None) -> int:
+    return sum(len(c.encode() if isinstance(c, str) else c) for c in (files or {}).values())
 
 
 def _has(cell: _Cell, controller: str) -> bool:
