@@ -110,6 +110,7 @@ class HFTokenizer:
         self.eos_id = self._eos_id()
         self.pad_id = self._id(self.specials.get("pad_token")) if self.specials.get("pad_token") else self.eos_id
         self.stop_ids = self._stop_ids()
+        self._frames: dict[str, tuple[str, str, str]] = {}  # role -> observation frame (observation_ids)
 
     # ---------------------------------------------------------------------------------------- files
     def _special_tokens(self) -> dict[str, str]:
@@ -207,7 +208,7 @@ class HFTokenizer:
 
     def _observation_frame(self, role: str) -> tuple[str, str, str]:
         """(what ends an assistant turn, text before an observation, text after it incl. the next header)."""
-        frame = self._frames.get(role) if hasattr(self, "_frames") else None
+        frame = self._frames.get(role)
         if frame is None:
             a_mark, o_mark = "\x01ASSISTANT\x01", "\x01OBSERVATION\x01"
             chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
@@ -219,8 +220,7 @@ class HFTokenizer:
                                   f"its continuation, so multi-turn episodes cannot be tokenised exactly")
             closing = head[head.index(a_mark) + len(a_mark):]
             pre, post = full[len(head):].split(o_mark, 1)
-            self._frames = {**getattr(self, "_frames", {}), role: (closing, pre, post)}
-            frame = self._frames[role]
+            frame = self._frames[role] = (closing, pre, post)
         return frame
 
 

@@ -62,17 +62,18 @@ class Recorder:
         self.tok, self.lock = tokenizer, threading.Lock()
         self.episodes: dict[str, list[Segment]] = {}
 
-    def prompt(self, episode: str, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool]:
-        """The call's prompt ids and whether it continues the episode's current segment exactly."""
+    def prompt(self, episode: str, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool, str]:
+        """The call's prompt ids, whether it continues the episode's current segment exactly, and the chat's
+        rendered text (for `record`)."""
         text = self._render(messages, tools)
         with self.lock:
             segs = self.episodes.setdefault(episode, [])
             if segs and segs[-1].calls and text.startswith(segs[-1].text):
-                return segs[-1].tokens + self.tok.encode(text[len(segs[-1].text):]), True
-            return self.tok.encode(text), not segs
+                return segs[-1].tokens + self.tok.encode(text[len(segs[-1].text):]), True, text
+            return self.tok.encode(text), not segs, text
 
-    def record(self, episode: str, prompt: list[int], exact: bool, ids: list[int], logprobs: list[float],
-               versions: list[int], messages: list[dict], tools: list[dict] | None) -> None:
+    def record(self, episode: str, prompt: list[int], exact: bool, text: str, ids: list[int], logprobs: list[float],
+               versions: list[int]) -> None:
         """Append a completion (and the new prompt tokens before it) to the episode."""
         with self.lock:
             segs = self.episodes.setdefault(episode, [])
@@ -85,7 +86,7 @@ class Recorder:
             seg.logprobs += [0.0] * len(new) + list(logprobs)
             seg.mask += [0] * len(new) + [1] * len(ids)
             seg.versions += [last] * len(new) + list(versions)
-            seg.text = self._render(messages, tools) + self.tok.decode_raw(ids)
+            seg.text = text + self.tok.decode_raw(ids)
             seg.calls += 1
 
     def trajectory(self, episode: str) -> dict:
@@ -125,7 +126,7 @@ async def chat(request: web.Request) -> web.Response:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("missing 'messages': a non-empty list of {role, content}")
         try:
-            prompt, exact = rec.prompt(episode, msgs, tools)
+            prompt, exact, text = rec.prompt(episode, msgs, tools)
         except Exception as e:  # the template rejected the chat
             raise BadRequest(f"the model's chat template cannot render these messages: {e}") from None
         params = sampling_from(body, st.tokenizer)
@@ -135,7 +136,7 @@ async def chat(request: web.Request) -> web.Response:
         return _error(400, str(e))
     out = await fut
     s = out.samples[0]
-    rec.record(episode, prompt, exact, s.token_ids, s.logprobs, s.policy_versions, msgs, tools)
+    rec.record(episode, prompt, exact, text, s.token_ids, s.logprobs, s.policy_versions)
     text = st.tokenizer.decode(s.token_ids)
     message = {"role": "assistant", "content": text}
     calls = tool_calls(text)
