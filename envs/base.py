@@ -119,6 +119,13 @@ class Environment(abc.ABC):
     """The reward component that says whether an episode solved its task (eval's pass@k)."""
     multi_turn: bool = False
     """Whether an episode may take more than one model turn."""
+    agents: tuple[str, ...] = ()
+    """Black-box agent programs that can play its episodes (`run_agent`; `envs.agents`)."""
+    agent: str = ""
+    """The agent playing this instance's episodes ('' = the loop's own turns: the model's replies are the
+    actions); set from the domain config (envs.mixture.DomainConfig.agent)."""
+    agent_args: str = ""
+    """Extra command-line arguments of the agent program (DomainConfig.agent_args)."""
 
     def __init__(self, *, budget: Budget | None = None, sandbox: Sandbox | None = None, judge: Any = None,
                  reward_weights: dict[str, float] | None = None,
@@ -148,6 +155,15 @@ class Environment(abc.ABC):
 
     def render_prompt(self, task: Task) -> str:
         return f"{task.prompt}\n\n{self.instructions}" if self.instructions else task.prompt
+
+    def run_agent(self, session, observation):
+        """Run the black-box agent `self.agent` for the episode just reset, reaching the policy through
+        `session` (an `envs.agents.session.AgentSession`); returns when the agent has ended."""
+        raise EnvError(f"{self.name}: no black-box agent can play this environment")
+
+    def agent_wall_s(self) -> float:
+        """The agent's wall time for one episode (seconds)."""
+        return 600.0
 
     def tool_summary(self) -> dict[str, float]:
         """This episode's tool use per tool: `tool.<name>.calls`, `tool.<name>.errors` (calls that did not run:
@@ -258,9 +274,14 @@ class SingleTurnEnvironment(Environment):
 ENVIRONMENTS: Registry[type[Environment]] = Registry("environment", entry_point_group="megatron_rl.environments")
 
 
-def make_env(name: str, **kwargs) -> Environment:
-    """Build a registered environment by name; an unknown name is an error listing the known ones."""
-    return ENVIRONMENTS.get(name)(**kwargs)
+def make_env(name: str, agent: str = "", agent_args: str = "", **kwargs) -> Environment:
+    """Build a registered environment by name; an unknown name is an error listing the known ones. `agent`:
+    the black-box agent that plays its episodes (one of the environment's `agents`; '' = none)."""
+    env = ENVIRONMENTS.get(name)(**kwargs)
+    if agent and agent not in env.agents:
+        raise EnvError(f"environment {name!r} cannot be played by agent {agent!r}; its agents: {list(env.agents)}")
+    env.agent, env.agent_args = agent, agent_args
+    return env
 
 
 class ToolEnvironment(Environment):
@@ -297,11 +318,12 @@ class ToolEnvironment(Environment):
         n_err = sum(p.startswith("<tool_error>") for p in parts)
         return Observation("\n".join(parts), role="tool", hidden={"tool_errors": n_err})
 
-    def run_in_workspace(self, command: str, extra_files: dict | None = None) -> tuple[SandboxResult | None, str]:
+    def run_in_workspace(self, command: str, extra_files: dict | None = None, sockets: dict | None = None
+                         ) -> tuple[SandboxResult | None, str]:
         """Run `command` in the sandbox over `self.workspace`; returns (result, notes for the model). A sandbox
         that fails (raises, or cannot set up) marks the episode sandbox_error; the model sees a note."""
         try:
-            res, err = self.workspace.run(self.sandbox, command, self.limits, extra_files)
+            res, err = self.workspace.run(self.sandbox, command, self.limits, extra_files, sockets)
         except Exception as e:  # run() raises only for caller/infrastructure errors, never for the program
             log.warning("%s: sandbox failed: %s", self.name, e)
             self.infra_status = "sandbox_error"

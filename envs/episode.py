@@ -98,6 +98,17 @@ def episode(env: Environment, task: Task, tok, max_tokens: int, prompt: list[int
                                  _finish_reason(tok, ids, res), {"env": env_s, **env.tool_summary()})
 
 
+def open_episode(env: Environment, task: Task, tok, max_tokens: int, prompt: list[int] | None = None
+                 ) -> Generator[list[int], GenOut, EpisodeResult]:
+    """The episode coroutine for `env`: the loop's own turns (`episode`), or its black-box agent's calls
+    (`envs.agents.episode.agent_episode`) when the environment is played by one (`env.agent`)."""
+    if env.agent:
+        from envs.agents.episode import agent_episode
+
+        return agent_episode(env, task, tok, max_tokens, prompt)
+    return episode(env, task, tok, max_tokens, prompt)
+
+
 def _stopped(tok, ids) -> bool:
     return bool(ids) and int(ids[-1]) in set(tok.stop_ids)
 

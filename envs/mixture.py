@@ -41,6 +41,12 @@ class DomainConfig:
     """Tokens per episode at most, prompt included (0 = the model's max_seq_length)."""
     max_observation_chars: int = 2000
     """Longer observations are cut in the middle before the model sees them."""
+    agent: str = ""
+    """A black-box agent program that plays the episodes through the gateway ('shell': envs/agents/shell_agent.py
+    in the sandbox, reaching the policy over a Unix socket); '' = the loop's own turns."""
+    agent_args: str = ""
+    """Extra arguments of the agent program, e.g. its long-history strategy: '--history drop-oldest
+    --context-budget 6000' (see envs/agents/shell_agent.py)."""
 
 
 @dataclass
@@ -75,6 +81,11 @@ class MixtureConfig:
                 make_env(name, reward_weights=d.reward_weights)
             except EnvError as e:
                 raise ConfigError(f"envs.domains.{name}.reward_weights: {e}") from None
+            try:
+                make_env(name, agent=d.agent)
+            except EnvError as e:
+                raise ConfigError(f"envs.domains.{name}.agent: {e}") from None
+            _check_agent_args(name, d)
         for name, d in domains.items():
             if d.tier and not self.tasks("train", only=name)[name]:
                 raise ConfigError(f"envs.domains.{name}.tier={d.tier!r}: no train task of {name!r} has that tier "
@@ -106,7 +117,12 @@ class MixtureConfig:
         """A fresh environment of domain `name` for one episode."""
         d = self.domains.get(name) or DomainConfig()
         return make_env(name, budget=self.budget(name, max_seq_length), sandbox=sandbox, judge=judge,
-                        reward_weights=d.reward_weights or None, token_counter=token_counter)
+                        reward_weights=d.reward_weights or None, token_counter=token_counter, agent=d.agent,
+                        agent_args=d.agent_args)
+
+    def agent_domains(self) -> list[str]:
+        """Domains played by a black-box agent."""
+        return [name for name, d in self.domains.items() if d.agent]
 
     def judge(self, run_dir: str):
         """The LLM judge client, or None without `judge_base_url`."""
@@ -116,3 +132,23 @@ class MixtureConfig:
 
         return JudgeConfig(base_url=self.judge_base_url, model=self.judge_model,
                            cache_dir=self.judge_cache_dir or f"{run_dir}/judge_cache").build()
+
+
+def _check_agent_args(name: str, d: DomainConfig) -> None:
+    """agent_args parse as the shell agent's options (and need an agent)."""
+    import shlex
+
+    from megatron_rl.config import ConfigError
+
+    if not d.agent_args:
+        return
+    if not d.agent:
+        raise ConfigError(f"envs.domains.{name}.agent_args={d.agent_args!r} is set but no agent is: set "
+                          f"envs.domains.{name}.agent")
+    from envs.agents.shell_agent import build_parser
+
+    try:
+        build_parser().parse_args(["--socket", "-", "--task", "-", *shlex.split(d.agent_args)])
+    except (SystemExit, ValueError):
+        raise ConfigError(f"envs.domains.{name}.agent_args={d.agent_args!r}: not valid options of the shell agent "
+                          f"(see python3 envs/agents/shell_agent.py --help)") from None

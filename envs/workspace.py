@@ -65,18 +65,21 @@ class Workspace:
         return None if p is None else self.files.get(p)
 
     def run(self, sandbox: Sandbox, command: str, limits: Limits | None = None,
-            extra_files: dict[str, str | bytes] | None = None) -> tuple[SandboxResult, str | None]:
+            extra_files: dict[str, str | bytes] | None = None, sockets: dict | None = None
+            ) -> tuple[SandboxResult, str | None]:
         """Run a shell `command` with the workspace as the scratch directory, then take back its files.
 
         Returns the sandbox result and an error message when the files could not be collected (the
-        workspace then stays as it was). `extra_files` are present for this run only.
+        workspace then stays as it was). `extra_files` are present for this run only; `sockets` go to the
+        sandbox's `run` (Unix sockets the command reaches, bubblewrap only).
         """
         files: dict[str, str | bytes] = dict(self.files)
         files.update(extra_files or {})
         files[".mrl_cmd.sh"] = command
         dump = _DUMP.replace("MAXB", str(self.max_bytes)).replace("MAXF", str(self.max_files))
         script = f"sh .mrl_cmd.sh; rc=$?; python3 -I -S -c {shlex.quote(dump)} || exit 125; exit $rc"
-        result = sandbox.run(script, files=files, limits=limits, collect=[".mrl_ws.json"])
+        kw = {"sockets": sockets} if sockets else {}
+        result = sandbox.run(script, files=files, limits=limits, collect=[".mrl_ws.json"], **kw)
         err = self._take_back(result.files.get(".mrl_ws.json"), set(extra_files or {}))
         return result, err
 

@@ -178,6 +178,21 @@ class RunConfig:
                               f"{self.data.domain!r} have none (e.g. {missing[0]!r}); set train.steps=0 to start "
                               f"RL from the model as it is, or pick a domain with reference answers")
 
+    def _check_agents(self) -> None:
+        """Domains played by a black-box agent need the gateway's chat template and the in-process loop."""
+        agents = self.envs.agent_domains()
+        if not agents:
+            return
+        key = f"envs.domains.{agents[0]}.agent={self.envs.domains[agents[0]].agent!r}"
+        tok = self.tokenizer.build(self.model) if self.tokenizer.resolved_path(self.model) else None
+        if not getattr(tok, "has_chat_template", False):
+            raise ConfigError(f"{key}: the agent's chat calls are rendered with the model's chat template, and the "
+                              f"run's tokenizer has none; use an HF model folder with a chat template "
+                              f"(model.init: hf:DIR) or drop the agent")
+        if self.episodes.runner != "inprocess":
+            raise ConfigError(f"{key}: agent episodes run in the in-process loop only; set episodes.runner: "
+                              f"inprocess (got {self.episodes.runner!r})")
+
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
 
@@ -194,6 +209,7 @@ class RunConfig:
             raise ConfigError(f"rl.max_new_tokens={self.rl.max_new_tokens} leaves no room for a prompt in "
                               f"model.max_seq_length={self.model.max_seq_length} (keep 16 tokens for it)")
         self._resolve_domains()
+        self._check_agents()
         self._check_warmup()
         if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
             raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "

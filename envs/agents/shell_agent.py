@@ -1,12 +1,25 @@
 """A minimal black-box agent: OpenAI chat completions with one `shell` tool, run inside a sandbox.
 
-    python3 shell_agent.py --socket /gateway.sock --episode EP --task instruction.md [--max-turns 8]
+    python3 shell_agent.py --socket /gateway.sock [--episode EP] --task instruction.md|task.json [--max-turns 8]
 
 It asks the policy (through the gateway's Unix socket: no network needed) for the next message, runs each
 tool call's command with /bin/sh in the working directory, sends the output back as a `tool` message and
-stops when the policy replies without a tool call or after --max-turns calls. It keeps the chat history as
-the gateway returned it, so the episode stays one exact token sequence. Standard library only (it runs in
-the sandbox's Python); the threat model is the sandbox's: everything it runs is the policy's choice.
+stops when the policy replies without a tool call, after --max-turns calls, or when the gateway refuses a
+call (the episode's context budget is spent). It keeps the chat history as the gateway returned it, so the
+episode stays one exact token sequence. `--task` is the instruction as text (the agent adds its shell tool),
+or a JSON file {"messages": [...], "tools": [...]} used as the first call as it is. With --episode the calls
+go to the rollout server's gateway routes (/episodes/EP/v1/...); without, to an episode's own socket.
+
+Long histories (`--history`, against `--context-budget` tokens, measured from the gateway's `usage`):
+- `full`: keep everything; a tool output keeps its last --max-output-chars characters (the gateway refuses
+  the call that would pass the episode's budget: the episode ends, truncated);
+- `head-tail`: a tool output longer than --max-output-chars keeps its head and tail (the episode stays exact);
+- `drop-oldest`: head-tail, and when the last call's context plus the new output would pass the budget, the
+  oldest exchanges (assistant message + its tool outputs) after the first message are dropped: the history
+  is edited, so the gateway starts a new exact segment (what the model saw is what is recorded).
+
+Standard library only (it runs in the sandbox's Python); the threat model is the sandbox's: everything it
+runs is the policy's choice.
 """
 from __future__ import annotations
 
@@ -20,10 +33,12 @@ import sys
 SHELL = {"type": "function", "function": {
     "name": "shell", "description": "Run a shell command in the task's working directory; returns its output.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+MAX_RAW = 1 << 16
+"""Characters of a command's output read before the history strategy cuts it."""
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 600.0):
+    def __init__(self, path: str, timeout: float = 900.0):
         super().__init__("gateway", timeout=timeout)
         self.unix_path = path
 
@@ -33,46 +48,111 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-def complete(sock: str, episode: str, messages: list, max_tokens: int) -> dict:
+class Refused(Exception):
+    """The gateway refused the call (the episode's budget is spent, or it ended)."""
+
+
+def complete(sock: str, episode: str, messages: list, tools: list, max_tokens: int) -> tuple[dict, int]:
+    """The policy's next message and the call's context size (prompt + completion tokens)."""
     conn = UnixHTTPConnection(sock)
-    body = json.dumps({"messages": messages, "tools": [SHELL], "max_tokens": max_tokens, "temperature": 1.0})
-    conn.request("POST", f"/episodes/{episode}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    body = json.dumps({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 1.0})
+    path = f"/episodes/{episode}/v1/chat/completions" if episode else "/v1/chat/completions"
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     data = json.loads(resp.read())
     if resp.status != 200:
-        raise SystemExit(f"gateway answered {resp.status}: {data}")
-    return data["choices"][0]["message"]
+        raise Refused(f"gateway answered {resp.status}: {str(data)[:300]}")
+    usage = data.get("usage") or {}
+    return data["choices"][0]["message"], int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
 
 
 def run_tool(call: dict, timeout: float) -> str:
     try:
         command = json.loads(call["function"]["arguments"]).get("command", "")
-        out = subprocess.run(["/bin/sh", "-c", str(command)], capture_output=True, text=True, timeout=timeout)
-        text = f"exit code: {out.returncode}\n{out.stdout[-2000:]}{out.stderr[-1000:]}"
+        out = subprocess.run(["/bin/sh", "-c", str(command)], capture_output=True, text=True, timeout=timeout,
+                             errors="replace")
+        text = f"exit code: {out.returncode}\n{out.stdout[-MAX_RAW:]}{out.stderr[-MAX_RAW // 4:]}"
     except subprocess.TimeoutExpired:
         text = f"command timed out after {timeout} s"
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         text = f"bad tool call: {e}"
     return f'<tool_response name="shell">\n{text}\n</tool_response>'
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+def tail(text: str, limit: int) -> str:
+    """The last `limit` characters of `text`, marked when cut."""
+    return text if len(text) <= limit else f"[... {len(text) - limit} characters cut ...]\n{text[-limit:]}"
+
+
+def head_tail(text: str, limit: int) -> str:
+    """`text` cut to its head and tail around a marker when longer than `limit` characters."""
+    if limit <= 0 or len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+
+
+def drop_oldest(messages: list, need: int, context: int, budget: int) -> list:
+    """Drop whole exchanges after the first message, oldest first, until `context` minus the dropped part's
+    estimate (4 characters a token) plus `need` fits `budget` (the last exchange is always kept)."""
+    out = list(messages)
+    while context + need > budget:
+        starts = [i for i, m in enumerate(out) if i > 0 and m["role"] == "assistant"]
+        if len(starts) < 2:
+            break
+        context -= sum(len(str(m.get("content", ""))) for m in out[starts[0]:starts[1]]) // 4 + 8
+        out = out[:starts[0]] + out[starts[1]:]
+    return out
+
+
+def first_call(path: str) -> tuple[list, list]:
+    """(messages, tools) of the first call: a JSON task as it is, or a text instruction with the shell tool."""
+    text = open(path).read()
+    if path.endswith(".json"):
+        obj = json.loads(text)
+        return list(obj["messages"]), list(obj.get("tools") or [SHELL])
+    return [{"role": "user", "content": text}], [SHELL]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shell_agent.py")
     ap.add_argument("--socket", required=True)
-    ap.add_argument("--episode", required=True)
-    ap.add_argument("--task", required=True, help="file holding the task instruction")
+    ap.add_argument("--episode", default="")
+    ap.add_argument("--task", required=True, help="the task instruction (text), or a JSON first call")
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tool-timeout", type=float, default=30.0)
-    args = ap.parse_args(argv)
-    messages = [{"role": "user", "content": open(args.task).read()}]
+    ap.add_argument("--history", choices=("full", "head-tail", "drop-oldest"), default="full")
+    ap.add_argument("--context-budget", type=int, default=0, help="tokens (drop-oldest); 0 = no budget")
+    ap.add_argument("--max-output-chars", type=int, default=2000,
+                    help="a tool output's length at most (full: its tail; otherwise head and tail)")
+    ap.add_argument("--quiet", action="store_true", help="no summary line on stdout")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    messages, tools = first_call(args.task)
+    turns, context, stopped = 0, 0, "turns"
+    cut = tail if args.history == "full" else head_tail
     for _ in range(args.max_turns):
-        msg = complete(args.socket, args.episode, messages, args.max_tokens)
+        try:
+            msg, context = complete(args.socket, args.episode, messages, tools, args.max_tokens)
+        except Refused as e:
+            stopped = str(e)[:200]
+            break
+        turns += 1
         messages.append({"role": "assistant", "content": msg["content"]})  # as returned: the episode stays exact
         if not msg.get("tool_calls"):
+            stopped = "answer"
             break
-        messages += [{"role": "tool", "content": run_tool(c, args.tool_timeout)} for c in msg["tool_calls"]]
-    print(json.dumps({"turns": sum(m["role"] == "assistant" for m in messages)}))
+        outs = [cut(run_tool(c, args.tool_timeout), args.max_output_chars) for c in msg["tool_calls"]]
+        if args.history == "drop-oldest" and args.context_budget:
+            messages = drop_oldest(messages, sum(map(len, outs)) // 4 + args.max_tokens + 16, context,
+                                   args.context_budget)
+        messages += [{"role": "tool", "content": o} for o in outs]
+    if not args.quiet:
+        print(json.dumps({"turns": turns, "stopped": stopped}))
     return 0
 
 

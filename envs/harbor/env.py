@@ -14,9 +14,11 @@ trusts and what it does not is stated in `envs.harbor.verifier`. The agent never
 """
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from envs.base import ENVIRONMENTS, EnvError, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
 from envs.harbor.loader import decode_files
@@ -58,11 +60,16 @@ def exports(env: dict[str, str]) -> str:
     return "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
 
 
+AGENT_SOURCE = Path(__file__).resolve().parents[1] / "agents" / "shell_agent.py"
+"""The shell agent's program, copied into the sandbox (standard library only)."""
+
+
 @ENVIRONMENTS.register("harbor")
 class HarborEnv(ToolEnvironment):
     name = "harbor"
     success_component = "tests"
     tools = (SHELL,)
+    agents = ("shell",)
     caps = HarborCaps()
     instructions = ("You work in a terminal; your working directory is /work. Run a command with <tool_call>"
                     "{\"name\": \"shell\", \"arguments\": {\"command\": \"...\"}}</tool_call>; its output comes back "
@@ -87,16 +94,36 @@ class HarborEnv(ToolEnvironment):
             return None
         return super()._act(action)
 
+    def agent_wall_s(self) -> float:
+        return self.agent_s_left
+
+    def run_agent(self, session, observation):
+        """The shell agent (envs/agents/shell_agent.py) in one sandbox over the workspace, for the task's agent
+        time: its first message is the reset observation (the prompt the loop renders), its tool the shell; it
+        reaches the policy at /.sandbox/gateway.sock. The workspace it leaves is what the tests see."""
+        task = {"messages": [{"role": observation.role, "content": observation.text}], "tools": observation.tools}
+        files = {".mrl_agent/agent.py": AGENT_SOURCE.read_text(), ".mrl_agent/task.json": json.dumps(task)}
+        cmd = (f"python3 -I .mrl_agent/agent.py --socket /.sandbox/gateway.sock --task .mrl_agent/task.json "
+               f"--max-turns {self.budget.max_turns} --tool-timeout {self.caps.command_s:g} --quiet "
+               f"{self.agent_args}")
+        res, note = self.run_command(cmd, extra_files=files, wall_s=self.agent_s_left,
+                                     sockets={"gateway.sock": session.bind})
+        self.transcript.append(("agent", note or f"exit code {res.exit_code if res else '-'}"))
+        return res
+
     def _reward_state(self) -> dict:
         wall = min(float(self.task_limits.get("verifier_s") or self.caps.verifier_s), self.caps.verifier_s)
         return {"workspace": self.workspace, "limits": sandbox_limits(self.task_limits, self.caps, wall)}
 
-    def run_command(self, command: str, extra_files: dict | None = None):
-        """Run one agent command in the workspace with the task's ENV; spends agent time."""
-        wall = max(min(self.caps.command_s, self.agent_s_left), 0.5)
+    def run_command(self, command: str, extra_files: dict | None = None, wall_s: float | None = None,
+                    sockets: dict | None = None):
+        """Run one agent command in the workspace with the task's ENV (at most `wall_s`, default the command
+        cap); spends agent time."""
+        wall = max(min(wall_s or self.caps.command_s, self.agent_s_left), 0.5)
         self.limits = sandbox_limits(self.task_limits, self.caps, wall)
         t0 = time.monotonic()
-        res, note = self.run_in_workspace(exports(self.task.payload.get("env") or {}) + command, extra_files)
+        res, note = self.run_in_workspace(exports(self.task.payload.get("env") or {}) + command, extra_files,
+                                          sockets)
         self.agent_s_left -= time.monotonic() - t0
         if self.agent_s_left <= 0:
             note = "; ".join(filter(None, [note, "the agent time limit of this task is spent: the episode ends"]))

@@ -70,6 +70,7 @@ import glob
 import json
 import logging
 import os
+import re
 import select
 import shlex
 import shutil
@@ -614,10 +615,15 @@ class BwrapSandbox(Sandbox):
                 allowed |= {p for c in list(allowed - {outer}) for p in _children(c)}  # pid 1, its shell
         return [p for p in pids if p not in allowed]
 
-    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
+    def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
+        """`sockets`: name -> bind(host_path), a Unix socket the caller listens on, reached by the program at
+        /.sandbox/<name> (the slot's read-only control folder: the program can connect, not replace it)."""
         limits = limits or self.default_limits
         limits.validate()
         script = _script(command)
+        for name in sockets or {}:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name in ("go", "cmd", ".", ".."):
+                raise ValueError(f"sandbox socket name {name!r}: use a plain file name other than go/cmd")
         for name, content in (files or {}).items():
             check_relpath(name)
             if not isinstance(content, (str, bytes, bytearray, memoryview)):
@@ -625,16 +631,25 @@ class BwrapSandbox(Sandbox):
         with self._lock:
             if self._s.closed:
                 raise RuntimeError("this BwrapSandbox is closed")
-            return self._run(script, command, files, limits, stdin, collect)
+            return self._run(script, command, files, limits, stdin, collect, sockets or {})
 
     def close(self) -> None:
         with self._lock:
             self._finalizer()
 
     # -------------------------------------------------------------------------------------- the run
-    def _run(self, script, command, files, limits, stdin, collect) -> SandboxResult:
+    def _run(self, script, command, files, limits, stdin, collect, sockets) -> SandboxResult:
         launch = self._take_prespawned(limits)
         cell = launch.cell if launch else self._s.cells[self._turn]
+        bound: list[str] = []
+        try:
+            return self._run_in(launch, cell, script, command, files, limits, stdin, collect, sockets, bound)
+        finally:
+            for path in bound:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    def _run_in(self, launch, cell, script, command, files, limits, stdin, collect, sockets, bound):
         try:
             if launch is None and cell.dirty:
                 cell = self._reset_cell(cell)
@@ -642,6 +657,10 @@ class BwrapSandbox(Sandbox):
             if not cell.tmpfs and _size(files) > limits.scratch_mb << 20:  # a tmpfs refuses them itself
                 raise OSError(errno.ENOSPC, f"the files exceed the scratch cap of {limits.scratch_mb} MB")
             write_files(cell.work, files, cell.uid if cell.root else None)
+            for name, bind in sockets.items():
+                bound.append(os.path.join(cell.ctl, name))
+                bind(bound[-1])
+                os.chmod(bound[-1], 0o666)  # the slot's uid connects (a socket on a read-only mount still can)
             if self._has_sh:
                 with open(os.path.join(cell.ctl, "cmd"), "w") as f:
                     f.write(_inner_limits(cell, limits) + script)

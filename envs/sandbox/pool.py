@@ -65,12 +65,14 @@ class SandboxPool(Sandbox):
     def workers(self) -> int:
         return len(self.slots)
 
-    def submit(self, command, files=None, limits=None, stdin=None, collect=None) -> Future[SandboxResult]:
-        """Queue one run; the future holds its SandboxResult (or the caller error it raised)."""
+    def submit(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None
+               ) -> Future[SandboxResult]:
+        """Queue one run; the future holds its SandboxResult (or the caller error it raised). `sockets`: as the
+        slot backend's `run` (bubblewrap)."""
         if self._closed:
             raise RuntimeError("this SandboxPool is closed")
         fut: Future[SandboxResult] = Future()
-        self._queue.put((fut, (command, files, limits, stdin, collect)))
+        self._queue.put((fut, (command, files, limits, stdin, collect), {"sockets": sockets} if sockets else {}))
         return fut
 
     def map(self, jobs: Iterable[SandboxJob]) -> list[SandboxResult]:
@@ -78,8 +80,8 @@ class SandboxPool(Sandbox):
         futs = [self.submit(j.command, j.files, j.limits, j.stdin, j.collect) for j in jobs]
         return [f.result() for f in futs]
 
-    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
-        return self.submit(command, files, limits, stdin, collect).result()
+    def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
+        return self.submit(command, files, limits, stdin, collect, sockets).result()
 
     def close(self) -> None:
         if self._closed:
@@ -97,11 +99,11 @@ class SandboxPool(Sandbox):
             item = self._queue.get()
             if item is None:
                 return
-            fut, args = item
+            fut, args, kwargs = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(slot.run(*args))
+                fut.set_result(slot.run(*args, **kwargs))
             except BaseException as e:  # the worker keeps serving whatever one run did
                 if not isinstance(e, (ValueError, TypeError)):
                     log.exception("sandbox slot %s failed a run; it keeps serving", slot)

@@ -177,12 +177,12 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_
     `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
     """
     from envs.base import Task
-    from envs.episode import drive, episode
+    from envs.episode import drive, open_episode
     from megatron_rl.data.shards import Trajectory
 
     t0, gen_s = time.perf_counter(), [0.0]
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
-    co = episode(env, task, tok, min(max_tokens, env.budget.max_tokens), prompt=list(ep.prompt_ids) or None)
+    co = open_episode(env, task, tok, min(max_tokens, env.budget.max_tokens), list(ep.prompt_ids) or None)
     try:
         r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s))
     except GenerationError as e:

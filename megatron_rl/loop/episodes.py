@@ -74,11 +74,11 @@ class ThreadEpisodeRunner:
     def open(self, task: Task, prompt: list[int], tok, limit: int):
         """The episode coroutine of `task` (not started: `advance(co, None, prime=True)` resets the env), its
         tokens capped at `limit` and at the domain's budget."""
-        from envs.episode import episode
+        from envs.episode import open_episode
 
         def run():  # the environment is built when the episode starts, on the pool (a bad domain: status error)
             budget = min(limit, self.max_tokens(task.domain)) if self.max_tokens else limit
-            return (yield from episode(self.make_env(task.domain, self.sandbox), task, tok, budget, prompt=prompt))
+            return (yield from open_episode(self.make_env(task.domain, self.sandbox), task, tok, budget, prompt))
 
         return run()
 

@@ -1,0 +1,167 @@
+"""Black-box agent episodes: the shell agent runs inside the bubblewrap sandbox, reaches the policy through the
+gateway's Unix socket bound into it, and its calls become one exact trajectory (tokens and log-probs equal to what
+the generator returned, observations masked); the Harbor task's tests score the workspace it leaves; a history
+that the agent edits (drop-oldest) splits the episode and only the exact last segment is trained; the context
+budget ends the episode as truncated; the run config refuses what cannot work."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from envs.episode import drive, open_episode
+
+WRITE_OK = '<tool_call>{"name": "shell", "arguments": {"command": "echo done > ok && ls"}}</tool_call>'
+REPO = Path(__file__).resolve().parents[1]
+BIG = '<tool_call>{"name": "shell", "arguments": {"command": "seq 1 400"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from megatron_rl.tokenizer import HFTokenizer
+    from tests.hf_tiny import tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer(folder)
+    return HFTokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from envs.sandbox import SandboxConfig
+
+    sb = SandboxConfig().build()
+    yield sb
+    sb.close()
+
+
+def _task(tmp_path):
+    """A Harbor task: create /app/ok; its test checks the file."""
+    from envs.harbor.loader import load_task_folder
+
+    d = tmp_path / "make-ok"
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "instruction.md").write_text("Create a file named ok in /app.\n")
+    (d / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 60.0\n')
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\n")
+    (d / "tests" / "test.sh").write_text("#!/bin/bash\nif [ -f /app/ok ]; then echo 1; else echo 0; fi "
+                                         "> /logs/verifier/reward.txt\n")
+    return load_task_folder(d)
+
+
+class Scripted:
+    """A policy that answers with the given texts in order (then 'Done.'), recording what it was asked."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.asked, self.given = tok, list(texts), [], []
+
+    def __call__(self, tokens, turn):
+        text = self.texts[turn] if turn < len(self.texts) else "Done."
+        ids = self.tok.encode(text) + [self.tok.stop_ids[0]]
+        out = (ids, [-0.01 * (turn + 1) - 0.001 * k for k in range(len(ids))], [turn] * len(ids))
+        self.asked.append(list(tokens))
+        self.given.append(out)
+        return out
+
+
+def _env(sandbox, budget_tokens=4096, max_turns=8):
+    from envs.base import Budget, make_env
+
+    return make_env("harbor", agent="shell", sandbox=sandbox, budget=Budget(max_turns=max_turns,
+                                                                             max_tokens=budget_tokens))
+
+
+def test_agent_calls_through_the_socket_become_one_exact_trajectory(tok, sandbox, tmp_path):
+    task = _task(tmp_path)
+    policy = Scripted(tok, [WRITE_OK, '<tool_call>{"name": "shell", "arguments": {"command": "cat ok"}}</tool_call>',
+                            '<tool_call>{"name": "shell", "arguments": {"command": "pwd"}}</tool_call>'])
+    r = drive(open_episode(_env(sandbox), task, tok, 4096), policy)
+    assert r.status == "ok" and r.turns == 4 and r.reward.total == 1.0, (r.status, r.reward)
+    assert r.timings["agent.calls"] == 4 and r.timings["agent.splits"] == 0
+    # every call's prompt extends the previous call's prompt + completion: one sequence, never re-tokenised
+    for prev, (ids, _, _), nxt in zip(policy.asked, policy.given, policy.asked[1:]):
+        assert nxt[:len(prev) + len(ids)] == prev + ids
+    assert r.tokens == policy.asked[-1] + policy.given[-1][0]
+    assert sum(r.loss_mask) == sum(len(g[0]) for g in policy.given)
+    trained = [(t, lp) for t, lp, m in zip(r.tokens, r.logprobs, r.loss_mask) if m]
+    assert trained == [(t, lp) for ids, lps, _ in policy.given for t, lp in zip(ids, lps)]
+    obs = tok.decode([t for t, m in zip(r.tokens[r.prompt_len:], r.loss_mask[r.prompt_len:]) if not m])
+    assert "done" in obs and "/work" in obs  # the commands' outputs came back to the model (masked)
+    assert r.versions[:r.prompt_len] == [0] * r.prompt_len and max(r.versions) == 3
+
+
+def test_an_agent_that_does_nothing_scores_zero(tok, sandbox, tmp_path):
+    r = drive(open_episode(_env(sandbox), _task(tmp_path), tok, 4096), Scripted(tok, []))
+    assert r.status == "ok" and r.turns == 1 and r.reward.total == 0.0 and r.reward.valid
+
+
+def test_the_callers_first_prompt_is_used_when_it_is_the_agents(tok, sandbox, tmp_path):
+    """The loop generates a group's first turn before the agent calls: kept when the prompts match, else
+    generated again from the agent's own prompt."""
+    task = _task(tmp_path)
+    env = _env(sandbox)
+    obs = env.reset(task)
+    prompt = tok.prompt_ids([{"role": obs.role, "content": obs.text}], obs.tools)
+    for given, regenerated in ((prompt, False), (prompt[:-3], True)):
+        policy = Scripted(tok, [WRITE_OK] * (1 + regenerated))  # a discarded generation takes a turn
+        r = drive(open_episode(_env(sandbox), task, tok, 4096, prompt=given), policy)
+        assert policy.asked[0] == given and r.reward.total == 1.0
+        assert (policy.asked[1] == prompt) is regenerated
+        assert r.turns == 2 and r.tokens[:len(prompt)] == prompt
+
+
+def test_drop_oldest_history_splits_and_trains_the_exact_last_segment(tok, sandbox, tmp_path):
+    """With a context budget the agent drops old exchanges: the gateway starts a new segment, the trajectory
+    is that segment (what the model saw, token for token) and the earlier model tokens are counted as untrained."""
+    from envs.harbor.env import HarborEnv
+
+    task = _task(tmp_path)
+    env = _env(sandbox)
+    env.agent_args = "--history drop-oldest --context-budget 700 --max-output-chars 600"
+    policy = Scripted(tok, [BIG, BIG, BIG, WRITE_OK])
+    r = drive(open_episode(env, task, tok, 8192), policy)
+    assert isinstance(env, HarborEnv) and r.reward.total == 1.0
+    assert r.timings["agent.splits"] >= 1 and r.timings["agent.untrained_tokens"] > 0
+    last = policy.asked[-1]
+    assert r.tokens == last + policy.given[-1][0]  # the last segment: the last prompt exactly as generated from
+    assert len(last) < len(policy.asked[-2]) + len(policy.given[-2][0])  # ... which is shorter: history was dropped
+    assert sum(r.loss_mask) == sum(len(g[0]) for g in policy.given) - r.timings["agent.untrained_tokens"]
+
+
+def test_head_tail_keeps_the_episode_exact_and_cuts_long_outputs(tok, sandbox, tmp_path):
+    env = _env(sandbox)
+    env.agent_args = "--history head-tail --max-output-chars 200"
+    policy = Scripted(tok, [BIG, WRITE_OK])
+    r = drive(open_episode(env, _task(tmp_path), tok, 8192), policy)
+    assert r.timings["agent.splits"] == 0 and r.reward.total == 1.0
+    obs = tok.decode(policy.asked[1][len(policy.asked[0]) + len(policy.given[0][0]):])
+    assert "characters cut" in obs and "\n1\n" in obs and "400" in obs and "\n200\n" not in obs
+
+
+def test_context_budget_ends_the_episode_truncated(tok, sandbox, tmp_path):
+    policy = Scripted(tok, [BIG] * 6)
+    r = drive(open_episode(_env(sandbox), _task(tmp_path), tok, 700), policy)
+    assert r.status == "truncated" and r.finish_reason == "budget" and r.reward.valid
+    assert len(r.tokens) <= 700 and r.timings["agent.rejected"] == 1
+
+
+def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
+    """An agent needs the model's chat template (not the byte tokenizer), an environment it can play, valid
+    options, and the in-process loop."""
+    import yaml
+
+    from megatron_rl import load_config
+    from megatron_rl.config import ConfigError
+
+    base = yaml.safe_load((REPO / "configs" / "demo_cpu.yaml").read_text())
+    base["rl"].pop("reward_weights", None)  # per domain once envs.domains is set
+    cases = [({"harbor": {"agent": "shell"}}, r"envs.domains.harbor.agent='shell': .*chat template"),
+             ({"math": {"agent": "shell"}}, r"envs.domains.math.agent: .*cannot be played by agent 'shell'"),
+             ({"harbor": {"agent": "shell", "agent_args": "--history sideways"}}, r"agent_args=.*not valid options"),
+             ({"harbor": {"agent_args": "--quiet"}}, r"agent_args=.*no agent is")]
+    for domains, message in cases:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump({**base, "envs": {"domains": domains}}))
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(path))
