@@ -165,3 +165,24 @@ def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
         path.write_text(yaml.safe_dump({**base, "envs": {"domains": domains}}))
         with pytest.raises(ConfigError, match=message):
             load_config(str(path))
+
+
+def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups():
+    """A split or re-prompted agent episode: the in-process loop's shard row is the episode's own sequence
+    (its prompt, then its tokens and mask), not the group's prompt with the episode's tail."""
+    from envs.base import RewardResult
+    from envs.episode import EpisodeResult
+    from megatron_rl.loop.rollout import Group, _fill, _sample_state, trajectory
+
+    group_prompt = [1, 2, 3, 4]
+    same = EpisodeResult([1, 2, 3, 4, 9, 9], [0.0] * 4 + [-0.5, -0.25], [0, 0, 0, 0, 1, 1], [0] * 6, 4, 1,
+                         RewardResult(1.0, {"tests": 1.0}), "ok", "stop", {"agent.splits": 0.0})
+    own = EpisodeResult([1, 7, 7, 8, 8, 5], [0.0] * 5 + [-0.125], [0, 0, 0, 0, 0, 1], [0] * 6, 5, 3,
+                        RewardResult(0.0, {"tests": 0.0}), "ok", "stop", {"agent.splits": 1.0})
+    g = Group(0, 0, type("T", (), {"domain": "harbor", "id": "t"})(), group_prompt)
+    _fill(g, [_sample_state(same, group_prompt), _sample_state(own, group_prompt)])
+    rows = [trajectory(g, i, f"e{i}") for i in range(2)]
+    for row, r in zip(rows, (same, own)):
+        assert row.tokens.tolist() == r.tokens and row.loss_mask.tolist() == r.loss_mask
+        assert row.prompt_len == r.prompt_len and row.logprobs.tolist() == r.logprobs
+    assert rows[1].timings["agent.splits"] == 1.0 and rows[1].timings["turns"] == 3

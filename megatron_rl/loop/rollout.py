@@ -50,6 +50,11 @@ class Group:
     """Per sample the loss mask of `samples[i].token_ids` (1: the model's tokens)."""
     turns: list = field(default_factory=list)
     """Per sample the model turns of its episode."""
+    prompts: list = field(default_factory=list)
+    """Per sample its own prompt ids when they are not `prompt` (a black-box agent's episode that asked
+    another first prompt, or was split: its trained segment's prompt), else None."""
+    timings: list = field(default_factory=list)
+    """Per sample the episode's counters (env seconds, tool.*, agent.*)."""
     params: SamplingParams | None = None
     """Sampling of the first turn (follow-up turns use its temperature and seed)."""
     rid: str = ""
@@ -243,7 +248,7 @@ class Rollouts:
             gen = self.timers["generate_s"]
             self.pump(lambda: True, lambda: all(g.over() for g in todo))
             self.timers["generate_s"] = gen  # the wait counts as env time below
-            box = [[[_sample_state(r, len(g.prompt)) for r in g.episodes] for g in todo] if self.is_scorer else None]
+            box = [[[_sample_state(r, g.prompt) for r in g.episodes] for g in todo] if self.is_scorer else None]
             if self.world > 1:
                 dist.broadcast_object_list(box, src=0)
             for g, states in zip(todo, box[0]):
@@ -305,27 +310,33 @@ class Rollouts:
         self.next_gid, self.submitted_upto = int(state["next_gid"]), int(state["submitted_upto"])
         self.ready = [Group(s["gid"], s["step"], tasks_by_id[s["task"]], s["prompt"],
                             [SampleOutput(**x) for x in s["samples"]], [], [tuple(r) for r in s["rewards"]],
-                            s.get("masks", []), s.get("turns", [])) for s in state["ready"]]
+                            s.get("masks", []), s.get("turns", []), s.get("prompts", []), s.get("timings", []))
+                      for s in state["ready"]]
 
 
 def _group_state(g: Group) -> dict:
     return {"gid": g.gid, "step": g.step, "task": f"{g.task.domain}/{g.task.id}", "prompt": list(g.prompt),
             "rewards": g.rewards,
-            "masks": [list(m) for m in g.masks], "turns": list(g.turns),
+            "masks": [list(m) for m in g.masks], "turns": list(g.turns), "prompts": list(g.prompts),
+            "timings": list(g.timings),
             "samples": [{"index": s.index, "token_ids": list(s.token_ids), "logprobs": list(s.logprobs),
                          "policy_versions": list(s.policy_versions), "finish_reason": s.finish_reason}
                         for s in g.samples]}
 
 
-def _sample_state(r, prompt_len: int) -> dict:
-    """A finished episode as plain data (an EpisodeResult, or the reason it failed)."""
+def _sample_state(r, prompt: list[int]) -> dict:
+    """A finished episode as plain data (an EpisodeResult, or the reason it failed); its own prompt when it is
+    not the group's."""
     if isinstance(r, str):
         return {"token_ids": [], "logprobs": [], "versions": [], "mask": [], "turns": 0, "finish": "abort",
-                "reward": (0.0, {}, "error")}
-    rr = r.reward
-    return {"token_ids": r.tokens[prompt_len:], "logprobs": r.logprobs[prompt_len:],
-            "versions": r.versions[prompt_len:], "mask": r.loss_mask[prompt_len:], "turns": r.turns,
-            "finish": r.finish_reason, "reward": (float(rr.total), dict(rr.components), r.infra_status)}
+                "reward": (0.0, {}, "error"), "prompt": None, "timings": {}}
+    rr, n = r.reward, r.prompt_len
+    own = list(r.tokens[:n])
+    return {"token_ids": r.tokens[n:], "logprobs": r.logprobs[n:], "versions": r.versions[n:],
+            "mask": r.loss_mask[n:], "turns": r.turns, "finish": r.finish_reason,
+            "reward": (float(rr.total), dict(rr.components), r.infra_status),
+            "prompt": None if own == list(prompt) else own,
+            "timings": {k: float(v) for k, v in r.timings.items() if isinstance(v, (int, float))}}
 
 
 def _fill(g: Group, states: list[dict]) -> None:
@@ -335,16 +346,18 @@ def _fill(g: Group, states: list[dict]) -> None:
                  for i, s in enumerate(states)]
     g.masks, g.turns = [s["mask"] for s in states], [s["turns"] for s in states]
     g.rewards = [tuple(s["reward"]) for s in states]
+    g.prompts, g.timings = [s["prompt"] for s in states], [s["timings"] for s in states]
     g.episodes = []
 
 
 def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
     """Sample i of g as a shard row: the prompt (mask 0), then its episode's tokens with their loss mask."""
     s, (total, comps, _) = g.samples[i], g.rewards[i]
-    n, versions = len(g.prompt), list(s.policy_versions) or [0]
+    prompt = g.prompts[i] if g.prompts and g.prompts[i] is not None else g.prompt
+    n, versions = len(prompt), list(s.policy_versions) or [0]
     mask = list(g.masks[i]) if g.masks else [1] * len(s.token_ids)
     model = [v for v, m in zip(versions, mask) if m] or versions  # versions of the model's tokens
-    tokens = np.asarray([*g.prompt, *s.token_ids], dtype=np.int32)
+    tokens = np.asarray([*prompt, *s.token_ids], dtype=np.int32)
     return Trajectory(tokens=tokens, logprobs=np.asarray([0.0] * n + list(s.logprobs), np.float32),
                       loss_mask=np.asarray([0] * n + mask, np.uint8), prompt_len=n,
                       reward=float(total), group_id=g.gid, policy_version_first=min(model),
@@ -352,4 +365,4 @@ def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
                       episode_id=episode_id, reward_components={k: float(v) for k, v in comps.items()},
                       token_versions=np.asarray([versions[0]] * n + versions, np.int32),
                       provenance={"finish_reason": str(s.finish_reason)},
-                      timings={"turns": float(g.turns[i] if g.turns else 1)})
+                      timings={**(g.timings[i] if g.timings else {}), "turns": float(g.turns[i] if g.turns else 1)})
