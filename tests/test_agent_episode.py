@@ -186,3 +186,32 @@ def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups(
         assert row.tokens.tolist() == r.tokens and row.loss_mask.tolist() == r.loss_mask
         assert row.prompt_len == r.prompt_len and row.logprobs.tolist() == r.logprobs
     assert rows[1].timings["agent.splits"] == 1.0 and rows[1].timings["turns"] == 3
+
+
+def test_a_completion_that_stopped_on_another_stop_token_stays_exact(tok):
+    """SmolLM2 stops on <|im_start|> as well as <|im_end|>: the agent sends the reply back, the template closes
+    the turn with <|im_end|>; the call continues the segment after the model's own stop token."""
+    from envs.agents.recorder import Recorder
+
+    start, end = tok.encode("<|im_start|>"), tok.encode("<|im_end|>")
+    assert len(start) == len(end) == 1
+
+    class TwoStops:
+        stop_ids = [start[0], end[0]]
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    rec = Recorder(TwoStops())
+    msgs = [{"role": "user", "content": "Say hi."}]
+    for stop in (start, end):
+        ep = f"e{stop[0]}"
+        prompt, exact, text = rec.prompt(ep, msgs, None)
+        ids = tok.encode("hi") + stop
+        rec.record(ep, prompt, exact, text, ids, [-0.5] * len(ids), [0] * len(ids))
+        nxt, exact, _ = rec.prompt(ep, msgs + [{"role": "assistant", "content": tok.decode(ids)},
+                                               {"role": "user", "content": "Again."}], None)
+        assert exact and nxt[:len(prompt) + len(ids)] == prompt + ids  # the model's tokens, its stop token included
+        # the template's system message, the user's, the assistant's (its closing tag or the model's own), the new
+        # user's: never a doubled closing tag
+        assert nxt.count(end[0]) == 4

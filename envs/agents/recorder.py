@@ -12,7 +12,9 @@ tokenised and appended (mask 0), so the earlier tokens are never re-tokenised an
 sequence: the model's tokens (mask 1) interleaved with everything else (mask 0). When it does not -- the agent
 edited or dropped earlier messages, rewrote the assistant's reply, or the template renders history
 differently -- the call starts a new segment (`splits` counts them) and the old segment ends there: each
-segment is exact on its own, nothing is trained as if exact that was not.
+segment is exact on its own, nothing is trained as if exact that was not. A completion that ended on a stop
+token the template does not close the turn with (SmolLM2's GGUF names <|im_start|> as eos) is continued after
+that token: the rendered chat extends the text without it, and the model's token stays in the sequence.
 
 Used by the rollout server's gateway routes (`megatron_rl.rollout.gateway`) and by the in-loop agent
 episodes (`envs.agents.session`).
@@ -38,6 +40,10 @@ class Segment:
     """Policy version per token (0 before the first completion)."""
     text: str = ""
     """The tokens' text with special tokens (what a continuation's rendered chat must start with)."""
+    open_text: str = ""
+    """`text` without the last completion's stop token ('' when it ended otherwise): a continuation may start
+    with this instead, when the model stopped on a token the template does not close its turn with (SmolLM2
+    stops on <|im_start|> too); the model's stop token then stays in the tokens, as generated."""
     calls: int = 0
     """Completions in this segment."""
     prompt_len: int = 0
@@ -63,8 +69,10 @@ class Recorder:
         text = self._render(messages, tools)
         with self.lock:
             segs = self.episodes.setdefault(episode, [])
-            if segs and segs[-1].calls and text.startswith(segs[-1].text):
-                return segs[-1].tokens + self.tok.encode(text[len(segs[-1].text):]), True, text
+            seg = segs[-1] if segs and segs[-1].calls else None
+            for base in (seg.text, seg.open_text) if seg else ():
+                if base and text.startswith(base):
+                    return seg.tokens + self.tok.encode(text[len(base):]), True, text
             return self.tok.encode(text), not segs, text
 
     def record(self, episode: str, prompt: list[int], exact: bool, text: str, ids: list[int], logprobs: list[float],
@@ -82,6 +90,8 @@ class Recorder:
             seg.mask += [0] * len(new) + [1] * len(ids)
             seg.versions += [last] * len(new) + list(versions)
             seg.text = text + self.tok.decode_raw(ids)
+            stopped = bool(ids) and int(ids[-1]) in set(self.tok.stop_ids)
+            seg.open_text = text + self.tok.decode_raw(ids[:-1]) if stopped else ""
             seg.calls += 1
 
     def trajectory(self, episode: str) -> dict:
