@@ -43,7 +43,8 @@ def build_task(root: Path, lines: int, seed: int = 0):
     (d / "tests").mkdir()
     codes = [rng.randrange(10, 99) for _ in range(FILES)]
     for i, code in enumerate(codes, 1):
-        noise = [f"{rng.randrange(10**5, 10**6)} worker-{rng.randrange(9)} ok t={rng.random():.4f}" for _ in range(lines)]
+        noise = [f"{rng.randrange(10**5, 10**6)} worker-{rng.randrange(9)} ok t={rng.random():.4f}"
+                 for _ in range(lines)]
         (d / "environment" / "logs" / f"f{i}.log").write_text("\n".join([noise[0], f"CODE_{i}={code}", *noise[1:]]))
     (d / "instruction.md").write_text(f"Each of logs/f1.log .. logs/f{FILES}.log holds one line CODE_<i>=<n>. "
                                       "Write the sum of the six codes to /app/answer.\n")
@@ -86,7 +87,8 @@ def run(strategy: str, budget: int, task, tok, sandbox, cut_chars: int) -> dict:
                    budget=Budget(max_turns=FILES + 3, max_tokens=budget))
     policy = Reader(tok)
     r = drive(open_episode(env, task, tok, budget), policy)
-    return {"success": int(r.reward.total >= 1.0), "trained_tokens": len(r.tokens), "prompt_tokens": policy.prompt_tokens,
+    return {"success": int(r.reward.total >= 1.0), "trained_tokens": len(r.tokens),
+            "prompt_tokens": policy.prompt_tokens,
             "calls": int(r.timings["agent.calls"]), "splits": int(r.timings["agent.splits"]),
             "untrained_model_tokens": int(r.timings["agent.untrained_tokens"]), "status": r.status}
 
