@@ -250,11 +250,22 @@ def _batch_metrics(cols, version: int, clock: Clock) -> dict:
     lengths = np.diff(np.asarray(cols.offsets)) - np.asarray(cols.prompt_len)  # [N] response tokens
     lag = version - np.asarray(cols.policy_version_first)
     gen = max(clock.summary()["time_generate_s"], 1e-9)
-    return {"trained_samples": len(cols), "response_len_mean": float(lengths.mean()),
+    return {**_agent_metrics(cols), "trained_samples": len(cols), "response_len_mean": float(lengths.mean()),
             "response_len_max": int(lengths.max()), "policy_lag_mean": float(lag.mean()),
             "policy_lag_max": int(lag.max()), "tokens_per_s": float(lengths.sum()) / gen,
             "mixed_version_samples": int((np.asarray(cols.policy_version_last)
                                           != np.asarray(cols.policy_version_first)).sum())}
+
+
+def _agent_metrics(cols) -> dict:
+    """Black-box agent episodes of the batch (envs.agents): calls per episode, history splits, model tokens of
+    earlier segments left untrained; {} without any."""
+    t = cols.timings
+    if "agent.calls" not in t:
+        return {}
+    return {"agent_calls_mean": float(np.nanmean(t["agent.calls"])),
+            "agent_splits": float(np.nansum(t.get("agent.splits", 0.0))),
+            "agent_untrained_tokens": float(np.nansum(t.get("agent.untrained_tokens", 0.0)))}
 
 
 def _runner_metrics(runner) -> dict:
