@@ -23,7 +23,10 @@ Covered, per run:
   its runs, one at a time; the program has no capability over it, and no socket outlives its processes;
   a fresh one per run via `--unshare-net` where it cannot be created): host ports, host abstract unix
   sockets, other slots and the internet are unreachable. `Limits.network=True` shares the host network
-  (trusted domains only).
+  (trusted domains only). The one way out a caller can add is a Unix socket it listens on (`run(...,
+  sockets={name: bind})`, e.g. a black-box agent's gateway): bound at /.sandbox/<name> for that run only
+  (the read-only control folder: the program can connect to it, not replace or remove it) and unlinked after;
+  what it answers is the caller's responsibility (`envs.agents.session`).
 - Processes: new pid, ipc, uts, user and cgroup namespaces; `--die-with-parent`; `--new-session` (no
   TIOCSTI into the worker's terminal); no capabilities; `--disable-userns` (no nested user namespaces);
   the program runs as uid 1000 inside, mapped to a host uid of its own slot, so concurrent sandboxes
