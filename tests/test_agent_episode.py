@@ -215,3 +215,36 @@ def test_a_completion_that_stopped_on_another_stop_token_stays_exact(tok):
         # the template's system message, the user's, the assistant's (its closing tag or the model's own), the new
         # user's: never a doubled closing tag
         assert nxt.count(end[0]) == 4
+
+
+ATTACK = r"""
+import json, os, socket
+try:
+    os.unlink('/.sandbox/gateway.sock'); print('UNLINKED')
+except OSError as e:
+    print('unlink refused', e.errno)
+def send(raw):
+    s = socket.socket(socket.AF_UNIX); s.connect('/.sandbox/gateway.sock'); s.sendall(raw)
+    print('status', s.recv(64).split(b' ')[1].decode()); s.close()
+send(b'POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5\r\n\r\n{{{{{')
+body = json.dumps({'messages': 'all of them'}).encode()
+send(b'POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n' % len(body) + body)
+send(b'POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n')
+open('ok', 'w').write('x')
+"""
+
+
+def test_model_commands_cannot_replace_or_crash_the_gateway(tok, sandbox, tmp_path):
+    """The model's own command (run by the agent, inside the sandbox) removes the socket, sends malformed and
+    oversized calls: refused with 4xx, the episode goes on and stays exact, the reward is the tests'."""
+    import json
+
+    cmd = "python3 - <<'EOF'\n" + ATTACK + "EOF"
+    call = "<tool_call>" + json.dumps({"name": "shell", "arguments": {"command": cmd}}) + "</tool_call>"
+    policy = Scripted(tok, [call])
+    r = drive(open_episode(_env(sandbox), _task(tmp_path), tok, 8192), policy)
+    seen = tok.decode(policy.asked[1]).split("<tool_response")[-1]  # the command's output
+    assert "unlink refused" in seen and "UNLINKED" not in seen
+    assert seen.count("status 400") == 2 and "status 413" in seen
+    assert r.status == "ok" and r.reward.total == 1.0 and r.timings["agent.splits"] == 0
+    assert r.timings["agent.rejected"] == 1  # the malformed chat (the unparsable bodies never reach the session)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import socketserver
@@ -39,6 +40,7 @@ MAX_BODY = 8 << 20
 """Largest request body accepted (bytes)."""
 EPISODE = "episode"
 """The recorder's key: one session holds one episode."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,6 +159,10 @@ class AgentSession:
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     session: AgentSession
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up early (or sends garbage) is the agent's problem: logged, never printed."""
+        log.debug("agent gateway: a request failed", exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
