@@ -178,6 +178,19 @@ class RunConfig:
                               f"{self.data.domain!r} have none (e.g. {missing[0]!r}); set train.steps=0 to start "
                               f"RL from the model as it is, or pick a domain with reference answers")
 
+    def _check_routing_replay(self) -> None:
+        """rl.trainer.routing_replay needs routes recorded by the in-process engine of an MoE policy."""
+        mode = self.rl.trainer.routing_replay
+        if mode == "off":
+            return
+        if not self.model.moe.num_experts:
+            raise ConfigError(f"rl.trainer.routing_replay={mode} replays MoE routing, but the model is dense "
+                              f"(model.moe.num_experts=0); set rl.trainer.routing_replay=off")
+        if self.episodes.runner != "inprocess":
+            raise ConfigError(f"rl.trainer.routing_replay={mode} with episodes.runner={self.episodes.runner}: only "
+                              f"the in-process engine records the experts (the HTTP server and rollout workers do "
+                              f"not carry them yet); use episodes.runner=inprocess or routing_replay=off")
+
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
 
@@ -198,6 +211,7 @@ class RunConfig:
         if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
             raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
                               f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
+        self._check_routing_replay()
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")
