@@ -115,3 +115,118 @@ def test_bad_routes_are_refused_naming_the_trajectory():
 
     with pytest.raises(TrajectoryError, match="'e0'.*routed_experts must be integer \\[5 tokens"):
         _traj(0, 5, np.zeros((4, 3, 2), np.int16))
+
+
+# ------------------------------------------------------------------------------------------ trainer (one process)
+TRAIN_MOE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
+                        max_seq_length=64, moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32))
+
+
+def _policy():
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.trainer.policy import OptimConfig, Policy
+    from tools.convert.runtime import start
+
+    ctx = start()
+    torch.manual_seed(3)
+    model_parallel_cuda_manual_seed(3)
+    return Policy(TRAIN_MOE, OptimConfig(lr=1e-3, distributed_optimizer=False), ctx, total_steps=2,
+                  init=lambda m: init_weights_by_name(m, 3))
+
+
+def _trainer(policy, mode: str, old: str = "behaviour"):
+    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.rl.config import LossConfig
+    from megatron_rl.trainer.packing import PackingConfig
+    from megatron_rl.trainer.rl_step import RLConfig, RLTrainer
+
+    return RLTrainer(policy, RLConfig(loss=LossConfig(name="grpo"), packing=PackingConfig(max_tokens=48),
+                                      old_logprobs=old, logprob_kernel=LogprobKernelConfig(impl="torch"),
+                                      routing_replay=mode))
+
+
+def _rollouts(policy):
+    """The recording engine's samples of the policy as columns with routes (as loop.rollout builds them)."""
+    from megatron_rl.data.shards import Trajectory, TrajectoryColumns
+    from megatron_rl.loop.rollout import Group, sample_routes
+
+    ctx = policy.ctx
+    engine = RolloutEngine.build(policy.cfg, EngineConfig(num_blocks=64, block_size=4), ctx.parallel, ctx.pgs,
+                                 record_routes=True)
+    engine.update_weights(0, policy.named_parameters())
+    gen = np.random.default_rng(1)
+    prompts = [gen.integers(1, 64, int(gen.integers(3, 7))).tolist() for _ in range(3)]
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=8, seed=i, n=3) for i in range(3)])
+    trajs = []
+    for gid, out in enumerate(outs):
+        g = Group(gid, 0, None, out.prompt_token_ids)
+        for i, s in enumerate(out.samples):
+            g.routes[i] = (out.prompt_token_ids + s.token_ids, s.routed_experts)
+            toks = np.asarray(out.prompt_token_ids + s.token_ids, np.int32)
+            n = len(out.prompt_token_ids)
+            trajs.append(Trajectory(
+                tokens=toks, logprobs=np.concatenate([np.zeros(n), s.logprobs]).astype(np.float32),
+                loss_mask=(np.arange(len(toks)) >= n).astype(np.uint8), prompt_len=n, reward=float(i % 2),
+                group_id=gid, policy_version_first=0, policy_version_last=0, env="synthetic", task_id=str(gid),
+                episode_id=f"e{gid}-{i}", routed_experts=sample_routes(g, i, toks)))
+    return TrajectoryColumns.from_trajectories(trajs)
+
+
+def _pass(trainer, cols) -> tuple[float, float, float]:
+    """(loss, differing, compared (token, layer) pairs) of one forward+backward without an update."""
+    trainer._routing_counts()
+    loss, _ = trainer.compute_gradients(cols)
+    differ, compared = trainer._routing_counts().tolist()
+    return loss, differ, compared
+
+
+def test_trainer_routes_like_the_engine_token_for_token_and_replays_what_it_is_given():
+    policy = _policy()
+    cols = _rollouts(policy)
+    inputs = int((cols.lengths - 1).sum())  # tokens the trainer runs; 2 MoE layers each
+    assert (cols.routed_experts >= 0).all(-1).sum() == 2 * inputs  # every input token recorded, last ones not
+    loss_own, differ, compared = _pass(_trainer(policy, "off"), cols)
+    assert compared == 2 * inputs and differ == 0  # the trainer's own routing IS the engine's, token for token
+    loss_replay, differ, compared = _pass(_trainer(policy, "everywhere"), cols)
+    assert (differ, compared) == (0, 2 * inputs) and loss_replay == loss_own  # replaying its own choice: no-op
+
+    # the engine "chose" other experts for a quarter of the tokens in MoE layer 0
+    bad = cols.routed_experts.copy()
+    rows = np.flatnonzero((bad[:, 0] >= 0).all(-1))[::4]
+    bad[rows, 0] = (bad[rows, 0] + 1) % 4  # a shifted expert set always differs
+    cols.routed_experts = bad
+    loss_cmp, differ, _ = _pass(_trainer(policy, "off"), cols)
+    assert differ == len(rows) and loss_cmp == loss_own  # counted, not replayed
+    loss_bad, differ, _ = _pass(_trainer(policy, "everywhere"), cols)
+    # replayed: the loss sees those experts (and layer 1, fed by them, may now disagree with the engine too)
+    assert differ >= len(rows) and abs(loss_bad - loss_own) > 1e-6
+
+    # logprobs: the forward-only log-prob pass replays (recomputed old log-probs change), the training one not
+    old = {}
+    for mode in ("off", "logprobs"):
+        trainer = _trainer(policy, mode, old="recompute")
+        mbs, _ = trainer.prepare(cols)
+        trainer._set_old_and_ref(mbs)
+        old[mode] = torch.cat([mb["old_logprobs"].reshape(-1) for mb in mbs])
+    assert (old["off"] - old["logprobs"]).abs().max() > 1e-4
+    assert _pass(_trainer(policy, "logprobs"), cols)[0] == loss_cmp
+
+
+def test_routing_replay_config_is_checked_by_name():
+    from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.run_config import RunConfig
+    from megatron_rl.trainer.rl_step import RLConfig
+
+    with pytest.raises(ConfigError, match="routing_replay='sometimes' is not one of off, logprobs, everywhere"):
+        RLConfig(routing_replay="sometimes").validate()
+    assert from_dict(RLConfig, {"routing_replay": False}).routing_replay == "off"  # YAML 1.1 reads `off` as false
+    base = {"curriculum": {"enabled": False}, "train": {"steps": 0}, "data": {"domain": "countdown"}}
+    with pytest.raises(ConfigError, match="the model is dense"):
+        from_dict(RunConfig, {**base, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
+    moe = {"moe": {"num_experts": 4, "topk": 2}}
+    with pytest.raises(ConfigError, match="only the in-process engine records the experts"):
+        from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": "dispatch"},
+                              "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
+    from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
