@@ -158,7 +158,10 @@ class RolloutEngine:
         cfg = cfg or EngineConfig()
         if cfg.dtype != "model":
             model_cfg = dataclasses.replace(model_cfg, params_dtype=cfg.dtype)
-        model = build_gpt(model_cfg, parallel or ParallelConfig(), pgs)
+        # the runner feeds every layer the whole packed batch [T, 1, H]: no sequence-parallel split (the
+        # trainer's MoE at TP > 1 needs one; the same parameters serve without it)
+        parallel = dataclasses.replace(parallel or ParallelConfig(), sequence_parallel=False)
+        model = build_gpt(model_cfg, parallel, pgs)
         return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab,
                    moe_layers=moe_layer_ids(model_cfg) if record_routes else None)
 
