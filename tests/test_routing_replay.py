@@ -122,14 +122,14 @@ TRAIN_MOE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn
                         max_seq_length=64, moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=32))
 
 
-def _policy():
+def _policy(ctx=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.trainer.policy import OptimConfig, Policy
     from tools.convert.runtime import start
 
-    ctx = start()
+    ctx = ctx or start()
     torch.manual_seed(3)
     model_parallel_cuda_manual_seed(3)
     return Policy(TRAIN_MOE, OptimConfig(lr=1e-3, distributed_optimizer=False), ctx, total_steps=2,

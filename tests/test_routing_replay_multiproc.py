@@ -58,3 +58,15 @@ def test_train_routing_replay_records_stores_and_lowers_the_mismatch(tmp_path):
     assert on["routing_mismatch_frac"] > 0 and off.get("routing_mismatch_frac") is None
     # ... and replaying the engine's choice removes most of the mismatch that caused
     assert off["mismatch_kl"] > 1e-3 and on["mismatch_kl"] < 0.5 * off["mismatch_kl"], (off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tp2_sequence_parallel_trainer_routes_like_the_engine_and_replays():
+    from tests.mp.launch import torchrun
+
+    (r,) = torchrun(Path(__file__).parent / "mp" / "routing_replay_tp.py", 2)
+    # each TP rank routes its own half of every micro-batch: together every input token once, per MoE layer
+    assert r["compared"] == 2 * r["inputs"] and r["differ_own"] == 0
+    assert r["differ_cmp"] == r["corrupted"] > 0  # the corrupted rows are found where they are, on either rank
+    assert r["differ_bad"] >= r["corrupted"] and abs(r["loss_bad"] - r["loss_own"]) > 1e-6
