@@ -190,6 +190,17 @@ class RunConfig:
             raise ConfigError(f"rl.trainer.routing_replay={mode} with episodes.runner={self.episodes.runner}: only "
                               f"the in-process engine records the experts (the HTTP server and rollout workers do "
                               f"not carry them yet); use episodes.runner=inprocess or routing_replay=off")
+        if self.parallel.pp > 1 or self.parallel.cp > 1:
+            raise ConfigError(f"rl.trainer.routing_replay={mode} with parallel.pp={self.parallel.pp}, "
+                              f"cp={self.parallel.cp}: replay is checked with tensor (+ sequence) and data "
+                              f"parallelism only (a pipeline-split engine would record its own stage's layers); "
+                              f"use pp=cp=1 or routing_replay=off")
+        tc = self.rl.trainer
+        old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.setup.trainer_config
+        if mode == "logprobs" and old != "recompute" and not tc.reference:
+            raise ConfigError("rl.trainer.routing_replay=logprobs replays the forward-only log-prob passes, but this "
+                              "run has none (rl.trainer.old_logprobs=behaviour, no reference model): it would "
+                              "change nothing; use routing_replay=everywhere, or old_logprobs=recompute")
 
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable

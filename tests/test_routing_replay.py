@@ -229,4 +229,10 @@ def test_routing_replay_config_is_checked_by_name():
     with pytest.raises(ConfigError, match="only the in-process engine records the experts"):
         from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": "dispatch"},
                               "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
-    from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
+    with pytest.raises(ConfigError, match="parallel.pp=2, cp=1: replay is checked with tensor"):
+        from_dict(RunConfig, {**base, "model": {**moe, "num_layers": 2}, "launch": {"nproc_per_node": 2},
+                              "parallel": {"pp": 2}, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
+    with pytest.raises(ConfigError, match="routing_replay=logprobs replays the forward-only log-prob passes"):
+        from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
+    from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs",
+                                                                   "old_logprobs": "recompute"}}}).validate()

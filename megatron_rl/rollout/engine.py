@@ -17,6 +17,11 @@ happen between steps (and clear the prefix cache); with policy 'continue' in-fli
 every token records the version that produced it (their cached K/V is recomputed under the new weights
 unless `kv_on_update='keep'`); with 'abort' they end with finish reason 'abort'.
 
+MoE routing replay (`build(..., record_routes=True)`): every forward records each token's top-k experts per MoE
+layer (models/routing_replay.py) into a per-slot store beside the KV cache (`PagedKVCache.routes`), so
+prefix-cache hits, forked samples and recomputed (preempted) sequences carry the routes of the very tokens
+they hold; a finished sample returns them (`SampleOutput.routed_experts`).
+
 Tensor parallel: every TP rank runs the same engine with the same requests in the same order; the
 scheduler is deterministic, logits are gathered over TP, and the sampled tokens are broadcast from TP
 rank 0 so that all ranks continue identically.

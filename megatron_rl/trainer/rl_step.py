@@ -42,6 +42,12 @@ engine's behaviour log-probs against the trainer's log-probs of the same tokens 
 pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
 train/rollout disagreement (plus the policy lag of stale samples); 0 only when both compute the same values.
 
+MoE routing replay (`routing_replay`, models/routing_replay.py): micro-batches carry the rollout engine's experts
+of each input token (`routed_experts`, from the shard); forward-only log-prob passes replay them unless 'off',
+the training forward with 'everywhere' (else it routes by itself and only compares). `routing_mismatch_frac`:
+the share of (token, MoE layer) pairs of the first epoch's training forward whose own top-k set differs from
+the engine's (None when the batch has no routes).
+
 Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
 with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
 """
