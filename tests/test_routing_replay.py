@@ -45,6 +45,7 @@ def _own_routes(model, tokens: list[int]) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow
 def test_engine_records_every_tokens_experts_through_forks_prefix_hits_and_preemption(pgs):
     model = _model(pgs)
     # a small pool and step budget: prompts are prefilled in chunks, samples fork, the pool preempts
@@ -182,6 +183,7 @@ def _pass(trainer, cols) -> tuple[float, float, float]:
     return loss, differ, compared
 
 
+@pytest.mark.slow
 def test_trainer_routes_like_the_engine_token_for_token_and_replays_what_it_is_given():
     policy = _policy()
     cols = _rollouts(policy)

@@ -55,7 +55,8 @@ class TokenReplay(RouterReplay):
                              f" the replayed routes are {tuple(target.shape)}")
         known = (target >= 0).all(-1)  # [N]
         differ = (own.sort(-1).values != target.sort(-1).values).any(-1) & known  # [N]
-        self.counts += torch.tensor([float(differ.sum()), float(known.sum())], dtype=torch.float64)
+        # on the scores' device: no host sync per layer
+        self.counts = self.counts.to(differ.device) + torch.stack([differ.sum(), known.sum()]).double()
         if self.compare_only:
             return own_vals, own
         idx = torch.where(known[:, None], target, own)  # [N, k]
@@ -122,6 +123,6 @@ def take_counts(replays: list[TokenReplay]) -> Tensor:
     """[2] float64 (differing, compared) (token, layer) pairs summed over `replays` since the last call; resets."""
     total = torch.zeros(2, dtype=torch.float64)
     for r in replays:
-        total += r.counts
-        r.counts.zero_()
+        total += r.counts.cpu()
+        r.counts = torch.zeros(2, dtype=torch.float64)
     return total
