@@ -108,6 +108,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if _is_union(tp):
         return _convert_union(value, args, key)
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads off/on as booleans
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(f"config key '{key}': {value!r} is not one of {list(args)}")
         return value

@@ -193,6 +193,30 @@ class RunConfig:
             raise ConfigError(f"{key}: agent episodes run in the in-process loop only; set episodes.runner: "
                               f"inprocess (got {self.episodes.runner!r})")
 
+    def _check_routing_replay(self) -> None:
+        """rl.trainer.routing_replay needs routes recorded by the in-process engine of an MoE policy."""
+        mode = self.rl.trainer.routing_replay
+        if mode == "off":
+            return
+        if not self.model.moe.num_experts:
+            raise ConfigError(f"rl.trainer.routing_replay={mode} replays MoE routing, but the model is dense "
+                              f"(model.moe.num_experts=0); set rl.trainer.routing_replay=off")
+        if self.episodes.runner != "inprocess":
+            raise ConfigError(f"rl.trainer.routing_replay={mode} with episodes.runner={self.episodes.runner}: only "
+                              f"the in-process engine records the experts (the HTTP server and rollout workers do "
+                              f"not carry them yet); use episodes.runner=inprocess or routing_replay=off")
+        if self.parallel.pp > 1 or self.parallel.cp > 1:
+            raise ConfigError(f"rl.trainer.routing_replay={mode} with parallel.pp={self.parallel.pp}, "
+                              f"cp={self.parallel.cp}: replay is checked with tensor (+ sequence) and data "
+                              f"parallelism only (a pipeline-split engine would record its own stage's layers); "
+                              f"use pp=cp=1 or routing_replay=off")
+        tc = self.rl.trainer
+        old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.setup.trainer_config
+        if mode == "logprobs" and old != "recompute" and not tc.reference:
+            raise ConfigError("rl.trainer.routing_replay=logprobs replays the forward-only log-prob passes, but this "
+                              "run has none (rl.trainer.old_logprobs=behaviour, no reference model): it would "
+                              "change nothing; use routing_replay=everywhere, or old_logprobs=recompute")
+
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
 
@@ -214,6 +238,7 @@ class RunConfig:
         if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
             raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
                               f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
+        self._check_routing_replay()
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")

@@ -145,3 +145,32 @@ def test_help_through_megatron_rl_cli(capsys):
     assert top(["convert", "--help"]) == 0
     out = capsys.readouterr().out
     assert "hf-to-mcore" in out and "mcore-to-hf" in out and "reshard" in out
+
+
+def test_safetensors_reader_equals_safe_open_for_every_dtype_and_names_a_truncated_file(tmp_path):
+    """The import reads tensors with positioned reads (no memory map, benchmarks/import_memory.py)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tools.convert.arch.base import ConvertError
+    from tools.convert.hf_io import SafetensorsFile
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t.{dt}".replace("torch.", ""): torch.randn(3, 5, generator=g).to(dt)
+               for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64)}
+    tensors["empty"] = torch.zeros(0, 4)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    st = SafetensorsFile(tmp_path / "m.safetensors")
+    with safe_open(tmp_path / "m.safetensors", "pt") as ref:
+        for name in tensors:
+            got, want = st.read(name), ref.get_tensor(name)
+            assert got.dtype == want.dtype and st.shape(name) == tuple(want.shape)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    st.close()
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    cut = SafetensorsFile(tmp_path / "cut.safetensors")
+    with pytest.raises(ConvertError, match="is truncated"):
+        for name in tensors:
+            cut.read(name)
+    cut.close()

@@ -7,6 +7,9 @@ One shard is one HDF5 file holding N trajectories (samples) in a CSR layout:
   loss_mask       uint8   [T]     1 = model token (trained on), 0 = prompt/environment token
   token_versions  int32   [T]     optional; policy version of each token, -1 = not recorded for that sample
   offsets         int64   [N+1]   sample i is tokens[offsets[i]:offsets[i+1]]; written LAST
+  routed_experts  uint8/uint16 [T, L_moe, k]  optional (MoE routing replay): the experts each MoE layer of the
+                                  rollout engine chose for the token (gzip; the dtype's maximum, attribute
+                                  `missing`, = not recorded; read back as int16 with -1 there)
   prompt_len, group_id, policy_version_first, policy_version_last   int64 [N]
   reward                      float64 [N]  total reward
   reward_components/<name>    float64 [N]  one dataset per component name in the union over the shard's samples;
@@ -72,6 +75,8 @@ RAGGED_DTYPES = (np.int32, np.float32, np.uint8)
 INT_COLUMNS = ("prompt_len", "group_id", "policy_version_first", "policy_version_last")
 STR_COLUMNS = ("env", "task_id", "episode_id", "status", "provenance")
 _I32 = np.iinfo(np.int32)
+ROUTE_MAX = 32767
+"""Largest expert id routed_experts holds (int16 in memory; uint16 on disk with 65535 = not recorded)."""
 
 
 class TrajectoryError(ValueError):
@@ -114,6 +119,14 @@ def _mask_array(value, ident: str) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() > 1):
         raise TrajectoryError(f"trajectory {ident}: loss_mask must be 0/1 (1 = model token), got other values")
     return arr.astype(np.uint8)
+
+
+def _routes_array(value, n: int, ident: str) -> np.ndarray:
+    a = np.asarray(value)
+    if a.ndim != 3 or a.shape[0] != n or a.dtype.kind not in "iu" or (a.size and (a.min() < -1 or a.max() > ROUTE_MAX)):
+        raise TrajectoryError(f"trajectory {ident}: routed_experts must be integer [{n} tokens, MoE layers, topk] "
+                              f"with expert ids in [0, {ROUTE_MAX}] (-1 = not recorded), got {a.dtype}{list(a.shape)}")
+    return a.astype(np.int16, copy=False)
 
 
 def _check_names(kind: str, names: Iterable[str], ident: str) -> None:
@@ -169,6 +182,9 @@ class Trajectory:
     """Seconds spent per phase, e.g. generate / env / reward / total."""
     provenance: dict[str, str] = field(default_factory=dict)
     """Where the reward came from: judge model/version, verifier version, ..."""
+    routed_experts: np.ndarray | None = None
+    """Optional int16 [L, L_moe, k]: the rollout engine's experts per token and MoE layer (routing replay),
+    -1 where not recorded (the last token, which is sampled and never run)."""
 
     def __post_init__(self) -> None:
         self._check_strings()
@@ -209,6 +225,8 @@ class Trajectory:
             lengths["token_versions"] = len(self.token_versions)
         if len(set(lengths.values())) != 1:
             raise TrajectoryError(f"trajectory {self._ident}: per-token arrays differ in length: {lengths}")
+        if self.routed_experts is not None:
+            self.routed_experts = _routes_array(self.routed_experts, len(self.tokens), self._ident)
 
     def _check_scalars(self) -> None:
         for name in ("prompt_len", "group_id", "policy_version_first", "policy_version_last"):
@@ -269,6 +287,8 @@ class TrajectoryColumns:
     """name -> float64 [N]; NaN = sample did not report that component."""
     timings: dict[str, np.ndarray] = field(default_factory=dict)
     """name -> float64 [N] seconds; NaN = not reported."""
+    routed_experts: np.ndarray | None = None
+    """int16 [T, L_moe, k] or None: the rollout engine's experts per token (routing replay), -1 = not recorded."""
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0] - 1)
@@ -293,11 +313,12 @@ class TrajectoryColumns:
         gather = np.arange(offsets[-1], dtype=np.int64) + np.repeat(self.offsets[idx] - offsets[:-1], lengths)
         per_token = {k: getattr(self, k)[gather] for k in RAGGED}        # each [T']
         tv = None if self.token_versions is None else self.token_versions[gather]
+        routes = None if self.routed_experts is None else self.routed_experts[gather]
         per_sample = {k: getattr(self, k)[idx] for k in INT_COLUMNS + STR_COLUMNS + ("reward",)}
         return TrajectoryColumns(
             **per_token, offsets=offsets, token_versions=tv, **per_sample,
             reward_components={k: v[idx] for k, v in self.reward_components.items()},
-            timings={k: v[idx] for k, v in self.timings.items()})
+            timings={k: v[idx] for k, v in self.timings.items()}, routed_experts=routes)
 
     def trajectory(self, i: int) -> Trajectory:
         """Sample i as a Trajectory (token arrays are views into the columns)."""
@@ -305,6 +326,9 @@ class TrajectoryColumns:
         tv = None  # -1 throughout (or an empty sample) = no per-token versions recorded
         if self.token_versions is not None and e > s and not np.all(self.token_versions[s:e] == -1):
             tv = self.token_versions[s:e]
+        routes = None  # -1 throughout = not recorded for this sample
+        if self.routed_experts is not None and e > s and not np.all(self.routed_experts[s:e] == -1):
+            routes = self.routed_experts[s:e]
         return Trajectory(
             tokens=self.tokens[s:e], logprobs=self.logprobs[s:e], loss_mask=self.loss_mask[s:e],
             prompt_len=int(self.prompt_len[i]), reward=float(self.reward[i]), group_id=int(self.group_id[i]),
@@ -313,7 +337,7 @@ class TrajectoryColumns:
             env=str(self.env[i]), task_id=str(self.task_id[i]), episode_id=str(self.episode_id[i]),
             status=str(self.status[i]), token_versions=tv,
             reward_components=_present(self.reward_components, i), timings=_present(self.timings, i),
-            provenance=json.loads(self.provenance[i]))
+            provenance=json.loads(self.provenance[i]), routed_experts=routes)
 
     def to_trajectories(self) -> list[Trajectory]:
         return [self.trajectory(i) for i in range(len(self))]
@@ -330,7 +354,7 @@ class TrajectoryColumns:
         tv = None
         if any(t.token_versions is not None for t in trajs):
             tv = np.concatenate([_versions_or_fill(t) for t in trajs])
-        return cls(**ragged, offsets=offsets, token_versions=tv, **meta)
+        return cls(**ragged, offsets=offsets, token_versions=tv, **meta, routed_experts=_concat_routes(trajs))
 
     def validate(self) -> None:
         """Vectorised check of the shard contract (what Trajectory checks one sample at a time)."""
@@ -341,6 +365,18 @@ class TrajectoryColumns:
             bad = [k for k, v in group.items() if v.shape != (len(self),) or np.isinf(v).any()]
             if bad:
                 raise TrajectoryError(f"columns: {kind}s {bad} need shape [{len(self)}] and no inf (NaN = absent)")
+
+
+def _concat_routes(trajs: Sequence[Trajectory]) -> np.ndarray | None:
+    """int16 [T, L_moe, k] routes of `trajs` back to back (-1 for samples without), None if none has any."""
+    shapes = {t.routed_experts.shape[1:] for t in trajs if t.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise TrajectoryError(f"trajectories disagree on routed_experts [MoE layers, topk]: {sorted(shapes)}")
+    shape = shapes.pop()
+    return np.concatenate([t.routed_experts if t.routed_experts is not None else
+                           np.full((len(t), *shape), -1, np.int16) for t in trajs])
 
 
 def _present(columns: dict[str, np.ndarray], i: int) -> dict[str, float]:
@@ -365,6 +401,8 @@ def _check_csr(c: TrajectoryColumns) -> None:
         raise TrajectoryError("columns: loss_mask must be 0/1 (1 = model token)")
     if c.token_versions is not None and t and c.token_versions.min() < -1:
         raise TrajectoryError("columns: token_versions must be >= 0 (-1 = not recorded)")
+    if c.routed_experts is not None:
+        _routes_array(c.routed_experts, t, "columns")
 
 
 def _check_per_sample(c: TrajectoryColumns) -> None:
@@ -535,6 +573,7 @@ class ShardWriter:
         self._ragged: dict[str, h5py.Dataset] = {}  # created at the first flush, when the chunk size is known
         self._chunk: int | None = None
         self._chunks = ChunkWriter(codec_threads(cfg.threads), writeback_fd=self._file.id.get_vfd_handle())
+        self._routes: list[np.ndarray | int] = []  # per add: routed_experts [n, L_moe, k], or n (none recorded)
         self._done = False
 
     def __enter__(self) -> ShardWriter:
@@ -592,6 +631,7 @@ class ShardWriter:
         if traj.token_versions is not None:
             self._want_versions()
         self._samples.add_row(traj)
+        self._routes.append(traj.routed_experts if traj.routed_experts is not None else len(traj))
         parts = {k: getattr(traj, k) for k in RAGGED}
         if "token_versions" in self._kinds:
             parts["token_versions"] = _versions_or_fill(traj)
@@ -608,6 +648,7 @@ class ShardWriter:
         if cols.token_versions is not None:
             self._want_versions()
         self._samples.add_block(cols)
+        self._routes.append(cols.routed_experts if cols.routed_experts is not None else cols.num_tokens)
         parts = {k: getattr(cols, k) for k in RAGGED}
         if "token_versions" in self._kinds:
             tv = cols.token_versions
@@ -657,6 +698,24 @@ class ShardWriter:
             "max_policy_version": int(versions.max()) if len(versions) else -1,
             "compression": self.config.compression, "chunk_elems": self._chunk})
 
+    def _write_routes(self) -> None:
+        """routed_experts (when any sample has them): uint8 when every id fits, else uint16; gzip."""
+        shapes = {r.shape[1:] for r in self._routes if not isinstance(r, int)}
+        if not shapes:
+            return
+        if len(shapes) > 1:
+            raise TrajectoryError(f"shard {self.path}: samples disagree on routed_experts [MoE layers, topk]: "
+                                  f"{sorted(shapes)}")
+        shape = shapes.pop()
+        routes = np.concatenate([np.full((r, *shape), -1, np.int16) if isinstance(r, int) else r
+                                 for r in self._routes])  # [T, L_moe, k]
+        dtype = np.uint8 if routes.max(initial=0) < 255 else np.uint16
+        missing = np.iinfo(dtype).max
+        stored = np.where(routes < 0, missing, routes).astype(dtype)
+        ds = self._file.create_dataset("routed_experts", data=stored, compression="gzip", compression_opts=4,
+                                       chunks=(max(1, min(len(stored), 65536)), *shape) if len(stored) else None)
+        ds.attrs["missing"] = int(missing)
+
     def close(self) -> Path:
         """Write per-sample data, attributes and `offsets` (last), then publish atomically. Returns the path."""
         if self._done:
@@ -668,6 +727,7 @@ class ShardWriter:
             np.cumsum(meta["length"], out=offsets[1:])
             self._write_samples(meta)  # while the chunk writer finishes the per-token chunks
             self._write_attrs(meta, int(offsets[-1]))
+            self._write_routes()
             self._chunks.join()
             self._file.create_dataset("offsets", data=offsets)
             self._file.flush()
@@ -791,6 +851,8 @@ class ShardReader:
         per_sample += [f"{g}/{k}" for g in ("reward_components", "timing") if g in f
                        for k in f[g] if f[g][k].shape != (n,)]
         ragged = {k: f[k].shape for k in RAGGED + ("token_versions",) if k in f}
+        if "routed_experts" in f:
+            ragged["routed_experts"] = f["routed_experts"].shape[:1]
         if per_sample or len(set(ragged.values())) != 1:
             raise ShardError(f"shard {self.path}: inconsistent shapes (per-sample {per_sample}, per-token {ragged})")
 
@@ -814,9 +876,20 @@ class ShardReader:
                 per_sample = self._per_sample()
                 per_token = {k: _read_full(f[k]) if wait is None else wait() for k, wait in waits.items()}
             tv = per_token.pop("token_versions", None)
-            return TrajectoryColumns(**per_token, offsets=self._offsets(), token_versions=tv, **per_sample)
+            return TrajectoryColumns(**per_token, offsets=self._offsets(), token_versions=tv, **per_sample,
+                                     routed_experts=self._routes())
         except (OSError, ValueError, KeyError) as e:
             raise ShardError(f"shard {self.path}: read failed ({type(e).__name__}: {e})") from e
+
+    def _routes(self, s: int = 0, e: int | None = None) -> np.ndarray | None:
+        """routed_experts [e - s, L_moe, k] as int16 with -1 where not recorded; None when the shard has none."""
+        ds = self._file.get("routed_experts")
+        if ds is None:
+            return None
+        raw = _read_full(ds) if s == 0 and e is None else ds[s:e]
+        out = raw.astype(np.int16)  # ids <= ROUTE_MAX fit; the missing marker becomes -1 below
+        out[raw == ds.attrs["missing"]] = -1
+        return out
 
     def _per_sample(self) -> dict:
         f = self._file
@@ -843,7 +916,7 @@ class ShardReader:
             **{k: f[k][i:i + 1] for k in INT_COLUMNS + ("reward",)},
             **{k: f[k].asstr()[i:i + 1] for k in STR_COLUMNS},
             reward_components={k: v[i:i + 1] for k, v in f.get("reward_components", {}).items()},
-            timings={k: v[i:i + 1] for k, v in f.get("timing", {}).items()})
+            timings={k: v[i:i + 1] for k, v in f.get("timing", {}).items()}, routed_experts=self._routes(s, e))
         return cols.trajectory(0)
 
     def read(self) -> list[Trajectory]:

@@ -59,6 +59,9 @@ class Group:
     """Sampling of the first turn (follow-up turns use its temperature and seed)."""
     rid: str = ""
     """Engine request id of the first turn (follow-ups: <rid>/s<sample>/t<turn>)."""
+    routes: dict = field(default_factory=dict)
+    """Rank 0, routing replay: per sample (the tokens its latest engine request ran, their experts
+    [len - 1, L_moe, k]); not checkpointed (a resumed sample trains with the trainer's own routing)."""
 
     def valid(self) -> list[int]:
         return [i for i, r in enumerate(self.rewards) if r[2] == "ok"]
@@ -168,6 +171,8 @@ class Rollouts:
         g = self.inflight.pop(out.request_id, None) or self.evals.get(out.request_id)
         if g is not None and not g.samples:
             g.samples = list(out.samples)
+            for i, s in enumerate(out.samples):
+                _keep_routes(g, i, out, s)
             if g.step is not None:
                 self.ready.append(g)
             if self.is_scorer:
@@ -179,6 +184,7 @@ class Rollouts:
         hit = self.followups.pop(out.request_id, None)
         if hit is not None:  # rank 0; other ranks only step the engine for it
             g, i, turn = hit
+            _keep_routes(g, i, out, out.samples[0])
             self._step_env(g, i, turn, out.samples[0])
 
     def _step_env(self, g: Group, i: int, turn: int, sample, prime: bool = False) -> None:
@@ -350,6 +356,23 @@ def _fill(g: Group, states: list[dict]) -> None:
     g.episodes = []
 
 
+def _keep_routes(g: Group, i: int, out, sample) -> None:
+    """Sample i's latest engine request covers its whole context so far: keep its tokens' experts."""
+    if sample.routed_experts is not None:
+        g.routes[i] = ([*out.prompt_token_ids, *sample.token_ids], sample.routed_experts)
+
+
+def sample_routes(g: Group, i: int, tokens: np.ndarray) -> np.ndarray | None:
+    """int16 [L, L_moe, k] experts of the trajectory's tokens (the last, never run, -1), when the latest engine
+    request of sample i ran exactly these tokens; None otherwise (not recorded, or a context the engine saw
+    differently: e.g. compressed)."""
+    seen, routes = g.routes.get(i, (None, None))
+    n = len(tokens) - 1  # tokens the trainer runs (inputs)
+    if routes is None or len(routes) < n or list(seen[:n]) != tokens[:n].tolist():
+        return None
+    return np.concatenate([routes[:n], np.full((1, *routes.shape[1:]), -1, np.int16)])
+
+
 def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
     """Sample i of g as a shard row: the prompt (mask 0), then its episode's tokens with their loss mask."""
     s, (total, comps, _) = g.samples[i], g.rewards[i]
@@ -365,4 +388,5 @@ def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
                       episode_id=episode_id, reward_components={k: float(v) for k, v in comps.items()},
                       token_versions=np.asarray([versions[0]] * n + versions, np.int32),
                       provenance={"finish_reason": str(s.finish_reason)},
-                      timings={**(g.timings[i] if g.timings else {}), "turns": float(g.turns[i] if g.turns else 1)})
+                      timings={**(g.timings[i] if g.timings else {}), "turns": float(g.turns[i] if g.turns else 1)},
+                      routed_experts=sample_routes(g, i, tokens))

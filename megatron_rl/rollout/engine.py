@@ -17,6 +17,11 @@ happen between steps (and clear the prefix cache); with policy 'continue' in-fli
 every token records the version that produced it (their cached K/V is recomputed under the new weights
 unless `kv_on_update='keep'`); with 'abort' they end with finish reason 'abort'.
 
+MoE routing replay (`build(..., record_routes=True)`): every forward records each token's top-k experts per MoE
+layer (models/routing_replay.py) into a per-slot store beside the KV cache (`PagedKVCache.routes`), so
+prefix-cache hits, forked samples and recomputed (preempted) sequences carry the routes of the very tokens
+they hold; a finished sample returns them (`SampleOutput.routed_experts`).
+
 Tensor parallel: every TP rank runs the same engine with the same requests in the same order; the
 scheduler is deterministic, logits are gathered over TP, and the sampled tokens are broadcast from TP
 rank 0 so that all ranks continue identically.
@@ -63,8 +68,13 @@ class EngineConfig:
     prefix_cache: bool = True
     """Share the K/V of token prefixes already computed (a task's repeated prompt, a multi-turn episode's
     context so far) instead of prefilling them again; cleared at every weight update."""
+    dtype: Literal["model", "fp32", "bf16"] = "model"
+    """Parameter dtype of the engine's copy of the policy: the trainer's (model.params_dtype), or fp32 / bf16
+    (a bf16 engine serving an fp32 trainer; weight syncs cast)."""
 
     def validate(self) -> None:
+        if self.dtype not in ("model", "fp32", "bf16"):
+            raise ConfigError(f"rollout.dtype={self.dtype!r} is not one of model, fp32, bf16")
         for name in ("num_blocks", "block_size", "max_tokens_per_step", "max_running"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
@@ -84,6 +94,10 @@ class SampleOutput:
     """Policy version that produced each token."""
     finish_reason: str | None
     """'stop', 'length' or 'abort'."""
+    routed_experts: object = None
+    """Routing replay (engine built with `record_routes`): int16 numpy [P + G - 1, L_moe, k], the experts each
+    MoE layer chose for every token the engine ran for this sample (prompt, then generated; the last token
+    is sampled, never run), -1 where unknown; None when not recorded."""
 
 
 @dataclass
@@ -114,12 +128,15 @@ class RolloutEngine:
     """Paged, continuously batched generation from a Megatron GPTModel (see module docstring)."""
 
     def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0,
-                 summarizer: Summarizer | None = None, valid_vocab: int | None = None):
+                 summarizer: Summarizer | None = None, valid_vocab: int | None = None,
+                 moe_layers: list[int] | None = None):
         self.cfg = cfg or EngineConfig()
         self.valid_vocab = valid_vocab  # ids >= this pad the model's vocab: never sampled, not in any log-prob
         self.summarizer = summarizer
         self.cfg.validate()
         self.runner = ModelRunner(model, tp_group, cp_group)
+        if moe_layers is not None:  # routing replay: record every token's experts (models/routing_replay.py)
+            self.runner.record_routes(moe_layers)
         self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
         self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running,
                                    self.cfg.prefix_cache)
@@ -133,14 +150,25 @@ class RolloutEngine:
 
     @classmethod
     def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0,
-              valid_vocab: int | None = None):
+              valid_vocab: int | None = None, record_routes: bool = False):
         """Build the policy with `build_gpt` (the trainer's definition) and wrap it; `valid_vocab`: the
-        tokenizer's size when the model's vocabulary is padded past it."""
+        tokenizer's size when the model's vocabulary is padded past it; `record_routes`: keep each token's
+        experts (routing replay, `SampleOutput.routed_experts`)."""
+        import dataclasses
+
         from megatron_rl.models.gpt import build_gpt
+        from megatron_rl.models.routing_replay import moe_layer_ids
         from megatron_rl.parallel import ParallelConfig
 
-        model = build_gpt(model_cfg, parallel or ParallelConfig(), pgs)
-        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab)
+        cfg = cfg or EngineConfig()
+        if cfg.dtype != "model":
+            model_cfg = dataclasses.replace(model_cfg, params_dtype=cfg.dtype)
+        # the runner feeds every layer the whole packed batch [T, 1, H]: no sequence-parallel split (the
+        # trainer's MoE at TP > 1 needs one; the same parameters serve without it)
+        parallel = dataclasses.replace(parallel or ParallelConfig(), sequence_parallel=False)
+        model = build_gpt(model_cfg, parallel, pgs)
+        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab,
+                   moe_layers=moe_layer_ids(model_cfg) if record_routes else None)
 
     @property
     def model(self):
@@ -237,7 +265,10 @@ class RolloutEngine:
             plan = self.scheduler.schedule()
             if plan:
                 t0 = time.perf_counter()
-                logits = self.runner.forward(build_batch(plan, self.cache), self.cache)  # [R, V]
+                batch = build_batch(plan, self.cache)
+                logits = self.runner.forward(batch, self.cache)  # [R, V]
+                if self.cache.routes is not None:
+                    self.cache.write_routes(batch.slots, self.runner.last_routes)  # [T, L_moe, k]
                 self.counters["forward_s"] += time.perf_counter() - t0
                 self.counters["steps"] += 1
                 self._advance(plan, logits)
@@ -310,6 +341,9 @@ class RolloutEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        if self.cache.routes is not None:  # before its blocks go back to the pool
+            n = min(seq.num_computed, len(seq.table.blocks) * self.cfg.block_size)
+            seq.routes = self.cache.read_routes(seq.table, n).numpy()  # [n, L_moe, k]
         self.scheduler.finish(seq)
         req = self._requests[seq.request_id]
         if seq.pending_forks:  # aborted before its prompt was prefilled: the siblings end too
@@ -323,7 +357,8 @@ class RolloutEngine:
 
     @staticmethod
     def _output(rid: str, req: _Request) -> RequestOutput:
-        samples = [SampleOutput(s.index, s.generated, s.logprobs, s.versions, s.finish_reason) for s in req.seqs]
+        samples = [SampleOutput(s.index, s.generated, s.logprobs, s.versions, s.finish_reason, s.routes)
+                   for s in req.seqs]
         return RequestOutput(rid, req.prompt, samples, req.compression)
 
     # ------------------------------------------------------------------------------------- helpers

@@ -114,6 +114,21 @@ class PagedKVCache:
         self.kv = torch.zeros(num_layers, parts, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
                               device=device)  # [L, 2 (K, V) or 1 (MLA latent row), NB, bs, kvh, d]
         self.allocator = BlockAllocator(num_blocks)
+        self.routes: Tensor | None = None
+        """[NB, bs, L_moe, k] int16 experts chosen per cached token and MoE layer (routing replay), or None."""
+
+    def enable_routes(self, moe_layers: int, topk: int) -> None:
+        """Also keep each cached token's routed experts (shared, forked and copied with its K/V)."""
+        nb, bs = self.kv.shape[2:4]
+        self.routes = torch.full((nb, bs, moe_layers, topk), -1, dtype=torch.int16, device=self.kv.device)
+
+    def write_routes(self, slots: Tensor, routes: Tensor) -> None:
+        """Store routes [T, L_moe, k] of new tokens at flat `slots` [T]."""
+        self.routes.flatten(0, 1)[slots] = routes.to(self.routes.dtype)
+
+    def read_routes(self, table: BlockTable, n: int) -> Tensor:
+        """[n, L_moe, k] routes of positions [0, n) of a table."""
+        return self.routes.flatten(0, 1)[torch.tensor(self.slots(table, range(n)), dtype=torch.long)]
 
     @property
     def num_blocks(self) -> int:
@@ -155,6 +170,8 @@ class PagedKVCache:
             return
         new = self.allocator.allocate()
         self.kv[:, :, new].copy_(self.kv[:, :, block])  # [L, 2, bs, kvh, d]
+        if self.routes is not None:
+            self.routes[new].copy_(self.routes[block])  # [bs, L_moe, k]
         self.allocator.decref(block)
         table.blocks[i] = new
 

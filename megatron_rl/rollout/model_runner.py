@@ -90,11 +90,26 @@ class ModelRunner:
 
             self.mla = MLAAttention(model, self.tp_group)
             self.kv_heads, self.head_dim = 1, self.mla.row
+        self.replays: list = []
+        """Routing replay hooks of the MoE routers when routes are recorded (`record_routes`)."""
+        self.last_routes: Tensor | None = None
+        """[T, L_moe, k] int16 experts of each packed token of the last forward (when recording)."""
+
+    def record_routes(self, moe_layers: list[int]) -> None:
+        """Record every token's experts per MoE layer in each forward (routing replay, models/routing_replay)."""
+        from megatron_rl.models.routing_replay import attach
+
+        self.replays = attach(self.model, moe_layers)
+        if not self.replays:
+            raise ValueError("routing replay: the model has no MoE layer to record (set model.moe.num_experts)")
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         dtype = next(self.model.parameters()).dtype
-        return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype,
-                            parts=1 if self.mla else 2)
+        cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype,
+                             parts=1 if self.mla else 2)
+        if self.replays:
+            cache.enable_routes(len(self.replays), self.model.config.moe_router_topk)
+        return cache
 
     def _rope(self, positions: Tensor) -> Tensor | None:
         """RoPE frequencies [T, 1, 1, d] of the positions, or None for learned positions."""
@@ -116,11 +131,16 @@ class ModelRunner:
             return self._forward(batch, cache)
 
     def _forward(self, batch: Batch, cache: PagedKVCache) -> Tensor:
+        from megatron_rl.models.routing_replay import record, recorded
+
         m = self.model
         h = m.embedding(input_ids=batch.tokens[None], position_ids=batch.positions[None])  # [T, 1, H]
         freqs = self._rope(batch.positions)
+        record(self.replays)
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, freqs, batch, cache)
+        if self.replays:
+            self.last_routes = recorded(self.replays)  # [T, L_moe, k]
         h = m.decoder.final_layernorm(h[batch.sample_rows])  # [R, 1, H]
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
         logits, _ = m.output_layer(h, weight=weight)  # [R, 1, V/tp]

@@ -52,6 +52,8 @@ class Sequence:
     """None while running; then 'stop', 'length' or 'abort'."""
     pending_forks: int = 0
     """Siblings still to fork from this sequence once its prompt is prefilled (n > 1)."""
+    routes: object = None
+    """Routing replay: int16 [num_computed, L_moe, k] experts of its computed tokens, read when it finishes."""
 
     @property
     def needed(self) -> int:

@@ -13,6 +13,8 @@ data-parallel ranks round-robin and every rank pads its list with empty micro-ba
     sample_num_tokens                                                                      float [1, S]
         loss tokens of each slot's WHOLE sample (0 on padding): seq-mean aggregation stays exact when a
         sample is split over context-parallel ranks
+    routed_experts (when the batch has them: routing replay)                        long  [1, S, L_moe, k]
+        the rollout engine's experts of each INPUT token (tokens[:-1] side), -1 on padding / not recorded
 
 Attention never crosses a boundary: `attention_inputs` gives a block-diagonal causal mask [1, 1, S, S]
 (True = masked) for the local layer spec (its DotProductAttention applies an explicit mask instead of the
@@ -162,10 +164,24 @@ def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
         pos += padded
         bounds.append(pos)
     mb["position_ids"][pos:] = torch.arange(S - pos)
+    routes = getattr(cols, "routed_experts", None)
+    if routes is not None:
+        mb["routed_experts"] = _routes(cols, routes, sample_ids, S, pad_to)
     if pos < S:
         bounds.append(S)  # trailing padding is its own segment
     out = {k: v.unsqueeze(0) for k, v in mb.items()}  # each [1, S]
     out["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)  # [n+1]
+    return out
+
+
+def _routes(cols, routes: np.ndarray, sample_ids: list[int], S: int, pad_to: int) -> torch.Tensor:
+    """[S, L_moe, k] long: each sample's input-token routes at its slots, -1 elsewhere."""
+    out = torch.full((S, *routes.shape[1:]), -1, dtype=torch.long)
+    pos = 0
+    for i in sample_ids:
+        s, e = int(cols.offsets[i]), int(cols.offsets[i + 1])
+        out[pos:pos + e - 1 - s] = torch.from_numpy(routes[s:e - 1].astype(np.int64))
+        pos += _padded(e - 1 - s, pad_to)
     return out
 
 
@@ -204,7 +220,8 @@ def split_microbatch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) ->
     from megatron_rl.models.cp_attention import cp_split
 
     cu = mb["cu_seqlens"]
-    out = {k: (v if k == "cu_seqlens" else cp_split(v, cu, cp_size, cp_rank, dim=-1)) for k, v in mb.items()}
+    out = {k: (v if k == "cu_seqlens" else cp_split(v, cu, cp_size, cp_rank, dim=1 if k == "routed_experts" else -1))
+           for k, v in mb.items()}  # routed_experts [1, S, L_moe, k]: split along the sequence too
     out["cp_size"] = cp_size
     return out
 

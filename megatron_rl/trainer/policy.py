@@ -111,6 +111,7 @@ class Policy:
             if init is not None:
                 init(model)
             install_hidden_head(model)
+            install_routing_replay(model, self.cfg)
             chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model,
                                                   pg_collection=pgs))
         for chunk in chunks:
@@ -189,7 +190,7 @@ class Policy:
         vpp = len(self.chunks)
         iters = [iter(microbatches) for _ in range(vpp)] if vpp > 1 else iter(microbatches)
         fb = get_forward_backward_func(pp_size=self.ctx.parallel.pp, vp_size=vpp if vpp > 1 else None)
-        step = partial(_forward_step, loss_fn, self.cfg.transformer_impl, output == "hidden")
+        step = partial(_forward_step, loss_fn, self.cfg.transformer_impl, output == "hidden", self.ctx.pgs.tp)
         return fb(forward_step_func=step, data_iterator=iters, model=self.chunks,
                   num_microbatches=len(microbatches), seq_length=seq_length,
                   micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
@@ -207,16 +208,40 @@ class Policy:
                     yield prefix + name, b
 
 
-def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, data_iterator, model):
+def install_routing_replay(model, cfg: ModelConfig) -> None:
+    """Routing replay hooks on a chunk's MoE routers (models/routing_replay.py), kept as `routing_replays`."""
+    from megatron_rl.models.routing_replay import attach, moe_layer_ids
+
+    model.routing_replays = attach(model, moe_layer_ids(cfg)) if cfg.moe.num_experts else []
+
+
+def _replaying(model, batch: dict, tp_group) -> list:
+    """Set the chunk's routers to replay (or compare with) the micro-batch's `routed_experts` when its
+    `replay_routing` says so ('replay' | 'compare'); the hooks to clear after the forward."""
+    from megatron_rl.models.routing_replay import set_targets
+
+    module = getattr(model, "module", model)
+    replays, how = getattr(module, "routing_replays", []), batch.get("replay_routing")
+    if not replays or not how or batch.get("routed_experts") is None:
+        return []
+    tp = (tp_group.rank(), tp_group.size()) if tp_group is not None else (0, 1)
+    set_targets(replays, batch["routed_experts"], *tp, module.config.sequence_parallel, compare_only=how == "compare")
+    return replays
+
+
+def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, tp_group, data_iterator, model):
+    from megatron_rl.models.routing_replay import clear
     from megatron_rl.trainer.packing import attention_inputs
 
     batch = next(data_iterator)
     # packed micro-batches: a block-causal mask (local spec) or THD PackedSeqParams (TE); else plain causal
     mask, packed = attention_inputs(batch, transformer_impl)
+    replays = _replaying(model, batch, tp_group)  # MoE routing replay of the engine's experts (or a comparison)
     # output: [b, s, V/tp] logits on the last stage ([b, s, h] final hidden states with `hidden`), hidden
     # states [s, b, h] on the other stages
     with emit_hidden(model, hidden) as head:
         output = model(batch["tokens"], batch["position_ids"], mask, packed_seq_params=packed)
+    clear(replays)  # the backward does not route again (no activation recompute here)
     weight = head.weight_used if head is not None else None
     return output, partial(_loss_wrapper, loss_fn, batch, weight)
 
@@ -249,6 +274,7 @@ class FrozenModel:
                           post_process=src.module.post_process, vp_stage=v if len(policy.chunks) > 1 else None)
             m.load_state_dict(src.module.state_dict())
             install_hidden_head(m)
+            install_routing_replay(m, self.cfg)
             m.requires_grad_(False)
             m.eval()
             self.chunks.append(m)

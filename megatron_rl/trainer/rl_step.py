@@ -42,6 +42,12 @@ engine's behaviour log-probs against the trainer's log-probs of the same tokens 
 pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
 train/rollout disagreement (plus the policy lag of stale samples); 0 only when both compute the same values.
 
+MoE routing replay (`routing_replay`, models/routing_replay.py): micro-batches carry the rollout engine's experts
+of each input token (`routed_experts`, from the shard); forward-only log-prob passes replay them unless 'off',
+the training forward with 'everywhere' (else it routes by itself and only compares). `routing_mismatch_frac`:
+the share of (token, MoE layer) pairs of the first epoch's training forward whose own top-k set differs from
+the engine's (None when the batch has no routes).
+
 Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
 with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
 """
@@ -94,9 +100,16 @@ class RLConfig:
     valid_vocab: int | None = None
     """Ids below this are the tokenizer's; the rest pad the model's vocab and never enter a softmax (the loop
     sets it from the run's tokenizer; None = every id)."""
+    routing_replay: Literal["off", "logprobs", "everywhere"] = "off"
+    """MoE routing replay (R3) of the experts the rollout engine chose (recorded when this is not off, stored
+    in the shards): off; logprobs: the forward-only log-prob passes (recomputed old log-probs, the reference)
+    replay them; everywhere: the training forward (loss and gradients) too. Needs an MoE model."""
 
     def validate(self) -> None:
         self.loss.validate()
+        if self.routing_replay not in ("off", "logprobs", "everywhere"):
+            raise ConfigError(f"rl.trainer.routing_replay={self.routing_replay!r} is not one of off, logprobs, "
+                              f"everywhere")
         self.advantage.validate()
         self.packing.validate()
         if not self.temperature > 0:
@@ -167,8 +180,9 @@ class RLTrainer:
         epochs = [self._update(mbs, z) for _ in range(self.cfg.epochs)]
         if any(e["update_ok"] for e in epochs):
             self.policy.advance_schedule()  # the LR schedule counts RL steps, not PPO epochs
+        first = epochs[0]  # the first epoch's forward: the weights before the update
         return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs],
-                "mismatch_kl": epochs[0]["mismatch_kl"]}  # the first epoch's forward: the weights before the update
+                "mismatch_kl": first["mismatch_kl"], "routing_mismatch_frac": first["routing_mismatch_frac"]}
 
     def prepare(self, cols):
         """Validate, compute advantages and pack: this rank's micro-batches and the packing stats. With
@@ -203,6 +217,7 @@ class RLTrainer:
         self._kl_in_reward(cols, mbs)
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
+        _mark(mbs, "replay" if self.cfg.routing_replay == "everywhere" else "compare")
         raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
                                            self.cfg.packing.max_tokens, output=self.output)
         grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()
@@ -210,6 +225,7 @@ class RLTrainer:
         return self._reduce(raw)["loss"], grads
 
     def _set_old_and_ref(self, mbs: list[dict]) -> None:
+        _mark(mbs, "replay" if self.cfg.routing_replay != "off" else None)  # forward-only log-prob passes
         if self.reference is not None:
             self._store_logprobs(self.reference, mbs, "ref_logprobs")
         if self.cfg.old_logprobs == "recompute":
@@ -248,13 +264,30 @@ class RLTrainer:
 
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
+        _mark(mbs, "replay" if self.cfg.routing_replay == "everywhere" else "compare")
+        self._routing_counts()  # reset: count this pass only
         raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output,
                                      advance_schedule=False)
+        differ, compared = self._routing_counts().tolist()
         m = self._reduce(raw)
         tokens = max(m.pop("tokens"), 1.0)
         means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
         return {"loss": m["loss"], "tokens": tokens, **means, "grad_norm": raw.get("grad_norm"),
-                "update_ok": raw.get("update_ok"), "lr": self.policy.optimizer.param_groups[0]["lr"]}
+                "update_ok": raw.get("update_ok"), "lr": self.policy.optimizer.param_groups[0]["lr"],
+                "routing_mismatch_frac": differ / compared if compared else None}
+
+    def _routing_counts(self) -> torch.Tensor:
+        """[2] (token, MoE layer) pairs whose trainer top-k set differs from the engine's, and pairs compared,
+        in the passes since the last call, summed over every rank (each TP rank without sequence parallelism
+        counts the same tokens: the ratio is unchanged); resets the counts."""
+        from megatron_rl.models.routing_replay import take_counts
+
+        counts = sum((take_counts(getattr(c.module, "routing_replays", [])) for c in self.policy.chunks),
+                     torch.zeros(2, dtype=torch.float64)).to(self._device())  # [2]
+        pgs = self.policy.ctx.pgs
+        for group in (pgs.pp, pgs.dp_cp, pgs.tp):
+            torch.distributed.all_reduce(counts, group=group)
+        return counts.cpu()
 
     # ------------------------------------------------------------------------------- loss callbacks
     def _logprobs(self, output: torch.Tensor | HeadOutput, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +358,13 @@ def check_cp_support(cfg: RLConfig, cp: int) -> None:
     if loss.is_correction != "none" and loss.is_level == "sequence":
         raise ConfigError("loss.is_level='sequence' multiplies ratios over the whole sample, but parallel.cp > 1 "
                           "splits samples over CP ranks; use loss.is_level='token' or parallel.cp=1")
+
+
+def _mark(mbs: list[dict], how: str | None) -> None:
+    """How the next pass treats the micro-batches' routed_experts: 'replay', 'compare' (count disagreements,
+    route by itself) or None (ignore); see trainer/policy._replaying."""
+    for mb in mbs:
+        mb["replay_routing"] = how
 
 
 def _detach(output: torch.Tensor | HeadOutput) -> torch.Tensor | HeadOutput:

@@ -74,7 +74,9 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
     checks.hf_names(reader, arch, rules)
     checks.hf_shapes(reader, arch, rules, cfg, extra)
     ctx = runtime.start(tp, pp, ep)
-    model = layout.build_model(cfg, extra, ctx)
+    # no random initialisation: every tensor is filled from the checkpoint below (fill_model refuses a missing
+    # one), and Megatron's CPU initialisation builds each weight's full master copy first (~1.6x the model)
+    model = layout.build_model(cfg, {**extra, "perform_initialization": False}, ctx)
     report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
     report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0())
     reader.close()

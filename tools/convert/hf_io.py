@@ -1,7 +1,10 @@
 """HF folders: read tensors lazily from (sharded) safetensors, write sharded safetensors with an index.
 
-Reading opens each shard with `safe_open` (memory-mapped) and loads only the tensors asked for, so a
-converter holds one layer's tensors at a time. Writing buffers tensors up to `max_shard_bytes`, then
+Reading parses each shard's safetensors header once and reads only the tensors asked for, each with one
+positioned read (`os.pread`) into memory of its own: no memory map, so pages of tensors already copied into
+the model do not stay resident (a memory-mapped read left the whole file in the process's RSS until the
+reader closed: the import's peak was ~1x the model above its own weights). A converter thus holds one
+layer's tensors at a time (benchmarks/import_memory.py). Writing buffers tensors up to `max_shard_bytes`, then
 flushes a shard; shard names get their `-of-N` suffix and the index is written at the end.
 """
 from __future__ import annotations
@@ -33,45 +36,86 @@ class HFReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config = read_config(self.path)
+        self._open: dict[str, SafetensorsFile] = {}
         self.weight_map = self._weight_map()
-        self._open: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
         if (self.path / INDEX).is_file():
             return json.loads((self.path / INDEX).read_text())["weight_map"]
         if (self.path / SINGLE).is_file():
-            from safetensors import safe_open
-
-            with safe_open(self.path / SINGLE, "pt") as f:
-                return {k: SINGLE for k in f.keys()}
+            return {k: SINGLE for k in self._shard(SINGLE, "").entries}
         raise ConvertError(f"{self.path} has neither {INDEX} nor {SINGLE} (only safetensors are read)")
 
-    def _file(self, name: str):
-        from safetensors import safe_open
-
-        if name not in self.weight_map:
-            raise ConvertError(f"tensor {name!r} is missing from {self.path} (checkpoint of another model?)")
-        shard = self.weight_map[name]
+    def _shard(self, shard: str, name: str) -> SafetensorsFile:
         if shard not in self._open:
             if not (self.path / shard).is_file():
                 raise ConvertError(f"shard {shard} (holding {name!r}, listed in {INDEX}) is missing from {self.path}")
-            self._open[shard] = safe_open(self.path / shard, "pt")
+            self._open[shard] = SafetensorsFile(self.path / shard)
         return self._open[shard]
 
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self.weight_map:
+            raise ConvertError(f"tensor {name!r} is missing from {self.path} (checkpoint of another model?)")
+        return self._shard(self.weight_map[name], name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+        return self._file(name).shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`; FP8 block-scaled weights (`name` + `_scale_inv` present) come dequantized."""
-        t = self._file(name).get_tensor(name)
+        t = self._file(name).read(name)
         scale = name + "_scale_inv"
         if scale in self.weight_map:
-            t = dequantize_fp8_blocks(t, self._file(scale).get_tensor(scale), fp8_block(self.config),
+            t = dequantize_fp8_blocks(t, self._file(scale).read(scale), fp8_block(self.config),
                                       _torch_dtype(self.config))
         return t
 
     def close(self) -> None:
+        for f in self._open.values():
+            f.close()
         self._open.clear()
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+"""safetensors dtype names -> torch dtypes."""
+
+
+class SafetensorsFile:
+    """One .safetensors file read tensor by tensor with positioned reads (the format: an 8-byte little-endian
+    header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+            header = json.loads(os.pread(self.fd, n, 8))
+        except (ValueError, OSError) as e:
+            os.close(self.fd)
+            raise ConvertError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from e
+        header.pop("__metadata__", None)
+        self.entries, self.data_start = header, 8 + n
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def read(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        if e["dtype"] not in _ST_DTYPES:
+            raise ConvertError(f"{self.path}: tensor {name!r} has dtype {e['dtype']}, not one the converter reads")
+        begin, end = e["data_offsets"]
+        buf = bytearray(end - begin)
+        got = os.preadv(self.fd, [buf], self.data_start + begin)
+        if got != len(buf):
+            raise ConvertError(f"{self.path}: tensor {name!r} is truncated ({got} of {len(buf)} bytes)")
+        if not buf:
+            return torch.empty(e["shape"], dtype=_ST_DTYPES[e["dtype"]])
+        return torch.frombuffer(buf, dtype=_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def fp8_block(hf: dict) -> tuple[int, int]:
