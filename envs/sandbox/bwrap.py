@@ -10,9 +10,10 @@ Covered, per run:
   entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
   or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
   user - or a domain-provided root directory
-  mounted read-only. The only writable places are /work (scratch), /tmp and /dev/shm, all three directories
-  on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
-  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are
+  mounted read-only. A domain's image (`envs.sandbox.image`) is mounted read-only over /usr/local (hiding
+  the host's) and /opt; it comes from the node's image cache, which only the worker's uid can write.
+  The only writable places are /work (scratch), /tmp and /dev/shm, all three directories on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
+  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted (an image's /opt is). Collected files are
   read without following symlinks.
 - Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
   subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
@@ -97,6 +98,7 @@ from envs.sandbox._common import (
     write_files,
 )
 from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from envs.sandbox.image_cache import ImageLayer
 
 log = logging.getLogger(__name__)
 
@@ -534,6 +536,8 @@ class BwrapSandbox(Sandbox):
     prespawn: set the next run's sandbox up while the current one runs (hides bwrap's setup latency).
     env: extra environment variables. uid_base: start of the host uid range for slots.
     seccomp: install the filter of `envs.sandbox._seccomp` (default; off only to debug with strace/gdb).
+    layer: a per-domain image (`envs.sandbox.image_cache.ImageLayer`): its /usr/local and /opt are mounted
+    read-only over the host's, its env set and its workdir the start directory.
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -542,7 +546,7 @@ class BwrapSandbox(Sandbox):
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
                  env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
-                 seccomp: bool = True):
+                 seccomp: bool = True, layer: ImageLayer | None = None):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -551,10 +555,16 @@ class BwrapSandbox(Sandbox):
                                      "(Debian/Ubuntu), or pick backend 'apptainer' on a cluster that has it")
         if rootfs is not None and not os.path.isdir(rootfs):
             raise ValueError(f"sandbox rootfs {rootfs!r} is not a directory; pass an unpacked root filesystem")
-        self.bwrap, self.rootfs = path, rootfs
+        if layer is not None and rootfs is not None:
+            raise ValueError("a sandbox image layer goes over the host's /usr; it cannot be combined with rootfs")
+        if layer is not None and not os.path.isdir("/usr/local"):
+            raise SandboxUnavailable("this host has no /usr/local to mount the sandbox image on: `mkdir /usr/local`")
+        self.bwrap, self.rootfs, self.layer = path, rootfs, layer
         self._version = _bwrap_version(path)
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
-                     "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(env or {})}
+                     "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(layer.env if layer else {}),
+                     **(env or {})}
+        self._chdir = layer.workdir if layer else "/work"
         self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
         self._seccomp = _seccomp.program() if seccomp and _seccomp.supported() else None
         self._notes = [] if self._seccomp or not seccomp else [
@@ -843,7 +853,7 @@ class BwrapSandbox(Sandbox):
         a += self._root[network]
         a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.shm, "/dev/shm", "--bind", cell.work, "/work",
               "--bind", cell.tmp, "/tmp",
-              "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
+              "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", self._chdir, "--clearenv"]
         for k, v in self._env.items():
             a += ["--setenv", k, v]
         if seccomp_fd >= 0:
@@ -866,6 +876,8 @@ class BwrapSandbox(Sandbox):
                 a += ["--symlink", os.readlink(p), "/" + name] if os.path.islink(p) else ["--ro-bind", p, "/" + name]
             return a
         a += ["--ro-bind", "/usr", "/usr"]
+        for src, dst in self.layer.mounts() if self.layer else ():  # the domain's image over /usr/local, /opt
+            a += ["--ro-bind", src, dst]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = "/" + name
             if os.path.islink(p):
