@@ -13,9 +13,9 @@ Not covered: the program runs as the worker's own uid (no per-slot uid: concurre
 their pid namespaces only, and RLIMIT_NPROC is not set because it would count the worker's processes);
 without `cgroup_flags` memory is an address-space limit per process and pids are unlimited; scratch size
 is checked after the run only; no seccomp filter; a domain image (`layer`) is the store's squashfs given to
-`--overlay FILE:ro` (or, for a tar image, its extracted /usr/local and /opt bound read-only);
-the site's apptainer.conf decides what else is mounted (e.g. `bind path` entries) - review it. Tests on the dev machines check only the generated command line
-and the error when the binary is missing.
+`--overlay FILE:ro` (or, for a tar image, its extracted /usr/local and /opt bound read-only); the site's
+apptainer.conf decides what else is mounted (e.g. `bind path` entries) - review it. Tests on the dev
+machines check only the generated command line and the error when the binary is missing.
 """
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ Covered, per run:
   /lib symlinks and /etc: a private copy, taken when the sandbox is built, of a whitelist of host /etc
   entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
   or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
-  user - or a domain-provided root directory
-  mounted read-only. A domain's image (`envs.sandbox.image`) is mounted read-only over /usr/local (hiding
-  the host's) and /opt; it comes from the node's image cache, which only the worker's uid can write.
-  The only writable places are /work (scratch), /tmp and /dev/shm, all three directories on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
-  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted (an image's /opt is). Collected files are
+  user - or a domain-provided root directory mounted read-only. A domain's image (`envs.sandbox.image`) is
+  mounted read-only over /usr/local (hiding the host's) and /opt; it comes from the node's image cache, which
+  only the worker's uid can write. The only writable places are /work (scratch), /tmp and /dev/shm, all
+  three directories on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`,
+  inode-capped), emptied after the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not
+  mounted (an image's /opt is). Collected files are
   read without following symlinks.
 - Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
   subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
