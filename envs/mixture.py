@@ -102,6 +102,7 @@ class MixtureConfig:
             if d.image != "dockerfile":
                 raise ConfigError(f"envs.domains.harbor.image={d.image!r}: harbor tasks name their own images; set "
                                   "'dockerfile' (build each task's environment/) or leave it ''")
+            self.prepare_images(name)
             return
         if d.image == "dockerfile":
             raise ConfigError(f"envs.domains.{name}.image='dockerfile' applies to harbor only; name an image spec YAML")
@@ -114,6 +115,27 @@ class MixtureConfig:
         elif not (d.image.endswith((".sqfs", ".tar")) and os.path.isfile(d.image)):
             raise ConfigError(f"envs.domains.{name}.image={d.image!r}: name an image spec (.yaml) or an existing "
                               "built image file (.sqfs/.tar)")
+
+    def prepare_images(self, name: str) -> int:
+        """Build (or find in the store) and cache on this node every image the tasks of domain `name` name, so
+        that a package that cannot be had is refused before any episode, naming it. Returns the image count."""
+        import json
+
+        from envs.sandbox import image_cache
+        from envs.sandbox.domain_images import configure
+        from envs.sandbox.image import ImageBuildError, ImageSpec
+        from megatron_rl.config import ConfigError
+
+        configure(self.image_store, self.image_cache)
+        specs = {json.dumps(t.payload["image"], sort_keys=True) for split in ("train", "heldout")
+                 for t in self.tasks(split, only=name)[name] if t.payload.get("image")}
+        for s in sorted(specs):
+            try:
+                image_cache.resolve(ImageSpec.from_dict(json.loads(s)), self.image_store or None,
+                                    self.image_cache or None)
+            except ImageBuildError as e:
+                raise ConfigError(f"envs.domains.{name}.image: {e}") from None
+        return len(specs)
 
     def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
         """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""

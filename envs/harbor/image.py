@@ -15,6 +15,12 @@ from envs.harbor.host import MissingPackage, apt_version, host_python_version, p
 from envs.harbor.spec import EnvironmentSpec
 from envs.sandbox.image import ImageSpec
 
+DEB_DIRS = ["/var/cache/apt/archives"]
+"""Local .deb folders searched before `apt-get download` (a site with a package mirror on disk adds it here)."""
+WHEEL_DIRS: list[str] = []
+"""Local wheel folders for pip (`--find-links`); with PIP_NO_INDEX, the only source (offline sites)."""
+PIP_NO_INDEX = False
+
 
 def image_spec(spec: EnvironmentSpec, where: str) -> ImageSpec | None:
     """The image holding what `spec` needs beyond this host; None when the host has it all."""
@@ -34,4 +40,5 @@ def image_spec(spec: EnvironmentSpec, where: str) -> ImageSpec | None:
            if found.get(name) is None or ("==" in req and found[name] != req.split("==", 1)[1])]
     if not apt and not pip:
         return None
-    return ImageSpec(name=f"harbor-{spec.base}", base=spec.base, apt=apt, pip=pip)
+    return ImageSpec(name=f"harbor-{spec.base}", base=spec.base, apt=apt, pip=pip, deb_dirs=list(DEB_DIRS),
+                     pip_find_links=list(WHEEL_DIRS), pip_no_index=PIP_NO_INDEX)

@@ -115,14 +115,15 @@ class ImageSpec:
             d = yaml.safe_load(f) or {}
         if not isinstance(d, dict):
             raise ConfigError(f"image spec {path}: expected a mapping of ImageSpec keys")
-        spec = cls.from_dict(d, where=f"image spec {path}")
         here = os.path.dirname(os.path.abspath(path))
-        fix = lambda p: p if os.path.isabs(p) else os.path.join(here, p)  # noqa: E731
-        spec.debs = [fix(p) for p in spec.debs]
-        spec.pip_find_links = [fix(p) for p in spec.pip_find_links]
-        spec.files = {k: fix(v) for k, v in spec.files.items()}
-        spec.name = spec.name or os.path.splitext(os.path.basename(path))[0]
-        return spec
+        fix = lambda p: p if not isinstance(p, str) or os.path.isabs(p) else os.path.join(here, p)  # noqa: E731
+        for key in ("debs", "deb_dirs", "pip_find_links"):
+            if isinstance(d.get(key), list):
+                d[key] = [fix(p) for p in d[key]]
+        if isinstance(d.get("files"), dict):
+            d["files"] = {k: fix(v) for k, v in d["files"].items()}
+        d.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+        return cls.from_dict(d, where=f"image spec {path}")
 
     @property
     def empty(self) -> bool:
