@@ -100,7 +100,11 @@ def _fill(file: str, cache_dir: str, digest: str, final: str) -> None:
         if not os.path.isfile(os.path.join(dest, img.MANIFEST)):
             raise img.ImageBuildError(f"{file}: not an image of this project (no {img.MANIFEST})")
         img._open_up(dest)
-        os.rename(dest, final)
+        try:
+            os.rename(dest, final)
+        except OSError:
+            if not os.path.isdir(final):  # else a filler that did not take the lock published it first: use that
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
