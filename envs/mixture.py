@@ -137,6 +137,11 @@ class MixtureConfig:
                 raise ConfigError(f"envs.domains.{name}.image: {e}") from None
         return len(specs)
 
+    def loader_options(self, name: str) -> dict:
+        """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/."""
+        d = self.domains.get(name)
+        return {"images": True} if name == "harbor" and d is not None and d.image == "dockerfile" else {}
+
     def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
         """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""
         from envs.tasks import load_domain
@@ -145,8 +150,7 @@ class MixtureConfig:
         for name, d in self.domains.items():
             if only is not None and name != only:
                 continue
-            opts = {"images": True} if name == "harbor" and d.image == "dockerfile" else {}
-            tasks = load_domain(name, d.task_files or None, split=split, **opts)
+            tasks = load_domain(name, d.task_files or None, split=split, **self.loader_options(name))
             if d.tier:
                 tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
             out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
