@@ -239,3 +239,28 @@ def test_run_config_yaml_names_a_domain_image_and_dispatch_is_refused(open_dir, 
     (open_dir / "code.yaml").write_text(yaml.safe_dump({"files": {"/opt/tool": "tool"}, "pakages": ["x"]}))
     with pytest.raises(ConfigError, match="pakages"):
         C.load(RunConfig, str(run), [])
+
+
+def test_a_tar_that_would_write_outside_the_cache_is_refused(open_dir):
+    import io
+    import tarfile
+
+    outside = open_dir / "outside"
+    outside.mkdir()
+    for members in (["../escape"], ["/abs"], ["link->" + str(outside), "link/evil"]):
+        bad = open_dir / "store" / ("0" * 64 + ".tar")
+        bad.parent.mkdir(exist_ok=True)
+        with tarfile.open(bad, "w") as tf:
+            for m in members:
+                if "->" in m:
+                    ti = tarfile.TarInfo(m.split("->")[0])
+                    ti.type, ti.linkname = tarfile.SYMTYPE, m.split("->")[1]
+                    tf.addfile(ti)
+                else:
+                    ti = tarfile.TarInfo(m)
+                    ti.size = 1
+                    tf.addfile(ti, io.BytesIO(b"x"))
+        with pytest.raises(Exception, match="outside the image"):
+            image_cache.ensure_cached(str(bad), str(open_dir / "cache"))
+        assert os.listdir(outside) == [] and not (open_dir / "escape").exists()
+        assert os.listdir(open_dir / "cache") == ["0" * 64 + ".lock"]  # nothing published, no temp left

@@ -356,7 +356,25 @@ def unpack(path: str, dest: str) -> None:
         return
     os.makedirs(dest)
     with tarfile.open(path) as tf:
-        tf.extractall(dest, filter="data")
+        tf.extractall(dest, members=_safe_members(tf, path))
+
+
+def _safe_members(tf: tarfile.TarFile, path: str):
+    """The tar's members, refusing names outside the destination, device files, hard links out and any member
+    below a symlink of the archive (nothing is written through a link); symlinks themselves may point
+    anywhere (they are resolved inside the sandbox, as packages' absolute links must be)."""
+    links: set[str] = set()
+    for m in tf:
+        name = posixpath.normpath(m.name)
+        parts = name.split("/")
+        bad = (name.startswith(("/", "..")) or m.isdev() or (m.islnk() and posixpath.normpath(m.linkname)
+               .startswith(("/", ".."))) or any("/".join(parts[:i]) in links for i in range(1, len(parts))))
+        if bad:
+            raise ImageBuildError(f"{path}: member {m.name!r} would be extracted outside the image; not an image "
+                                  "built here")
+        if m.issym():
+            links.add(name)
+        yield m
 
 
 def store_file(store: str, digest: str) -> str | None:

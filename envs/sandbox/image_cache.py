@@ -11,8 +11,8 @@ worker's uid, and they are mounted read-only.
 
 THREAT MODEL: the store is trusted (written by this project's builder); the cache folder must be node-local
 and owned by the worker (a cache folder owned by another uid is refused). squashfs images are extracted
-with `unsquashfs` (rootless, no FUSE needed), tars with tarfile's `data` filter (no absolute paths, links out
-or device files).
+with `unsquashfs` (rootless, no FUSE needed), tars member by member (`image._safe_members`: no absolute or
+`..` names, device files, hard links out, or writes through a symlink of the archive).
 """
 from __future__ import annotations
 
