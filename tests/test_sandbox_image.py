@@ -222,25 +222,6 @@ def test_harbor_dockerfile_packages_the_host_lacks_build_the_tasks_image(open_di
     assert end.done and end.reward == 1.0
 
 
-def test_run_config_yaml_names_a_domain_image_and_dispatch_is_refused(open_dir, tmp_path):
-    """The run config YAML: envs.domains.<d>.image loads (spec validated, unknown spec keys refused); dispatched
-    workers are not sent image settings yet, so that layout is refused before any work, naming the reason."""
-    from megatron_rl import config as C
-    from megatron_rl.run_config import RunConfig
-
-    (open_dir / "tool").write_text("x")
-    (open_dir / "code.yaml").write_text(yaml.safe_dump({"files": {"/opt/tool": "tool"}}))
-    run = tmp_path / "run.yaml"
-    run.write_text(f"name: r\noutput_dir: {tmp_path}\ncurriculum:\n  enabled: false\nenvs:\n  domains:\n    code:\n"
-                   f"      image: {open_dir}/code.yaml\n")
-    assert C.load(RunConfig, str(run), []).envs.domains["code"].image == f"{open_dir}/code.yaml"
-    with pytest.raises(ConfigError, match="dispatched workers are not sent"):
-        C.load(RunConfig, str(run), ["episodes.runner=dispatch"])
-    (open_dir / "code.yaml").write_text(yaml.safe_dump({"files": {"/opt/tool": "tool"}, "pakages": ["x"]}))
-    with pytest.raises(ConfigError, match="pakages"):
-        C.load(RunConfig, str(run), [])
-
-
 def test_a_tar_that_would_write_outside_the_cache_is_refused(open_dir):
     import io
     import tarfile
