@@ -759,3 +759,4 @@ def test_normal_user_scratch_is_capped_while_the_run_writes(repo_root):
         assert written[d][1] == errno.ENOSPC and written[d][0] <= 8, out  # stopped at the cap, during the run
     assert out["host_bytes"] == 0 and out["collected"] == "x" and out["next"] == ""
     assert any("size-capped tmpfs" in n for n in out["notes"]), out["notes"]
+    assert any("cgroup v2: " in n for n in out["notes"]), out["notes"]  # what v2 offers (or not), said
