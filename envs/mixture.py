@@ -6,6 +6,7 @@
         math: {weight: 1, reward_weights: {format: 0.0}}
         tool_use: {weight: 1, max_turns: 3}
         harbor: {weight: 1, max_turns: 8, max_tokens: 8192, task_files: [path/to/harbor_tasks]}  # task folders
+        code: {weight: 1, image: images/code.yaml}  # its sandboxes run in this image (envs.sandbox.image)
       judge_base_url: http://judge:8000/v1        # optional
 
 Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
@@ -15,6 +16,7 @@ workers all build their environments through it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
@@ -47,6 +49,9 @@ class DomainConfig:
     agent_args: str = ""
     """Extra arguments of the agent program, e.g. its long-history strategy: '--history drop-oldest
     --context-budget 6000' (see envs/agents/shell_agent.py)."""
+    image: str = ""
+    """The sandbox image of this domain (`envs.sandbox.image`): an image spec YAML or a built .sqfs/.tar;
+    harbor: `dockerfile` builds each task's image from its environment/ (packages the host lacks); '' = none."""
 
 
 @dataclass
@@ -62,6 +67,10 @@ class MixtureConfig:
     """Judge model name (recorded in every judged reward's provenance)."""
     judge_cache_dir: str = ""
     """On-disk cache of judge answers ('' = <run>/judge_cache)."""
+    image_store: str = ""
+    """Shared-filesystem folder of built sandbox images ('' = ~/.cache/megatron-rl/images)."""
+    image_cache: str = ""
+    """Node-local folder the images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
 
     def validate(self) -> None:
         import envs  # noqa: F401  (registers the built-in environments)
@@ -86,12 +95,63 @@ class MixtureConfig:
             except EnvError as e:
                 raise ConfigError(f"envs.domains.{name}.agent: {e}") from None
             _check_agent_args(name, d)
+            self._check_image(name, d)
         for name, d in domains.items():
             if d.tier and not self.tasks("train", only=name)[name]:
                 raise ConfigError(f"envs.domains.{name}.tier={d.tier!r}: no train task of {name!r} has that tier "
                                   f"(payload.tier); leave it '' for all tasks")
         if not any(d.weight > 0 for d in domains.values()):
             raise ConfigError("envs.domains: no domain has a weight > 0, so the RL loop has nothing to sample")
+
+    def _check_image(self, name: str, d: DomainConfig) -> None:
+        """A domain's image names a spec that loads (unknown keys refused) or an image file that exists."""
+        from megatron_rl.config import ConfigError
+
+        if not d.image:
+            return
+        if name == "harbor":
+            if d.image != "dockerfile":
+                raise ConfigError(f"envs.domains.harbor.image={d.image!r}: harbor tasks name their own images; set "
+                                  "'dockerfile' (build each task's environment/) or leave it ''")
+            self.prepare_images(name)
+            return
+        if d.image == "dockerfile":
+            raise ConfigError(f"envs.domains.{name}.image='dockerfile' applies to harbor only; name an image spec YAML")
+        if d.image.endswith((".yaml", ".yml")):
+            from envs.sandbox.image import ImageSpec
+
+            if not os.path.isfile(d.image):
+                raise ConfigError(f"envs.domains.{name}.image: spec {d.image!r} does not exist")
+            ImageSpec.load(d.image).validate()
+        elif not (d.image.endswith((".sqfs", ".tar")) and os.path.isfile(d.image)):
+            raise ConfigError(f"envs.domains.{name}.image={d.image!r}: name an image spec (.yaml) or an existing "
+                              "built image file (.sqfs/.tar)")
+
+    def prepare_images(self, name: str) -> int:
+        """Build (or find in the store) and cache on this node every image the tasks of domain `name` name, so
+        that a package that cannot be had is refused before any episode, naming it. Returns the image count."""
+        import json
+
+        from envs.sandbox import image_cache
+        from envs.sandbox.domain_images import configure
+        from envs.sandbox.image import ImageBuildError, ImageSpec
+        from megatron_rl.config import ConfigError
+
+        configure(self.image_store, self.image_cache)
+        specs = {json.dumps(t.payload["image"], sort_keys=True) for split in ("train", "heldout")
+                 for t in self.tasks(split, only=name)[name] if t.payload.get("image")}
+        for s in sorted(specs):
+            try:
+                image_cache.resolve(ImageSpec.from_dict(json.loads(s)), self.image_store or None,
+                                    self.image_cache or None)
+            except ImageBuildError as e:
+                raise ConfigError(f"envs.domains.{name}.image: {e}") from None
+        return len(specs)
+
+    def loader_options(self, name: str) -> dict:
+        """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/."""
+        d = self.domains.get(name)
+        return {"images": True} if name == "harbor" and d is not None and d.image == "dockerfile" else {}
 
     def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
         """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""
@@ -101,7 +161,7 @@ class MixtureConfig:
         for name, d in self.domains.items():
             if only is not None and name != only:
                 continue
-            tasks = load_domain(name, d.task_files or None, split=split)
+            tasks = load_domain(name, d.task_files or None, split=split, **self.loader_options(name))
             if d.tier:
                 tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
             out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
@@ -116,6 +176,11 @@ class MixtureConfig:
                   token_counter=None) -> Environment:
         """A fresh environment of domain `name` for one episode."""
         d = self.domains.get(name) or DomainConfig()
+        if d.image and name != "harbor":  # harbor: each task's image, chosen by the environment (envs.harbor.env)
+            from envs.sandbox.domain_images import configure, image_sandbox
+
+            configure(self.image_store, self.image_cache)
+            sandbox = image_sandbox(d.image, workers=getattr(sandbox, "workers", 1))
         return make_env(name, budget=self.budget(name, max_seq_length), sandbox=sandbox, judge=judge,
                         reward_weights=d.reward_weights or None, token_counter=token_counter, agent=d.agent,
                         agent_args=d.agent_args)

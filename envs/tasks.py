@@ -129,13 +129,17 @@ FOLDER_DOMAINS = {"harbor": "envs.harbor.loader:load_harbor"}
 """Domains whose tasks are folders, not task files: domain -> 'module:function(roots, split)'."""
 
 
-def load_domain(domain: str, files: Iterable[str | Path] | None = None, split: str | None = None) -> list[Task]:
-    """Tasks of one domain: the given files (folders for a folder domain), or the shipped suite."""
+def load_domain(domain: str, files: Iterable[str | Path] | None = None, split: str | None = None,
+                **options) -> list[Task]:
+    """Tasks of one domain: the given files (folders for a folder domain), or the shipped suite. `options` go
+    to a folder domain's loader (harbor: images=True)."""
     if domain in FOLDER_DOMAINS:
         import importlib
 
         module, fn = FOLDER_DOMAINS[domain].split(":")
-        return getattr(importlib.import_module(module), fn)(list(files) if files else None, split=split)
+        return getattr(importlib.import_module(module), fn)(list(files) if files else None, split=split, **options)
+    if options:
+        raise ValueError(f"domain {domain!r} takes no loader options, got {sorted(options)}")
     return load_tasks(list(files) if files else builtin_task_files(domain), domain=domain, split=split)
 
 

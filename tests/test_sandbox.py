@@ -2,6 +2,8 @@
 must be contained, reported as a violation by name, and leave the sandbox serving normal programs."""
 from __future__ import annotations
 
+import ast
+import errno
 import inspect
 import json
 import os
@@ -720,3 +722,41 @@ def test_normal_user_worker_caps_processes_per_run(repo_root):
     assert out["forks"] <= 16 and "pids" in out["bomb"] and out["threads_ok"], out
     assert out["keyctl"] == ["-1", "1"] and out["uid"] == "1000"
     assert any("RLIMIT_NPROC" in n for n in out["notes"]) and any("cgroup" in n for n in out["notes"])
+
+
+_SCRATCH_AS_NOBODY = """
+import json, os
+from envs.sandbox.base import Limits
+from envs.sandbox.bwrap import BwrapSandbox
+prog = ("import os\\nout = {}\\nfor d in ('/work', '/tmp', '/dev/shm'):\\n    n = 0\\n    try:\\n"
+        "        with open(d + '/fill', 'wb') as f:\\n            for _ in range(50):\\n"
+        "                f.write(b'x' * (1 << 20))\\n                f.flush()\\n                n += 1\\n"
+        "    except OSError as e:\\n        out[d] = [n, e.errno]\\n        os.unlink(d + '/fill')\\n"
+        "        continue\\n"
+        "    out[d] = [n, 0]\\nprint(out)\\n")
+with BwrapSandbox(prespawn=False) as s:
+    real = getattr(s._s.cells[0], "real_fs", s._s.cells[0].fs)  # the folder bwrap binds, as the host sees it
+    r = s.run_python(prog, files={"in.txt": "x"}, limits=Limits(scratch_mb=8, file_size_mb=64, wall_s=20),
+                     collect=["in.txt"])
+    host = sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(real) for f in fs)
+    print(json.dumps({"stdout": r.stdout, "violations": r.violations, "notes": r.notes, "host_bytes": host,
+                      "collected": r.files.get("in.txt", b"").decode(), "next": s.run(["ls", "-A"]).stdout}))
+"""
+
+
+def test_normal_user_scratch_is_capped_while_the_run_writes(repo_root):
+    """As uid 65534, a run writing 50 MiB into /work, /tmp and /dev/shm with scratch_mb=8 is stopped by ENOSPC
+    at the cap while it runs (a tmpfs in the worker's own user namespace), nothing lands in the host's folder, the
+    input file still reaches the run and is collected, and the next run starts empty."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo_root), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    who = dict(user=65534, group=65534, extra_groups=[]) if os.geteuid() == 0 else {}
+    r = subprocess.run(["/usr/bin/python3", "-c", _SCRATCH_AS_NOBODY], env=env, cwd="/", capture_output=True,
+                       text=True, timeout=120, **who)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    written = ast.literal_eval(out["stdout"])
+    for d in ("/work", "/tmp", "/dev/shm"):
+        assert written[d][1] == errno.ENOSPC and written[d][0] <= 8, out  # stopped at the cap, during the run
+    assert out["host_bytes"] == 0 and out["collected"] == "x" and out["next"] == ""
+    assert any("size-capped tmpfs" in n for n in out["notes"]), out["notes"]
+    assert any("cgroup v2: " in n for n in out["notes"]), out["notes"]  # what v2 offers (or not), said

@@ -2,7 +2,8 @@
 
 The agent (the policy) gets the task's instruction.md and runs shell commands over turns with
 `<tool_call>{"name": "shell", "arguments": {"command": "..."}}</tool_call>`; each command runs in a fresh
-sandbox holding the workspace (the task's WORKDIR at /work, started from the Dockerfile's COPY'd files),
+sandbox holding the workspace (the task's WORKDIR at /work, started from the Dockerfile's COPY'd files) - in the
+task's image when its Dockerfile installs packages the host lacks (`envs.harbor.image`) -
 with the Dockerfile's ENV exported, and the files are carried to the next turn (processes and shell state are
 not). The episode ends on an action without a tool call, on the turn/token budget, or when the agent's time
 (task.toml `[agent] timeout_sec`, capped) is spent. Then the task's tests run in a separate verifier sandbox
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from envs.base import ENVIRONMENTS, EnvError, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
 from envs.harbor.loader import decode_files
-from envs.sandbox.base import Limits
+from envs.sandbox.base import Limits, Sandbox
 from envs.terminal.env import SHELL
 
 
@@ -79,6 +80,17 @@ class HarborEnv(ToolEnvironment):
 
     def reward_spec(self) -> RewardSpec:
         return RewardSpec([RewardComponent("tests", "harbor_tests", 1.0)])
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The task's image sandbox when its environment/ needs packages the host lacks (payload["image"]:
+        `envs.harbor.image`), for the agent's commands and the verifier alike; else the shared one."""
+        image = self.task.payload.get("image") if self.task is not None else None
+        if not image:
+            return super().sandbox
+        from envs.sandbox.domain_images import image_sandbox
+
+        return image_sandbox(image, workers=getattr(self._sandbox, "workers", 1))
 
     def _start(self, task) -> None:
         self.workspace = Workspace(max_bytes=self.caps.workspace_bytes, max_files=4096)

@@ -6,7 +6,9 @@ and `env`, `[environment] cpus`, `memory_mb`/`memory`, `storage_mb`/`storage`, w
 `tests/test.sh` (+ its files; writes the reward to /logs/verifier/reward.txt, or reward.json
 `{"reward": x}`), `solution/solve.sh` (the oracle) and `environment/Dockerfile` (+ its build context).
 The task id is the folder name. Loading parses the Dockerfile (`envs.harbor.spec`: unsupported instructions are
-refused, naming the line), checks its packages on this host (`envs.harbor.host`), places the COPY'd files in
+refused, naming the line), checks its packages on this host (`envs.harbor.host`) - or, with `images=True`
+(`envs.domains.harbor.image: dockerfile`), puts those the host lacks in the task's sandbox image
+(`envs.harbor.image`) - places the COPY'd files in
 the initial workspace and rewrites absolute paths for the sandbox (`envs.harbor.paths`).
 
 Split rule: `[metadata] split = "train" | "heldout"` ("test" means heldout) when given; otherwise a task is
@@ -25,6 +27,7 @@ import tomllib
 from envs.base import Task
 from envs.harbor import paths
 from envs.harbor.host import check_host
+from envs.harbor.image import image_spec
 from envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -140,8 +143,9 @@ def _need(folder: Path, rel: str) -> Path:
     return p
 
 
-def load_task_folder(folder: str | Path, check: bool = True) -> Task:
-    """One task folder as a Task; `check`: refuse packages missing on this host."""
+def load_task_folder(folder: str | Path, check: bool = True, images: bool = False) -> Task:
+    """One task folder as a Task; `check`: refuse packages missing on this host, or with `images` put them in
+    the task's sandbox image instead (`payload["image"]`, an ImageSpec dict; `envs.harbor.image`)."""
     folder = Path(folder)
     where = str(folder)
     try:
@@ -151,7 +155,10 @@ def load_task_folder(folder: str | Path, check: bool = True) -> Task:
         raise HarborTaskError(f"{where}/task.toml: {e}") from None
     spec = parse_dockerfile(_need(folder, "environment/Dockerfile").read_text(encoding="utf-8"),
                             f"{where}/environment/Dockerfile")
-    if check:
+    image = None
+    if images:
+        image = image_spec(spec, where)
+    elif check:
         check_host(spec, where)
     _need(folder, "tests/test.sh")
     wd = spec.workdir
@@ -161,7 +168,7 @@ def load_task_folder(folder: str | Path, check: bool = True) -> Task:
                "tests": encode_files(_rewritten(read_tree(folder / "tests", where), wd)),
                "solution": encode_files(_rewritten(read_tree(sol, where), wd) if sol.is_dir() else {}),
                "env": {k: paths.rewrite(v, wd) for k, v in spec.env.items()}, "verifier_env": venv,
-               "limits": limits, "spec": spec.to_dict()}
+               "limits": limits, "spec": spec.to_dict(), "image": image.to_dict() if image else None}
     prompt = paths.rewrite(_need(folder, "instruction.md").read_text(encoding="utf-8"), wd).strip()
     return Task(id=folder.name, domain="harbor", prompt=prompt, payload=payload,
                 split=split_of(folder.name, cfg, where), source=where)
@@ -178,8 +185,10 @@ def task_folders(roots: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def load_harbor(roots: Iterable[str | Path] | None = None, split: str | None = None, check: bool = True) -> list[Task]:
-    """Tasks of the given folders (default: the shipped envs/harbor/tasks), optionally one split."""
+def load_harbor(roots: Iterable[str | Path] | None = None, split: str | None = None, check: bool = True,
+                images: bool = False) -> list[Task]:
+    """Tasks of the given folders (default: the shipped envs/harbor/tasks), optionally one split; `images`: see
+    `load_task_folder`."""
     folders = task_folders(list(roots) if roots else [TASKS_DIR])
     if not folders:
         raise HarborTaskError(f"{list(roots or [TASKS_DIR])}: no task folders (each needs a task.toml)")
@@ -188,5 +197,5 @@ def load_harbor(roots: Iterable[str | Path] | None = None, split: str | None = N
         if f.name in seen:
             raise HarborTaskError(f"{f}: duplicate task id {f.name!r} (also {seen[f.name]})")
         seen[f.name] = f
-    tasks = [load_task_folder(f, check) for f in folders]
+    tasks = [load_task_folder(f, check, images) for f in folders]
     return [t for t in tasks if split is None or t.split == split]

@@ -12,9 +12,9 @@ Anything else (`USER`, `EXPOSE`, `CMD`, `ADD`, `ARG`, a RUN that is not only pac
 a multi-stage build ...) is refused with `UnsupportedInstruction` naming the instruction and its line, before
 any episode runs.
 
-`EnvironmentSpec` is plain data (`to_dict`/`from_dict`): an image builder (per-domain images, `envs.sandbox`)
-can consume it later - base, apt packages, pip requirements, files to place under the workdir, environment -
-without re-parsing the Dockerfile; today `envs.harbor.host` checks the packages on the host instead.
+`EnvironmentSpec` is plain data (`to_dict`/`from_dict`): `envs.harbor.image` turns its packages that the host
+lacks into a sandbox image spec (`envs.sandbox.image`, with `envs.domains.harbor.image: dockerfile`); without
+that, `envs.harbor.host` checks the packages on the host.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ back from the kernel's counters (not from anything the program prints); after a 
 the group is SIGKILLed until the group is empty. The sandboxed program cannot see or write these files
 (no /sys inside the sandbox, and a cgroup namespace).
 Not covered: cgroup v2 (a pure-v2 host falls back to rlimits, and the backend says so in each result's
-notes); I/O bandwidth; kernel memory outside the memory controller's accounting.
+notes, with what `v2_status` found: a delegated subtree with memory/pids or why not); I/O bandwidth;
+kernel memory outside the memory controller's accounting.
 """
 from __future__ import annotations
 
@@ -55,6 +56,35 @@ def _own_paths() -> dict[str, str]:
     except (OSError, ValueError):
         pass
     return out
+
+
+def v2_status() -> str:
+    """What cgroup v2 offers this process, for the notes: whether its own v2 cgroup (Slurm's job cgroup, a
+    systemd user slice) is a writable subtree with the memory and pids controllers. Used for notes only: the
+    v2 limits themselves are not set yet (no host here to test them on)."""
+    own = _own_paths().get("", None)
+    mnt = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f.read().splitlines():
+                pre, _, post = line.partition(" - ")
+                if post.split()[:1] == ["cgroup2"]:
+                    mnt = pre.split()[4]
+                    break
+    except OSError:
+        pass
+    if own is None or mnt is None:
+        return "cgroup v2: not mounted"
+    d = os.path.join(mnt, own.lstrip("/"))
+    try:
+        ctrls = _read(os.path.join(d, "cgroup.controllers")).split()
+    except OSError as e:
+        return f"cgroup v2: own cgroup {d} unreadable ({e.strerror})"
+    missing = [c for c in ("memory", "pids") if c not in ctrls]
+    if missing or not os.access(d, os.W_OK):
+        why = f"lacks {', '.join(missing)} (has: {', '.join(ctrls) or 'none'})" if missing else "is not writable"
+        return f"cgroup v2: own cgroup {d} {why}: no delegated memory/pids limits"
+    return f"cgroup v2: a delegated subtree {d} with memory and pids exists, but v2 limits are not set yet"
 
 
 def _read(path: str) -> str:
@@ -135,7 +165,7 @@ class SlotCgroups:
         if "memory" not in dirs and "pids" not in dirs:
             for d in dirs.values():
                 _rmdir(d)
-            return None, notes
+            return None, notes + [v2_status()]
         return cls(dirs), notes
 
     def has(self, controller: str) -> bool:

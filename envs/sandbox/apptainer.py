@@ -12,9 +12,10 @@ named like the other backends; with `cgroup_flags=True` Apptainer's own `--memor
 Not covered: the program runs as the worker's own uid (no per-slot uid: concurrent runs are separated by
 their pid namespaces only, and RLIMIT_NPROC is not set because it would count the worker's processes);
 without `cgroup_flags` memory is an address-space limit per process and pids are unlimited; scratch size
-is checked after the run only; no seccomp filter; the site's apptainer.conf decides what else is mounted
-(e.g. `bind path` entries) - review it. Tests on the dev machines check only the generated command line
-and the error when the binary is missing.
+is checked after the run only; no seccomp filter; a domain image (`layer`) is the store's squashfs given to
+`--overlay FILE:ro` (or, for a tar image, its extracted /usr/local and /opt bound read-only); the site's
+apptainer.conf decides what else is mounted (e.g. `bind path` entries) - review it. Tests on the dev
+machines check only the generated command line and the error when the binary is missing.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import shutil
 
 from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from envs.sandbox.image_cache import ImageLayer
 from envs.sandbox.subprocess_backend import _argv, run_in_scratch
 
 _HINT = ("install Apptainer (https://apptainer.org/docs/admin/main/installation.html) or `module load "
@@ -47,7 +49,7 @@ class ApptainerSandbox(Sandbox):
 
     def __init__(self, image: str | None = None, *, limits: Limits | None = None, binary: str | None = None,
                  require_binary: bool = True, cgroup_flags: bool = False, env: dict[str, str] | None = None,
-                 scratch_parent: str | None = None):
+                 scratch_parent: str | None = None, layer: ImageLayer | None = None):
         if not image:
             raise ValueError("the apptainer sandbox needs `image`: a .sif file or an unpacked image directory")
         self.image = image
@@ -58,8 +60,9 @@ class ApptainerSandbox(Sandbox):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         self.cgroup_flags = cgroup_flags
+        self.layer = layer
         self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
-                    "LANG": "C.UTF-8", **(env or {})}
+                    "LANG": "C.UTF-8", **(layer.env if layer else {}), **(env or {})}
         self.scratch_parent = scratch_parent
 
     def command_line(self, command, scratch: str, limits: Limits | None = None) -> list[str]:
@@ -68,7 +71,12 @@ class ApptainerSandbox(Sandbox):
         a = [self.binary or "apptainer", "exec", "--containall", "--no-home", "--cleanenv"]
         if not limits.network:
             a += ["--net", "--network", "none"]
-        a += ["--bind", f"{scratch}:/work", "--pwd", "/work"]
+        a += ["--bind", f"{scratch}:/work", "--pwd", self.layer.workdir if self.layer else "/work"]
+        if self.layer is not None and self.layer.file.endswith(".sqfs"):
+            a += ["--overlay", f"{self.layer.file}:ro"]  # the store's squashfs, overlaid read-only on the base image
+        elif self.layer is not None:
+            for src, dst in self.layer.mounts():
+                a += ["--bind", f"{src}:{dst}:ro"]
         for k, v in self.env.items():
             a += ["--env", f"{k}={v}"]
         if self.cgroup_flags:

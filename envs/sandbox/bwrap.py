@@ -2,17 +2,19 @@
 
 THREAT MODEL
 Assumes: an untrusted program (model output) and its files; a Linux host with unprivileged user namespaces
-and bubblewrap >= 0.8 (Debian `bubblewrap`); the worker runs as root (for per-slot uids, cgroups and a
-size-capped scratch tmpfs; without root it degrades and says so in every result's `notes`).
+and bubblewrap >= 0.8 (Debian `bubblewrap`); the worker runs as root (for per-slot uids and cgroups; without
+root it degrades and says so in every result's `notes`).
 Covered, per run:
 - Filesystem: a fresh root (bwrap tmpfs, remounted read-only) holding only /usr (read-only) with its /bin,
   /lib symlinks and /etc: a private copy, taken when the sandbox is built, of a whitelist of host /etc
   entries (loader cache, alternatives, timezone, python/perl/java config; never the host's passwd, shadow
   or ssh; TLS and resolver config only with `network=True`), with a generated passwd naming one `sandbox`
-  user - or a domain-provided root directory
-  mounted read-only. The only writable places are /work (scratch), /tmp and /dev/shm, all three directories
-  on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`, inode-capped), emptied after
-  the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not mounted. Collected files are
+  user - or a domain-provided root directory mounted read-only. A domain's image (`envs.sandbox.image`) is
+  mounted read-only over /usr/local (hiding the host's) and /opt; it comes from the node's image cache, which
+  only the worker's uid can write. The only writable places are /work (scratch), /tmp and /dev/shm, all
+  three directories on the slot's own tmpfs (capped at `scratch_mb` together, `nosuid`, `nodev`,
+  inode-capped), emptied after the run. Host /root, /home, /tmp, /dev/shm, /run, /sys, /var, /opt are not
+  mounted (an image's /opt is). Collected files are
   read without following symlinks.
 - Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
   subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
@@ -51,11 +53,11 @@ Not covered:
   be used).
 - Side channels (timing, cache), CPU frequency and memory bandwidth contention between slots.
 - I/O bandwidth is not limited. Without cgroups, the memory limit is a per-process rlimit (RLIMIT_AS) and a
-  program can exceed it in aggregate with many processes. A worker that is not root gets no scratch tmpfs:
-  scratch is a host directory whose size is checked after the run (the input files before it; each file is
-  capped by RLIMIT_FSIZE), so a run can fill the host disk up to the free space until it ends; its
-  processes are told apart from the worker's own (same uid) by their pid namespace. cgroup v2 delegation
-  is not used yet.
+  program can exceed it in aggregate with many processes. A worker that is not root gets its size-capped
+  scratch tmpfs in a user + mount namespace of its own (`envs.sandbox._userns_scratch`; bwrap joins it), so
+  writes past the cap fail during the run as for root; only where user namespaces are unavailable is scratch
+  a host directory whose size is checked after the run (said in the notes). Its processes are told apart
+  from the worker's own (same uid) by their pid namespace. cgroup v2 delegation is not used yet.
 - With prespawn (default) the next run's sandbox is set up (namespaces, mounts, seccomp, and /bin/sh
   started in it, blocked reading the slot's `go` FIFO; no untrusted code yet) while the current one runs,
   in a second slot with its own uid, cgroups and tmpfs; it is used only if the next run asks for the same
@@ -100,7 +102,9 @@ from envs.sandbox._common import (
     tree_bytes,
     write_files,
 )
+from envs.sandbox._userns_scratch import ScratchNamespace
 from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from envs.sandbox.image_cache import ImageLayer
 
 log = logging.getLogger(__name__)
 
@@ -187,25 +191,29 @@ class _Cell:
         self.uid = self.lease.uid if self.lease else os.getuid()
         self.gid = self.uid if self.lease else os.getgid()
         self.dir = os.path.join(base, f"cell{index}")
-        self.fs = os.path.join(self.dir, "fs")
+        self.real_fs = os.path.join(self.dir, "fs")  # as bwrap sees it; self.fs as the worker reaches it
+        for d in (self.dir, self.real_fs, os.path.join(self.dir, "ctl")):
+            os.makedirs(d, exist_ok=True)
+            os.chmod(d, 0o711 if not d.endswith("ctl") else 0o755)
+        self.ns = None if self.root else _scratch_namespace(self.notes)
+        self.fs = self.ns.view(self.real_fs) if self.ns else self.real_fs
         self.work, self.tmp, self.shm, self.ctl = (os.path.join(self.fs, "work"), os.path.join(self.fs, "tmp"),
                                                    os.path.join(self.fs, "shm"), os.path.join(self.dir, "ctl"))
-        for d in (self.dir, self.fs, self.ctl):
-            os.makedirs(d, exist_ok=True)
-            os.chmod(d, 0o711 if d != self.ctl else 0o755)
         self.go = os.path.join(self.ctl, "go")
         os.mkfifo(self.go, 0o600)
         self.go_fd = os.open(self.go, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)  # never blocks, keeps it alive
         os.chmod(self.go, 0o444)  # then read-only for everyone, the sandbox's uid too (and on a read-only mount)
         self.scratch_mb = 0
-        self.tmpfs = self.root
+        self.tmpfs = self.root or self.ns is not None
         try:  # one network namespace per slot, made once: creating one per run costs more than the rest
             self.netns: int | None = _linux.new_netns()
         except OSError:
             self.netns = None  # each run gets a fresh one from bwrap (--unshare-net)
         if not self.root:
-            self.notes.append("not root: one uid for all slots, scratch size checked after the run only, process "
-                              "limit set inside the sandbox's user namespace (RLIMIT_NPROC)")
+            scratch = ("scratch a size-capped tmpfs in a user namespace of the worker's own" if self.ns else
+                       "scratch size checked after the run only")
+            self.notes.append(f"not root: one uid for all slots, {scratch}, process limit set inside the sandbox's "
+                              "user namespace (RLIMIT_NPROC)")
         self.cg, cg_notes = SlotCgroups.create(group, f"cell{index}-uid{self.uid}")
         if self.cg is None:
             self.notes.append("no writable cgroup v1 memory/pids: memory and pid limits are per-process "
@@ -224,7 +232,10 @@ class _Cell:
         if not self.tmpfs or scratch_mb == self.scratch_mb:
             return
         try:
-            _linux.mount_tmpfs(self.fs, scratch_mb, _SCRATCH_INODES, remount=self.scratch_mb > 0)
+            if self.ns is not None:
+                self.ns.mount_tmpfs(self.real_fs, scratch_mb, _SCRATCH_INODES, remount=self.scratch_mb > 0)
+            else:
+                _linux.mount_tmpfs(self.fs, scratch_mb, _SCRATCH_INODES, remount=self.scratch_mb > 0)
         except OSError as e:
             self.tmpfs = False
             self.notes.append(f"scratch is a plain directory (size checked after the run only): {e}")
@@ -257,6 +268,7 @@ class _Cell:
         attach = self.cg.attach_files if self.cg else ()
         uid, gid, drop = self.uid, self.gid, self.root
         netns = self.netns if not network else None
+        ns = self.ns
 
         def fn() -> None:  # runs in the forked child before exec: keep it to plain syscalls
             for path in attach:
@@ -265,6 +277,8 @@ class _Cell:
                 os.close(fd)
             if netns is not None:
                 _linux.setns(netns, _linux.CLONE_NEWNET)
+            if ns is not None:  # bwrap binds the scratch tmpfs of the worker's own mount namespace
+                ns.join()
             apply_rlimits(rlimits)
             if drop:
                 os.setgroups([])
@@ -280,7 +294,9 @@ class _Cell:
         if self.netns is not None:
             os.close(self.netns)
             self.netns = None
-        if self.tmpfs and self.scratch_mb:
+        if self.ns is not None:
+            self.ns.close()  # its mount namespace, and the scratch tmpfs with it, goes with the helper
+        elif self.tmpfs and self.scratch_mb:
             try:
                 _linux.umount(self.fs)
             except OSError as e:
@@ -472,6 +488,15 @@ def _remove_shared(base: str, owner: int) -> None:
     _linux.remove_tree(base)
 
 
+def _scratch_namespace(notes: list[str]) -> ScratchNamespace | None:
+    """A worker that is not root: the helper namespace for its size-capped scratch, or None (noted)."""
+    try:
+        return ScratchNamespace()
+    except OSError as e:
+        notes.append(f"no user namespace for a capped scratch tmpfs ({e})")
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -538,6 +563,8 @@ class BwrapSandbox(Sandbox):
     prespawn: set the next run's sandbox up while the current one runs (hides bwrap's setup latency).
     env: extra environment variables. uid_base: start of the host uid range for slots.
     seccomp: install the filter of `envs.sandbox._seccomp` (default; off only to debug with strace/gdb).
+    layer: a per-domain image (`envs.sandbox.image_cache.ImageLayer`): its /usr/local and /opt are mounted
+    read-only over the host's, its env set and its workdir the start directory.
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -546,7 +573,7 @@ class BwrapSandbox(Sandbox):
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
                  env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
-                 seccomp: bool = True):
+                 seccomp: bool = True, layer: ImageLayer | None = None):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -555,10 +582,16 @@ class BwrapSandbox(Sandbox):
                                      "(Debian/Ubuntu), or pick backend 'apptainer' on a cluster that has it")
         if rootfs is not None and not os.path.isdir(rootfs):
             raise ValueError(f"sandbox rootfs {rootfs!r} is not a directory; pass an unpacked root filesystem")
-        self.bwrap, self.rootfs = path, rootfs
+        if layer is not None and rootfs is not None:
+            raise ValueError("a sandbox image layer goes over the host's /usr; it cannot be combined with rootfs")
+        if layer is not None and not os.path.isdir("/usr/local"):
+            raise SandboxUnavailable("this host has no /usr/local to mount the sandbox image on: `mkdir /usr/local`")
+        self.bwrap, self.rootfs, self.layer = path, rootfs, layer
         self._version = _bwrap_version(path)
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
-                     "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(env or {})}
+                     "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(layer.env if layer else {}),
+                     **(env or {})}
+        self._chdir = layer.workdir if layer else "/work"
         self._has_sh = _exists_in_root(rootfs or "/", "bin/sh")
         self._seccomp = _seccomp.program() if seccomp and _seccomp.supported() else None
         self._notes = [] if self._seccomp or not seccomp else [
@@ -863,9 +896,10 @@ class BwrapSandbox(Sandbox):
         if network not in self._root:
             self._root[network] = self._root_args(network)
         a += self._root[network]
-        a += ["--proc", "/proc", "--dev", "/dev", "--bind", cell.shm, "/dev/shm", "--bind", cell.work, "/work",
-              "--bind", cell.tmp, "/tmp",
-              "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", "/work", "--clearenv"]
+        fs = cell.real_fs
+        a += ["--proc", "/proc", "--dev", "/dev", "--bind", f"{fs}/shm", "/dev/shm", "--bind", f"{fs}/work", "/work",
+              "--bind", f"{fs}/tmp", "/tmp",
+              "--ro-bind", cell.ctl, "/.sandbox", "--remount-ro", "/", "--chdir", self._chdir, "--clearenv"]
         for k, v in self._env.items():
             a += ["--setenv", k, v]
         if seccomp_fd >= 0:
@@ -888,6 +922,8 @@ class BwrapSandbox(Sandbox):
                 a += ["--symlink", os.readlink(p), "/" + name] if os.path.islink(p) else ["--ro-bind", p, "/" + name]
             return a
         a += ["--ro-bind", "/usr", "/usr"]
+        for src, dst in self.layer.mounts() if self.layer else ():  # the domain's image over /usr/local, /opt
+            a += ["--ro-bind", src, dst]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = "/" + name
             if os.path.islink(p):

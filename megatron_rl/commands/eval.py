@@ -114,7 +114,7 @@ def _heldout(cfg: RunConfig, domain: str) -> list:
     if cfg.curriculum.enabled and domain == "countdown":
         return task_lists(cfg)["eval"]
     return load_domain(domain, cfg.envs.domains[domain].task_files or None if domain in cfg.envs.domains else None,
-                       split="heldout")[:cfg.eval.tasks]
+                       split="heldout", **cfg.envs.loader_options(domain))[:cfg.eval.tasks]
 
 
 def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out: Path) -> int:

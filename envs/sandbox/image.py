@@ -1,0 +1,418 @@
+"""Per-domain sandbox images: a spec (Debian and pip packages, files, env, workdir), content-addressed, built
+without root into ONE file on the shared filesystem (squashfs when `mksquashfs` is installed, else a tar).
+
+An image is a layer over the node's own Debian system: everything it installs lives under `/usr/local` (and
+`/opt`), which the sandbox mounts read-only over the host's (`envs.sandbox.bwrap`: `--ro-bind`; Apptainer:
+`--overlay image.sqfs:ro`, `envs.sandbox.apptainer`). Debian packages are fetched with `apt-get download` (or
+taken from local .deb folders, e.g. /var/cache/apt/archives) and unpacked with `dpkg-deb -x`; their `usr/`
+(and `bin/`, `lib/`) is relocated to `usr/local/`, `usr/lib/python3/dist-packages` to the Python site folder
+of `/usr/local`; `etc/` and `var/` of a package are dropped (listed in the manifest). Pip requirements go
+in with `pip install --target /usr/local/lib/python3.X/dist-packages`, a folder on the host python's path.
+
+Content address: sha256 of the canonical spec, the format version, the base (host Debian release, machine,
+python version) and the bytes of every local input (COPY'd files, local .debs, wheel folders). Same spec ->
+same digest -> the same file `<store>/<digest>.sqfs`; any change -> a new digest. Named packages are pinned by
+their spec string (`name=version` pins the content; a bare name takes what apt/pip resolves at build time).
+
+THREAT MODEL: the spec is trusted (the domain's author wrote it, or a parsed Harbor Dockerfile subset), the
+packages are trusted as the site's apt/pip sources are; the build runs package maintainer scripts never
+(`dpkg-deb -x` only unpacks) and pip's build backends of sdists (prefer wheels). The image is mounted
+read-only: a sandboxed program cannot change it for later runs. Not covered: packages are fetched without
+their dependencies (list each one the host lacks); absolute symlinks inside a package are not rewritten.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import platform
+import posixpath
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+
+from megatron_rl.config import ConfigError
+
+FORMAT = 1
+MANIFEST = ".image.json"
+HOST_PYTHON = "/usr/bin/python3"
+_ROOT_DIRS = ("usr/local", "opt")
+"""Where an image's files may live (what the sandbox mounts over the host)."""
+_PKG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*(=[A-Za-z0-9.:~+_-]+)?$")
+
+
+class ImageBuildError(RuntimeError):
+    """An image could not be built; the message names the package or file and the fix."""
+
+
+@dataclass
+class ImageSpec:
+    """What a domain's sandbox image holds (YAML keys of an image spec file; unknown keys are refused)."""
+
+    name: str = ""
+    """A human label (logs and the manifest); not part of the content address."""
+    base: str = "host"
+    """The system the layer goes over: 'host' (this node's Debian /usr), or a Debian-based image tag such as
+    debian:bookworm / python:3.11-slim recorded as asked (the sandbox still uses the node's /usr)."""
+    apt: list[str] = field(default_factory=list)
+    """Debian packages (`name` or `name=version`), fetched with apt-get download and unpacked rootless."""
+    debs: list[str] = field(default_factory=list)
+    """Local .deb files to unpack (hashed by content)."""
+    deb_dirs: list[str] = field(default_factory=lambda: ["/var/cache/apt/archives"])
+    """Folders searched for `<name>_<version>_<arch>.deb` before apt-get download (offline builds)."""
+    pip: list[str] = field(default_factory=list)
+    """Pip requirements installed with `pip install --target` into /usr/local's site folder."""
+    pip_find_links: list[str] = field(default_factory=list)
+    """Local folders of wheels for pip (hashed by content); with pip_no_index, the only source."""
+    pip_no_index: bool = False
+    """Do not use PyPI (offline sites: wheels from pip_find_links only)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Destination in the image (under /usr/local or /opt) -> a host file or folder to copy there."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of every program run in the image."""
+    workdir: str = "/work"
+    """The directory programs start in: /work (the run's scratch) or a folder of the image under /opt."""
+
+    def validate(self) -> None:
+        for pkg in self.apt:
+            if not _PKG.match(pkg):
+                raise ConfigError(f"image {self.name!r}: apt package {pkg!r} is not `name` or `name=version`")
+        for path in self.debs + self.pip_find_links:
+            if not os.path.exists(path):
+                raise ConfigError(f"image {self.name!r}: {path!r} does not exist")
+        for dest, src in self.files.items():
+            image_path(dest, f"image {self.name!r}: files")
+            if not os.path.exists(src):
+                raise ConfigError(f"image {self.name!r}: files[{dest!r}] source {src!r} does not exist")
+        if self.workdir != "/work":
+            image_path(self.workdir, f"image {self.name!r}: workdir", root_dirs=("opt",))
+        for k in self.env:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise ConfigError(f"image {self.name!r}: env name {k!r} is not a valid variable name")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "image") -> ImageSpec:
+        from megatron_rl.config import from_dict
+
+        return from_dict(cls, d, prefix=where)
+
+    @classmethod
+    def load(cls, path: str) -> ImageSpec:
+        """An image spec YAML file; relative paths in it are relative to the file's folder."""
+        import yaml
+
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"image spec {path}: expected a mapping of ImageSpec keys")
+        here = os.path.dirname(os.path.abspath(path))
+        fix = lambda p: p if not isinstance(p, str) or os.path.isabs(p) else os.path.join(here, p)  # noqa: E731
+        for key in ("debs", "deb_dirs", "pip_find_links"):
+            if isinstance(d.get(key), list):
+                d[key] = [fix(p) for p in d[key]]
+        if isinstance(d.get("files"), dict):
+            d["files"] = {k: fix(v) for k, v in d["files"].items()}
+        d.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+        return cls.from_dict(d, where=f"image spec {path}")
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to install: the host system as it is."""
+        return not (self.apt or self.debs or self.pip or self.files or self.env) and self.workdir == "/work"
+
+    def digest(self) -> str:
+        """The content address (hex sha256; see the module docstring)."""
+        h = hashlib.sha256()
+        doc = {k: v for k, v in self.to_dict().items() if k not in ("name", "deb_dirs", "debs", "pip_find_links",
+                                                                     "files")}
+        doc.update(format=FORMAT, host=host_identity(), debs=[_content_hash(p) for p in self.debs],
+                   pip_find_links=[_content_hash(p) for p in self.pip_find_links],
+                   files={k: _content_hash(v) for k, v in sorted(self.files.items())})
+        h.update(json.dumps(doc, sort_keys=True).encode())
+        return h.hexdigest()
+
+
+def image_path(dest: str, what: str, root_dirs: tuple[str, ...] = _ROOT_DIRS) -> str:
+    """`dest` normalised; ConfigError unless it is an absolute path below one of `root_dirs`."""
+    norm = posixpath.normpath(dest)
+    if not dest.startswith("/") or not any(norm == "/" + r or norm.startswith("/" + r + "/") for r in root_dirs):
+        raise ConfigError(f"{what}: {dest!r} must be an absolute path under " + " or ".join("/" + r for r in root_dirs)
+                          + " (the image is mounted there; the rest of the system is the node's)")
+    return norm
+
+
+def host_identity() -> dict:
+    """What a 'host' base is: Debian release, machine and python version (images built for it)."""
+    try:
+        with open("/etc/debian_version") as f:
+            debian = f.read().strip()
+    except OSError:
+        debian = "unknown"
+    return {"debian": debian, "machine": platform.machine(), "python": site_python()}
+
+
+def site_python() -> str:
+    """'3.11': the minor version of the sandbox's python3 (the host's /usr/bin/python3)."""
+    try:
+        out = subprocess.run([HOST_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() or "{}.{}".format(*sys.version_info[:2])
+    except OSError:
+        return "{}.{}".format(*sys.version_info[:2])
+
+
+def _content_hash(path: str) -> str:
+    """sha256 of a file, or of a folder's relative paths and file bytes (sorted; symlinks by target)."""
+    h = hashlib.sha256()
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    for dirpath, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            p = os.path.join(dirpath, name)
+            h.update(os.path.relpath(p, path).encode() + b"\0")
+            h.update(os.readlink(p).encode() if os.path.islink(p) else bytes.fromhex(_content_hash(p)))
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ build
+def build_tree(spec: ImageSpec, root: str, work: str) -> dict:
+    """Install `spec` into the empty folder `root` (the image's /), using `work` for downloads; returns the
+    manifest (also written to root/.image.json)."""
+    spec.validate()
+    dropped: list[str] = []
+    for deb in _fetch_debs(spec, os.path.join(work, "debs")):
+        dropped += _unpack_deb(deb, root, os.path.join(work, "x"))
+    if spec.pip:
+        _pip_install(spec, root)
+    for dest, src in spec.files.items():
+        target = os.path.join(root, image_path(dest, "files").lstrip("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.isdir(src):
+            shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, target)
+    env = default_env(root)
+    env.update(spec.env)
+    manifest = {"format": FORMAT, "digest": spec.digest(), "name": spec.name, "spec": spec.to_dict(),
+                "env": env, "workdir": spec.workdir, "dropped": sorted(set(dropped))}
+    with open(os.path.join(root, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    _open_up(root)
+    return manifest
+
+
+def default_env(root: str) -> dict[str, str]:
+    """LD_LIBRARY_PATH for the image's shared libraries (the host's ld.so.cache does not list them)."""
+    libs = [d for d in (f"/usr/local/lib/{platform.machine()}-linux-gnu", "/usr/local/lib")
+            if glob.glob(os.path.join(root, d.lstrip("/"), "*.so*"))]
+    return {"LD_LIBRARY_PATH": ":".join(libs)} if libs else {}
+
+
+def _fetch_debs(spec: ImageSpec, dest: str) -> list[str]:
+    out = list(spec.debs)
+    for pkg in spec.apt:
+        name, _, version = pkg.partition("=")
+        found = _local_deb(spec.deb_dirs, name, version)
+        if found:
+            out.append(found)
+            continue
+        os.makedirs(dest, exist_ok=True)
+        try:
+            r = subprocess.run(["apt-get", "download", pkg], cwd=dest, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ImageBuildError(f"apt package {pkg!r}: apt-get download failed ({e}); put its .deb in a deb_dirs "
+                                  "folder or list it under debs") from None
+        got = _local_deb([dest], name, version)
+        if r.returncode != 0 or not got:
+            raise ImageBuildError(f"apt package {pkg!r}: apt-get download failed: {r.stderr.strip()[-300:]}; check "
+                                  "the name and `apt-get update`, or put its .deb in a deb_dirs folder")
+        out.append(got)
+    return out
+
+
+def _local_deb(dirs: list[str], name: str, version: str) -> str | None:
+    for d in dirs:
+        ver = version.replace(":", "%3a") if version else "*"
+        hits = sorted(glob.glob(os.path.join(glob.escape(d), f"{glob.escape(name)}_{ver}_*.deb")))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def _unpack_deb(deb: str, root: str, scratch: str) -> list[str]:
+    """dpkg-deb -x into `scratch`, then move its files into the image's /usr/local (see the module docstring);
+    returns the top-level folders dropped (etc, var ...)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    r = subprocess.run(["dpkg-deb", "-x", deb, scratch], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise ImageBuildError(f"{deb}: dpkg-deb -x failed: {r.stderr.strip()[-300:]}")
+    py = f"lib/python{site_python()}/dist-packages"
+    moves = [("usr/lib/python3/dist-packages", f"usr/local/{py}"), ("usr/local", "usr/local"), ("usr", "usr/local"),
+             ("bin", "usr/local/bin"), ("sbin", "usr/local/sbin"), ("lib", "usr/local/lib"),
+             ("lib64", "usr/local/lib64"), ("opt", "opt")]
+    for src, dst in moves:
+        _merge(os.path.join(scratch, src), os.path.join(root, dst))
+    dropped = [f"{os.path.basename(deb)}:{n}" for n in os.listdir(scratch)]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return dropped
+
+
+def _merge(src: str, dst: str) -> None:
+    """Move the tree `src` into `dst` (folders merged, files replaced), then remove what is left of `src`."""
+    if not os.path.lexists(src):
+        return
+    if os.path.islink(src) or not os.path.isdir(src):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst) if not os.path.isdir(dst) or os.path.islink(dst) else shutil.rmtree(dst)
+        os.rename(src, dst)
+        return
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        _merge(os.path.join(src, name), os.path.join(dst, name))
+    os.rmdir(src)
+
+
+def _pip_install(spec: ImageSpec, root: str) -> None:
+    target = os.path.join(root, f"usr/local/lib/python{site_python()}/dist-packages")
+    cmd = [HOST_PYTHON if _has_pip(HOST_PYTHON) else sys.executable, "-m", "pip", "install", "--target", target,
+           "--no-compile", "--disable-pip-version-check", "--no-warn-script-location", "--quiet"]
+    for d in spec.pip_find_links:
+        cmd += ["--find-links", d]
+    if spec.pip_no_index:
+        cmd.append("--no-index")
+    r = subprocess.run(cmd + list(spec.pip), capture_output=True, text=True, timeout=1800,
+                       env={**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"})
+    if r.returncode != 0:
+        raise ImageBuildError(f"pip install {' '.join(spec.pip)} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+    scripts = os.path.join(target, "bin")
+    if os.path.isdir(scripts):  # console scripts: on PATH, run by the sandbox's python3
+        _merge(scripts, os.path.join(root, "usr/local/bin"))
+
+
+def _has_pip(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-m", "pip", "--version"], capture_output=True, timeout=60).returncode == 0
+    except OSError:
+        return False
+
+
+def _open_up(root: str) -> None:
+    """Everything readable (and folders traversable) by the sandbox's uids; nothing writable but by the owner."""
+    for dirpath, _dirs, files in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                mode = os.lstat(p).st_mode
+                os.chmod(p, 0o755 if mode & 0o111 else 0o644)
+
+
+# ------------------------------------------------------------------------------------------------ pack
+def has_squashfs() -> bool:
+    return bool(shutil.which("mksquashfs") and shutil.which("unsquashfs"))
+
+
+def pack(root: str, out: str, fmt: str) -> None:
+    """`root` as one file `out` ('sqfs': mksquashfs; 'tar': an uncompressed tar, owners numeric 0)."""
+    if fmt == "sqfs":
+        r = subprocess.run(["mksquashfs", root, out, "-noappend", "-all-root", "-quiet", "-no-progress"],
+                           capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            raise ImageBuildError(f"mksquashfs failed: {r.stderr.strip()[-300:]}")
+        return
+    def reset(ti: tarfile.TarInfo) -> tarfile.TarInfo:
+        ti.uid = ti.gid = 0
+        ti.uname = ti.gname = ""
+        return ti
+
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name in sorted(os.listdir(root)):
+            tf.add(os.path.join(root, name), arcname=name, filter=reset)
+
+
+def unpack(path: str, dest: str) -> None:
+    """Extract an image file into the (new) folder `dest`."""
+    if path.endswith(".sqfs"):
+        r = subprocess.run(["unsquashfs", "-no-xattrs", "-quiet", "-no-progress", "-d", dest, path],
+                           capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            raise ImageBuildError(f"unsquashfs {path} failed: {r.stderr.strip()[-300:]}")
+        return
+    os.makedirs(dest)
+    with tarfile.open(path) as tf:
+        tf.extractall(dest, members=_safe_members(tf, path))
+
+
+def _safe_members(tf: tarfile.TarFile, path: str):
+    """The tar's members, refusing names outside the destination, device files, hard links out and any member
+    below a symlink of the archive (nothing is written through a link); symlinks themselves may point
+    anywhere (they are resolved inside the sandbox, as packages' absolute links must be)."""
+    links: set[str] = set()
+    for m in tf:
+        name = posixpath.normpath(m.name)
+        parts = name.split("/")
+        bad = (name.startswith(("/", "..")) or m.isdev() or (m.islnk() and posixpath.normpath(m.linkname)
+               .startswith(("/", ".."))) or any("/".join(parts[:i]) in links for i in range(1, len(parts))))
+        if bad:
+            raise ImageBuildError(f"{path}: member {m.name!r} would be extracted outside the image; not an image "
+                                  "built here")
+        if m.issym():
+            links.add(name)
+        yield m
+
+
+def store_file(store: str, digest: str) -> str | None:
+    """The image file of `digest` in `store`, when built."""
+    for ext in ("sqfs", "tar"):
+        p = os.path.join(store, f"{digest}.{ext}")
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def build(spec: ImageSpec, store: str, fmt: str | None = None) -> str:
+    """The image file of `spec` in `store` (the shared filesystem), built when missing: in a private folder of
+    the store, then published with an atomic rename (concurrent builders of one digest: the last rename wins,
+    with the same content). Returns its path."""
+    digest = spec.digest()
+    found = store_file(store, digest)
+    if found:
+        return found
+    fmt = fmt or ("sqfs" if has_squashfs() else "tar")
+    os.makedirs(store, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".build-{digest[:16]}-", dir=store)
+    try:
+        root = os.path.join(tmp, "root")
+        os.mkdir(root)
+        build_tree(spec, root, os.path.join(tmp, "work"))
+        out = os.path.join(tmp, f"{digest}.{fmt}")
+        pack(root, out, fmt)
+        os.chmod(out, 0o644)
+        with open(out, "rb") as f:
+            os.fsync(f.fileno())
+        final = os.path.join(store, f"{digest}.{fmt}")
+        os.replace(out, final)
+        fd = os.open(store, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
