@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 TEST_UID=${MRL_TEST_UID:-65534}
 PY=${MRL_VENV:-$REPO/.venv}/bin/python
-TESTS=(tests/test_sandbox.py tests/test_sandbox_pool.py tests/test_sandbox_rewards.py tests/test_sandbox_image.py
+TESTS=(tests/test_sandbox.py tests/test_sandbox_pool.py tests/test_sandbox_rewards.py tests/test_sandbox_image.py tests/test_agent_episode.py
        tests/test_sandbox_image_multiproc.py)
 
 log() { printf '[test-unprivileged] %s\n' "$*" >&2; }
@@ -20,7 +20,7 @@ tmp=$(mktemp -d /tmp/mrl-unprivileged-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 chmod 755 "$tmp"
 mkdir -m 700 "$tmp/home" && chown "$TEST_UID:$TEST_UID" "$tmp/home"
-mkdir "$tmp/src" && cp -r envs megatron_rl tests pytest.ini "$tmp/src/"
+mkdir "$tmp/src" && cp -r envs megatron_rl kernels tools tests configs pytest.ini "$tmp/src/"
 find "$tmp/src" -name __pycache__ -prune -exec rm -rf {} +
 chmod -R a+rX "$tmp/src"
 
