@@ -215,10 +215,8 @@ class RLTrainer:
         return [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in mbs], stats
 
     def _device(self) -> torch.device:
-        """Where micro-batches and the trainer's collectives live: the current GPU under NCCL, else the CPU."""
-        if self.policy.ctx.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """Where micro-batches and the trainer's collectives live: the rank's device (DistContext.device)."""
+        return self.policy.ctx.device
 
     def compute_gradients(self, cols) -> tuple[float, dict[str, torch.Tensor]]:
         """Forward+backward of one step WITHOUT the optimizer update (tests, diagnostics): the global loss
@@ -384,7 +382,7 @@ class RLTrainer:
         rank."""
         keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
         t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self._device())  # [K]
-        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=t.device)  # [K]
+        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=self._device())  # [K]
         pgs = self.policy.ctx.pgs
         for group in (pgs.pp, pgs.dp_cp):
             torch.distributed.all_reduce(t, group=group)
