@@ -1,11 +1,14 @@
 """PPO with a critic through the product path: `megatron-rl train configs/demo_cpu.yaml` with
 `rl.trainer.advantage.name=gae` (it failed at the first step: no values reached GAE) on one torchrun rank.
-The value loss falls over the steps, the final export ignores the critic's tensors, and a run resumed from the
-step-2 checkpoint (critic model, value head, optimizer and schedule restored) equals the unbroken run."""
+It runs under the CPU device check (MEGATRON_RL_DEVICE_CHECK=nccl: warm-up, RL steps, stop agreement,
+checkpoints). The value loss falls over the steps, the final export ignores the critic's tensors, and a run
+resumed from the step-1 checkpoint (critic model, value head, optimizer and schedule restored) equals the
+unbroken run."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -15,16 +18,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
-# no warm-up (the tiny model starts from its random initialisation), one rank, 3 RL steps of 4 x 4 samples
-GAE = ("train.steps=0", "data.train_tasks=16", "data.heldout_tasks=8", "eval.k=2", "eval.every=0", "eval.tasks=4",
+# a 2-step warm-up (the tiny model is nearly random: rewards are 0, the critic learns their level), one rank,
+# 3 RL steps of 4 x 4 samples; under the device check (collectives refuse tensors not on the rank's device)
+GAE = ("train.steps=2", "train.eval_every=2", "data.train_tasks=16", "data.heldout_tasks=8", "eval.k=2",
+       "eval.every=0", "eval.tasks=4",
        "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false", "launch.nproc_per_node=1",
        "parallel.tp=1", "rl.dynamic_sampling=false", "rl.steps=3", "rl.checkpoint_every=1",
        "rl.trainer.advantage.name=gae", "rl.trainer.loss.name=ppo", "rl.trainer.critic.optim.lr=3e-4")
 
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MEGATRON_RL_DEVICE_CHECK": "nccl"}
     return subprocess.run([EXE, "train", "configs/demo_cpu.yaml", f"output_dir={out}", *GAE, *extra], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
 
 
 def _rl_rows(run: Path) -> dict[int, dict]:
@@ -39,6 +45,7 @@ def test_ppo_gae_through_megatron_rl_train_learns_values_and_resumes_exactly(tmp
     proc = _train(tmp_path / "a")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = tmp_path / "a" / "demo"
+    assert "collectives check that their tensors are on the rank's device" in proc.stderr
     a = _rl_rows(run)
     assert sorted(a) == [0, 1, 2] and not any(r["update_skipped"] for r in a.values())
     losses = [a[s]["value_loss"] for s in range(3)]

@@ -77,17 +77,20 @@ def _cuda_like(device: Any) -> bool:
 
 def on_device(t: torch.Tensor) -> bool:
     """Whether `t` would be on the rank's GPU in a real NCCL run."""
-    if t.is_cuda or isinstance(t, torch.nn.Parameter) or getattr(t, _TAG, False):
+    tag = getattr(t, _TAG, None)
+    if tag is not None:
+        return tag
+    if t.is_cuda or isinstance(t, torch.nn.Parameter):
         return True
     base = getattr(t, "_base", None)
     return base is not None and on_device(base)
 
 
-def _tag(out: Any) -> None:
+def _tag(out: Any, value: bool = True) -> None:
     for x in tree_flatten(out)[0]:
         if isinstance(x, torch.Tensor):
             try:
-                setattr(x, _TAG, True)
+                setattr(x, _TAG, value)
             except (AttributeError, RuntimeError):  # some C++-owned tensors refuse attributes
                 pass
 
@@ -98,11 +101,22 @@ class DeviceTagMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _wants_device(func, args, kwargs) or any(isinstance(x, torch.Tensor) and on_device(x)
-                                                    for x in tree_flatten((args, kwargs))[0]):
-            if func not in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item):
-                _tag(out)
+        if _to_host(func, args, kwargs):
+            if isinstance(out, torch.Tensor) and args and out is args[0]:
+                out = out.view_as(out)  # on a GPU a new host tensor; here an alias tagged as host
+            _tag(out, False)
+        elif _wants_device(func, args, kwargs) or any(isinstance(x, torch.Tensor) and on_device(x)
+                                                      for x in tree_flatten((args, kwargs))[0]):
+            _tag(out)
         return out
+
+
+def _to_host(func, args, kwargs) -> bool:
+    if func is torch.Tensor.cpu:
+        return True
+    target = args[1] if func is torch.Tensor.to and len(args) > 1 else kwargs.get("device") \
+        if func is torch.Tensor.to else None
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
 
 
 def _wants_device(func, args, kwargs) -> bool:
