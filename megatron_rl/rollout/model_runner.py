@@ -92,9 +92,10 @@ class ModelRunner:
             self.kv_heads, self.head_dim = 1, self.mla.row
 
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        dtype = next(self.model.parameters()).dtype
-        return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype,
-                            parts=1 if self.mla else 2)
+        """The paged KV pool, on the model's device (the rank's GPU under NCCL) in the model's dtype."""
+        ref = next(self.model.parameters())
+        return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, ref.dtype,
+                            device=ref.device, parts=1 if self.mla else 2)
 
     def _rope(self, positions: Tensor) -> Tensor | None:
         """RoPE frequencies [T, 1, 1, d] of the positions, or None for learned positions."""
@@ -193,7 +194,8 @@ class ModelRunner:
 
 
 def build_batch(plan: list, cache: PagedKVCache) -> Batch:
-    """Pack a scheduler plan [(sequence, chunk)] into model inputs (the chunk's blocks already allocated)."""
+    """Pack a scheduler plan [(sequence, chunk)] into model inputs (the chunk's blocks already allocated), on
+    the KV cache's device."""
     tokens, positions, slots, rows = [], [], [], []
     decode, prefill = [], []
     bs = cache.block_size
@@ -210,26 +212,28 @@ def build_batch(plan: list, cache: PagedKVCache) -> Batch:
         (decode if chunk == 1 else prefill).append((seq, first, start, chunk))
         if end == len(seq.tokens):
             rows.append(len(tokens) - 1)
-    groups = ([_decode_group(decode, bs)] if decode else []) + [_prefill_group(e, bs) for e in prefill]
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    dev = cache.kv.device
+    groups = ([_decode_group(decode, bs, dev)] if decode else []) + [_prefill_group(e, bs, dev) for e in prefill]
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(slots), groups, as_long(rows))
 
 
-def _decode_group(entries: list, bs: int) -> AttnGroup:
+def _decode_group(entries: list, bs: int, dev: torch.device) -> AttnGroup:
     """One query per sequence: (sequence, packed index, position, 1) entries."""
     nb = max(len(e[0].table.blocks) for e in entries)
-    tables = torch.tensor([e[0].table.blocks + [0] * (nb - len(e[0].table.blocks)) for e in entries])  # [S, nb]
-    ctx_len = torch.tensor([e[2] + 1 for e in entries])  # [S]
-    mask = torch.arange(nb * bs)[None, :] < ctx_len[:, None]  # [S, Lk]
-    return AttnGroup(torch.tensor([e[1] for e in entries]), True, tables.flatten(), mask[:, None, None])
+    tables = torch.tensor([e[0].table.blocks + [0] * (nb - len(e[0].table.blocks)) for e in entries],
+                          device=dev)  # [S, nb]
+    ctx_len = torch.tensor([e[2] + 1 for e in entries], device=dev)  # [S]
+    mask = torch.arange(nb * bs, device=dev)[None, :] < ctx_len[:, None]  # [S, Lk]
+    return AttnGroup(torch.tensor([e[1] for e in entries], device=dev), True, tables.flatten(), mask[:, None, None])
 
 
-def _prefill_group(entry: tuple, bs: int) -> AttnGroup:
+def _prefill_group(entry: tuple, bs: int, dev: torch.device) -> AttnGroup:
     """One sequence's chunk of queries at positions [start, start + chunk), packed from index `first`."""
     seq, first, start, chunk = entry
     nb = -(-(start + chunk) // bs)
-    key_pos = torch.arange(nb * bs)  # [Lk]
-    q_pos = torch.arange(start, start + chunk)  # [Q]
+    key_pos = torch.arange(nb * bs, device=dev)  # [Lk]
+    q_pos = torch.arange(start, start + chunk, device=dev)  # [Q]
     mask = key_pos[None, :] <= q_pos[:, None]  # [Q, Lk]
-    return AttnGroup(torch.tensor([first, first + chunk]), False, torch.tensor(seq.table.blocks[:nb]),
-                     mask[None, None])
+    return AttnGroup(torch.tensor([first, first + chunk], device=dev), False,
+                     torch.tensor(seq.table.blocks[:nb], device=dev), mask[None, None])
