@@ -104,13 +104,18 @@ def _gathered(cols, mbs, key: str) -> np.ndarray:
 @pytest.mark.slow
 def test_critic_values_align_with_tokens_and_feed_gae():
     """The packed critic's values equal unpacked forwards at the label positions; the micro-batches' advantages
-    and returns equal GAE's on those values (the estimator used to fail: no values reached it)."""
+    and returns equal GAE's on those values (the estimator used to fail: no values reached it), with
+    multi-turn masks: observation tokens inside a response carry no return."""
     from megatron_rl.rl.config import AdvantageConfig
     from megatron_rl.trainer.rl_step import advantage_output
     from tests.mp.trainer_parity import batch
 
     trainer = _trainer()
     cols = batch(0)
+    for i in range(len(cols)):  # multi-turn: an environment observation (loss_mask 0) inside each response
+        s, e = int(cols.offsets[i]) + int(cols.prompt_len[i]), int(cols.offsets[i + 1])
+        if e - s >= 6:
+            cols.loss_mask[s + 2:s + 4] = 0
     mbs, _ = trainer.prepare(cols)
     trainer._set_old_and_ref(mbs)
     late = trainer._late_advantages(cols, mbs)
@@ -121,6 +126,7 @@ def test_critic_values_align_with_tokens_and_feed_gae():
     out = advantage_output(cols, AdvantageConfig(name="gae", gamma=1.0, lam=0.95), values=torch.from_numpy(want_v))
     np.testing.assert_allclose(_gathered(cols, mbs, "advantages")[mask], out.advantages.numpy()[mask], atol=1e-4)
     np.testing.assert_allclose(_gathered(cols, mbs, "returns")[mask], out.returns.numpy()[mask], atol=1e-4)
+    assert not _gathered(cols, mbs, "returns")[~mask].any()  # observation and prompt tokens are no MDP steps
     assert math.isfinite(late["explained_variance"]) and "value_mean" in late
 
 

@@ -24,7 +24,7 @@ GAE = ("train.steps=2", "train.eval_every=2", "data.train_tasks=16", "data.heldo
        "eval.every=0", "eval.tasks=4",
        "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false", "launch.nproc_per_node=1",
        "parallel.tp=1", "rl.dynamic_sampling=false", "rl.steps=3", "rl.checkpoint_every=1",
-       "rl.trainer.advantage.name=gae", "rl.trainer.loss.name=ppo", "rl.trainer.critic.optim.lr=3e-4")
+       "rl.trainer.advantage.name=gae", "rl.trainer.loss.name=ppo", "rl.trainer.critic.optim.lr=1e-4")
 
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:

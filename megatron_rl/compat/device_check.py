@@ -77,6 +77,8 @@ def _cuda_like(device: Any) -> bool:
 
 def on_device(t: torch.Tensor) -> bool:
     """Whether `t` would be on the rank's GPU in a real NCCL run."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return True  # a library's tensor subclass (ShardedTensor, DTensor, ...): it places its own data
     tag = getattr(t, _TAG, None)
     if tag is not None:
         return tag
