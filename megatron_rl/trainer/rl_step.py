@@ -42,6 +42,14 @@ engine's behaviour log-probs against the trainer's log-probs of the same tokens 
 pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
 train/rollout disagreement (plus the policy lag of stale samples); 0 only when both compute the same values.
 
+Critic (PPO with GAE: `critic` config, built by default exactly when advantage.name is 'gae'): a value model
+(`trainer.critic.ValueModel`: the policy's architecture and layout with a scalar head, its own optimizer and
+schedule). Its forward-only values V(s_t) [1, S] are gathered like the KL above into the global batch's
+layout, GAE's advantages and returns computed over the whole batch and written back; after the policy's
+epochs the critic runs as many epochs of the clipped value loss (`rl.value`) on the same micro-batches.
+Metrics: value_loss and value_clip_fraction (first epoch: the critic before this step's update),
+explained_variance of the returns by the values GAE used, value_mean, value_grad_norm.
+
 Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
 with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
 """
