@@ -22,6 +22,7 @@ torch (they place their buffers on the current device themselves).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -155,6 +156,13 @@ def _checked(name: str, orig: Callable) -> Callable:
                             "(DistContext.device) or move it with .to(ctx.device)")
         return orig(*args, **kwargs)
     return wrapper
+
+
+def modes_off():
+    """A context that turns torch-function modes off for a hot path (the rollout engine's step: the CPU compat
+    layer's per-op hook is pure overhead there), except under the check, which follows placements through
+    them (slower, debug only)."""
+    return contextlib.nullcontext() if enabled() else torch._C.DisableTorchFunction()
 
 
 def install() -> bool:

@@ -114,13 +114,13 @@ class RolloutEngine:
     """Paged, continuously batched generation from a Megatron GPTModel (see module docstring)."""
 
     def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0,
-                 summarizer: Summarizer | None = None, valid_vocab: int | None = None):
+                 summarizer: Summarizer | None = None, valid_vocab: int | None = None, device=None):
         self.cfg = cfg or EngineConfig()
         self.valid_vocab = valid_vocab  # ids >= this pad the model's vocab: never sampled, not in any log-prob
         self.summarizer = summarizer
         self.cfg.validate()
         self.runner = ModelRunner(model, tp_group, cp_group)
-        self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
+        self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size, device)  # + batches
         self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running,
                                    self.cfg.prefix_cache)
         self.version = version
@@ -133,14 +133,16 @@ class RolloutEngine:
 
     @classmethod
     def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0,
-              valid_vocab: int | None = None):
+              valid_vocab: int | None = None, device=None):
         """Build the policy with `build_gpt` (the trainer's definition) and wrap it; `valid_vocab`: the
-        tokenizer's size when the model's vocabulary is padded past it."""
+        tokenizer's size when the model's vocabulary is padded past it; `device`: the rank's (ctx.device), where
+        the KV cache and every batch live (None: the model's)."""
         from megatron_rl.models.gpt import build_gpt
         from megatron_rl.parallel import ParallelConfig
 
         model = build_gpt(model_cfg, parallel or ParallelConfig(), pgs)
-        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab)
+        return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab,
+                   device=device)
 
     @property
     def model(self):
@@ -232,8 +234,10 @@ class RolloutEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled mixed batch; returns the requests that finished."""
         # inference_mode for the whole step; torch-function modes (the CPU compat layer's CUDA->CPU remap)
-        # off: nothing here places tensors on CUDA and the mode's Python hook per op is pure overhead
-        with self.lock, torch.inference_mode(), torch._C.DisableTorchFunction():
+        # off: the mode's Python hook per op is pure overhead (on, under the CPU device check)
+        from megatron_rl.compat.device_check import modes_off
+
+        with self.lock, torch.inference_mode(), modes_off():
             plan = self.scheduler.schedule()
             if plan:
                 t0 = time.perf_counter()

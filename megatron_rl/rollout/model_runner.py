@@ -91,11 +91,12 @@ class ModelRunner:
             self.mla = MLAAttention(model, self.tp_group)
             self.kv_heads, self.head_dim = 1, self.mla.row
 
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """The paged KV pool, on the model's device (the rank's GPU under NCCL) in the model's dtype."""
+    def make_cache(self, num_blocks: int, block_size: int, device=None) -> PagedKVCache:
+        """The paged KV pool in the model's dtype, on `device` (the rank's: its GPU under NCCL; None: the
+        model's device); the engine's batches follow it (`PagedKVCache.device`)."""
         ref = next(self.model.parameters())
         return PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, ref.dtype,
-                            device=ref.device, parts=1 if self.mla else 2)
+                            device=ref.device if device is None else device, parts=1 if self.mla else 2)
 
     def _rope(self, positions: Tensor) -> Tensor | None:
         """RoPE frequencies [T, 1, 1, d] of the positions, or None for learned positions."""
@@ -113,7 +114,9 @@ class ModelRunner:
         Torch-function modes (the CPU compat layer's CUDA->CPU remapping) are off inside: this path
         places nothing on CUDA, and the mode's Python hook on every op cost ~2x the step time on CPU.
         """
-        with torch._C.DisableTorchFunction():
+        from megatron_rl.compat.device_check import modes_off
+
+        with modes_off():  # (kept on under the CPU device check, which follows placements through them)
             return self._forward(batch, cache)
 
     def _forward(self, batch: Batch, cache: PagedKVCache) -> Tensor:
@@ -212,7 +215,7 @@ def build_batch(plan: list, cache: PagedKVCache) -> Batch:
         (decode if chunk == 1 else prefill).append((seq, first, start, chunk))
         if end == len(seq.tokens):
             rows.append(len(tokens) - 1)
-    dev = cache.kv.device
+    dev = cache.device
     groups = ([_decode_group(decode, bs, dev)] if decode else []) + [_prefill_group(e, bs, dev) for e in prefill]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(slots), groups, as_long(rows))
