@@ -7,17 +7,20 @@ it), `init_distributed` simulates NCCL's placement rule on CPU:
 
 - the rank's device (`DistContext.device`) becomes `cuda:0`, which `compat.cpu` still maps to the CPU, so
   the same code runs; `DeviceTagMode` (a TorchFunctionMode above `compat.cpu`'s) tags every tensor created
-  for a CUDA device (`device=` kwarg, `.to(...)`, `.cuda()`) and every result of an op with a tagged input;
-  parameters count as device tensors (Megatron builds them on the current device);
+  for a CUDA device (`device=` kwarg, `.to(...)`, `.cuda()`) and every result of an op with a tagged input
+  (custom autograd Functions' outputs too); parameters count as device tensors (Megatron builds them on the
+  current device); `.cpu()` / `.to("cpu")` results are host tensors;
 - `torch.distributed`'s tensor collectives check their tensors: an untagged one raises `DeviceCheckError`
   naming the collective, the tensor and the call site (file:line, function), and the fix.
 
-One idiom it cannot follow: `device=t.device` reads the CPU here even when `t` is tagged; write
-`device=ctx.device` (what it means on a GPU too).
+An idiom it cannot follow: `device=t.device` reads the CPU here even when `t` is tagged; write
+`device=ctx.device`, or write device data into it (an in-place op or `x[i] = v` with a tagged `v` tags `x`).
 
 Scope: collectives called from this repository's code (megatron_rl/, tools/, envs/, kernels/, benchmarks/);
 Megatron-Core's own collectives run on NCCL in production and are not re-checked, nor are those in a
-backward pass (gradients live where autograd put them). `*_object` collectives move pickles and are left to
+backward pass (gradients live where autograd put them) or inside a custom autograd Function's forward (the
+fused log-prob kernels: torch pops every mode there, so placements cannot be followed; their GPU tests cover
+them). `*_object` collectives move pickles and are left to
 torch (they place their buffers on the current device themselves).
 """
 from __future__ import annotations
@@ -49,6 +52,7 @@ _OURS = tuple(str(_REPO / d) + os.sep for d in ("megatron_rl", "tools", "envs", 
 _SELF = str(Path(__file__).resolve())
 _TAG = "_megatron_rl_on_device"
 _state: dict[str, Any] = {"mode": None, "undo": []}
+
 
 
 class DeviceCheckError(RuntimeError):
@@ -90,12 +94,17 @@ def on_device(t: torch.Tensor) -> bool:
 
 
 def _tag(out: Any, value: bool = True) -> None:
-    for x in tree_flatten(out)[0]:
-        if isinstance(x, torch.Tensor):
-            try:
-                setattr(x, _TAG, value)
-            except (AttributeError, RuntimeError):  # some C++-owned tensors refuse attributes
-                pass
+    if isinstance(out, (tuple, list)):  # also torch.return_types (max, topk, sort ...), which pytree keeps whole
+        for x in out:
+            _tag(x, value)
+    elif isinstance(out, dict):
+        for x in out.values():
+            _tag(x, value)
+    elif isinstance(out, torch.Tensor):
+        try:
+            setattr(out, _TAG, value)
+        except (AttributeError, RuntimeError):  # some C++-owned tensors refuse attributes
+            pass
 
 
 class DeviceTagMode(TorchFunctionMode):
@@ -111,7 +120,14 @@ class DeviceTagMode(TorchFunctionMode):
         elif _wants_device(func, args, kwargs) or any(isinstance(x, torch.Tensor) and on_device(x)
                                                       for x in tree_flatten((args, kwargs))[0]):
             _tag(out)
+            if args and isinstance(args[0], torch.Tensor) and _in_place(func):
+                _tag(args[0])  # x[i] = v, x.copy_(v), x.add_(v): x holds device data
         return out
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
 
 
 def _to_host(func, args, kwargs) -> bool:
@@ -141,10 +157,17 @@ def _call_site() -> traceback.FrameSummary | None:
     return None
 
 
+def _followed() -> bool:
+    """Placements can be followed here: not in a backward pass, and the tag mode is on the stack (it is not
+    inside a custom autograd Function's forward or another torch-function handler, where modes are popped)."""
+    return torch._C._current_graph_task_id() == -1 and \
+        _state["mode"] in torch.overrides._get_current_function_mode_stack()
+
+
 def _checked(name: str, orig: Callable) -> Callable:
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
+        if _followed():
             site = _call_site()
             if site is not None:
                 for t in tree_flatten((args, kwargs))[0]:
@@ -165,6 +188,22 @@ def modes_off():
     return contextlib.nullcontext() if enabled() else torch._C.DisableTorchFunction()
 
 
+def _tag_function_outputs():
+    """Tag the outputs of custom autograd Functions (Megatron's tensor-parallel mappings, our kernels) when an
+    input is on the device: torch runs `Function.apply` outside the torch-function modes. Returns the original."""
+    orig = torch.autograd.Function.__dict__["apply"]
+    func = orig.__func__
+
+    def apply(cls, *args, **kwargs):
+        out = func(cls, *args, **kwargs)
+        if any(isinstance(x, torch.Tensor) and on_device(x) for x in tree_flatten((args, kwargs))[0]):
+            _tag(out)
+        return out
+
+    torch.autograd.Function.apply = classmethod(apply)
+    return orig
+
+
 def install() -> bool:
     """Install the check if MEGATRON_RL_DEVICE_CHECK asks for it (call after `compat.cpu.apply()`, so the tag
     mode sees CUDA placements before they are mapped); returns whether it is on. Idempotent."""
@@ -174,7 +213,7 @@ def install() -> bool:
         return False
     mode = DeviceTagMode()
     mode.__enter__()
-    undo = []
+    undo = [("Function.apply", _tag_function_outputs())]
     for name in CHECKED:
         orig = getattr(dist, name, None)
         if orig is not None:
@@ -192,6 +231,9 @@ def uninstall() -> None:
     if mode is None:
         return
     for name, orig in _state["undo"]:
-        setattr(dist, name, orig)
+        if name == "Function.apply":
+            torch.autograd.Function.apply = orig
+        else:
+            setattr(dist, name, orig)
     mode.__exit__(None, None, None)
     _state.update(mode=None, undo=[])
