@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -388,7 +387,6 @@ def run_checks(args, checks: list[dict]) -> dict:
 
     from megatron_rl.distributed import init_distributed
 
-    os.environ.setdefault("NVTE_FLASH_ATTN", "1")
     ctx = init_distributed(source="single")
     model_parallel_cuda_manual_seed(0)
     if "trainer_bf16" in rest:
