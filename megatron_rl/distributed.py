@@ -159,6 +159,13 @@ class DistContext:
         return self.launch.rank
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank's tensors and collectives live, chosen here only: its GPU under NCCL (set at the
+        start from the local rank), else the CPU; `cuda:0` under the CPU device check (compat/device_check.py:
+        mapped to the CPU, but collectives then refuse tensors never placed on it)."""
+        return rank_device(self.backend)
+
+    @property
     def world_size(self) -> int:
         return self.launch.world_size
 
@@ -169,6 +176,15 @@ class DistContext:
     def coordinates(self) -> dict[str, int]:
         """This rank's index inside each group."""
         return {name: dist.get_rank(getattr(self.pgs, name)) for name in ("tp", "pp", "dp", "cp", "ep")}
+
+
+def rank_device(backend: str) -> torch.device:
+    """The device of a rank whose process group uses `backend` (see `DistContext.device`)."""
+    from megatron_rl.compat import device_check
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", 0) if device_check.enabled() else torch.device("cpu")
 
 
 def init_distributed(parallel: ParallelConfig | None = None, backend: str = "auto", source: Source = "auto",
@@ -182,6 +198,9 @@ def init_distributed(parallel: ParallelConfig | None = None, backend: str = "aut
         from megatron_rl.compat import cpu as cpu_compat
 
         cpu_compat.apply()
+        from megatron_rl.compat import device_check
+
+        device_check.install()  # MEGATRON_RL_DEVICE_CHECK=nccl: collectives refuse host tensors (debug, tests)
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -204,7 +223,14 @@ def probe(source: Source = "auto", backend: str = "auto") -> dict:
     """Initialise torch.distributed only, all-reduce (rank + 1), return what this rank saw."""
     launch = detect_launch(source)
     used = init_process_group(launch, backend, timeout_minutes=2)
-    t = torch.tensor([float(launch.rank + 1)])
+    if not torch.cuda.is_available():
+        from megatron_rl.compat import cpu as cpu_compat
+        from megatron_rl.compat import device_check
+
+        if device_check.requested():
+            cpu_compat.apply()
+            device_check.install()
+    t = torch.tensor([float(launch.rank + 1)], device=rank_device(used))  # NCCL: on this rank's GPU
     dist.all_reduce(t)
     out = {**asdict(launch), "backend": used, "allreduce": t.item(), "host": socket.gethostname()}
     dist.barrier()

@@ -55,7 +55,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag 
         parts.monitor.check(step, metrics)
         if setup.eval_due(cfg, step):
             setup.evaluate(parts, rollouts, step=step + 1)
-        reason = stop.agreed(parts.monitor.should_stop)
+        reason = stop.agreed(parts.monitor.should_stop, ctx.device)
         if reason or step == last or (cfg.rl.checkpoint_every and (step + 1) % cfg.rl.checkpoint_every == 0):
             S.checkpoint(parts, rollouts, run_dir, step + 1)
         if reason and step != last:
@@ -79,8 +79,9 @@ class StopFlag:
     def _handler(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name
 
-    def agreed(self, alert: str | None) -> str | None:
-        t = torch.tensor([float(self.signal is not None), float(alert is not None)])
+    def agreed(self, alert: str | None, device: torch.device) -> str | None:
+        """Whether any rank was signalled or alerted; `device`: the rank's (ctx.device; NCCL needs its GPU)."""
+        t = torch.tensor([float(self.signal is not None), float(alert is not None)], device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         if t[0] > 0:
             return f"signal {self.signal or 'on another rank'}"

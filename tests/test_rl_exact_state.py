@@ -173,7 +173,7 @@ def test_reinforce_pp_with_kl_in_reward_trains_and_uses_the_reference_kl():
     cols = batch(1)
     mbs, _ = trainer.prepare(cols)
     trainer._set_old_and_ref(mbs)
-    trainer._kl_in_reward(cols, mbs)
+    trainer._late_advantages(cols, mbs)
     ctx, mask = trainer.policy.ctx, cols.loss_mask.astype(bool)
     kl = np.where(mask, _sample_logprobs(trainer.policy.chunks[0].module, cols, ctx)
                   - _sample_logprobs(trainer.reference.chunks[0], cols, ctx), 0.0)  # [T] k1

@@ -141,7 +141,8 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     if checkpoint is not None:
         load_checkpoint(policy, checkpoint)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
-    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size,
+                                 device=ctx.device)
     engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
     runner = episode_runner(cfg, Path(cfg.output_dir) / cfg.name) if rank0 else None
     rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed,

@@ -83,13 +83,14 @@ def _batches(path: Path, seq_length: int, pad_id: int) -> dict[str, torch.Tensor
             "loss_mask": mask[:, 1:].contiguous()}
 
 
-def _microbatches(data: dict, index: torch.Tensor, mbs: int) -> list[dict]:
+def _microbatches(data: dict, index: torch.Tensor, mbs: int, device: torch.device) -> list[dict]:
+    """Micro-batches of the samples `index`, on the rank's `device` (the model's; NCCL's)."""
     s = data["tokens"].shape[1]
     pos = torch.arange(s).unsqueeze(0)
     out = []
     for chunk in index.split(mbs):
-        mb = {k: v[chunk] for k, v in data.items()}
-        mb["position_ids"] = pos.expand(len(chunk), s)
+        mb = {k: v[chunk].to(device) for k, v in data.items()}
+        mb["position_ids"] = pos.expand(len(chunk), s).to(device)
         out.append(mb)
     return out
 
@@ -109,27 +110,27 @@ def make_loss_fn(global_tokens: float, scale: float):
     return loss_fn
 
 
-def _global_tokens(mbs: list[dict], dp_group) -> float:
-    t = torch.tensor([sum(float(m["loss_mask"].sum()) for m in mbs)])
+def _global_tokens(mbs: list[dict], dp_group, device: torch.device) -> float:
+    t = torch.tensor([sum(float(m["loss_mask"].sum()) for m in mbs)], device=device)
     torch.distributed.all_reduce(t, group=dp_group)
     return max(float(t.item()), 1.0)
 
 
-def _from_last_stage(metrics: dict, keys: tuple[str, ...], pp_group, dp_group) -> dict:
+def _from_last_stage(metrics: dict, keys: tuple[str, ...], pp_group, dp_group, device: torch.device) -> dict:
     """Sum `keys` over data-parallel ranks, taken from the last pipeline stage, known on every rank."""
-    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t, group=pp_group)  # only the last stage holds non-zero values
     torch.distributed.all_reduce(t, group=dp_group)
     return dict(zip(keys, t.tolist()))
 
 
 def _run_step(policy, data, index, cfg, ctx, forward_only: bool) -> dict:
-    mbs = _microbatches(data, index, cfg.train.micro_batch_size)
-    n_tok = _global_tokens(mbs, ctx.pgs.dp)
+    mbs = _microbatches(data, index, cfg.train.micro_batch_size, ctx.device)
+    n_tok = _global_tokens(mbs, ctx.pgs.dp, ctx.device)
     loss_fn = make_loss_fn(n_tok, len(mbs) * ctx.parallel.dp)
     run = policy.evaluate if forward_only else policy.train_step
     raw = run(mbs, loss_fn, cfg.train.seq_length)
-    m = _from_last_stage(raw, ("loss_sum", "tokens"), ctx.pgs.pp, ctx.pgs.dp)
+    m = _from_last_stage(raw, ("loss_sum", "tokens"), ctx.pgs.pp, ctx.pgs.dp, ctx.device)
     out = {"loss": m["loss_sum"] / max(m["tokens"], 1.0), "tokens": m["tokens"]}
     if not forward_only:
         out.update(grad_norm=raw.get("grad_norm"), lr=policy.optimizer.param_groups[0]["lr"])
@@ -233,7 +234,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
             log.write("sft_eval", step, _run_step(policy, held, held_mine, cfg, ctx, True))
         mine = draw()[dp_rank * per_step:(dp_rank + 1) * per_step]
         log.write("sft", step, _run_step(policy, train, mine, cfg, ctx, False))
-        reason = stop.agreed(None) if stop is not None else None
+        reason = stop.agreed(None, ctx.device) if stop is not None else None
         if step + 1 < steps and (reason or (every and (step + 1) % every == 0)):
             path = _save_warmup(policy, run_dir, step + 1, ctx.rank == 0)
             if reason:
@@ -243,7 +244,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
     if start < steps:
         log.write("sft_eval", steps, _run_step(policy, held, held_mine, cfg, ctx, True))
         _save_warmup(policy, run_dir, steps, ctx.rank == 0)
-    reason = stop.agreed(None) if stop is not None else None
+    reason = stop.agreed(None, ctx.device) if stop is not None else None
     if reason:
         log.note(f"stopped after the warm-up ({reason}); checkpoint saved, rerun the same command to resume")
     return policy, reason

@@ -138,7 +138,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
     engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size,
-                                 record_routes=cfg.rl.trainer.routing_replay != "off")  # MoE routing replay
+                                 record_routes=cfg.rl.trainer.routing_replay != "off",  # MoE routing replay
+                                 device=ctx.device)
     runner = episode_runner(cfg, run_dir) if rank0 else None
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
@@ -220,7 +221,8 @@ class Clock:
 
 
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
-              "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac")
+              "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac", "value_loss",
+              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm")
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:

@@ -6,6 +6,7 @@ The KL reference (`rl.trainer.reference`) is SAVED in every checkpoint and resto
 the policy at the start of the RL phase (the warm-up's result or model.init's weights), which a resumed job
 does not rebuild (the warm-up is not rerun, and the trainer is built before the checkpoint loads, from the
 model's initialiser), so a resumed run computes its KL term against exactly the reference of the unbroken run.
+The PPO critic (advantage gae) is saved and restored with them: its model, value head, optimizer and schedule.
 `<run>/checkpoints/latest` names the newest complete checkpoint (written after the save, atomically)."""
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
              "alert_rewards": alerts[0]}
     name = f"step-{step:06d}"
     path = Path(run_dir) / "checkpoints" / name
-    save_checkpoint(parts.policy, path, reference=parts.trainer.reference, extra={"driver": json.dumps(state)})
+    save_checkpoint(parts.policy, path, reference=parts.trainer.reference, extra={"driver": json.dumps(state)},
+                    critic=parts.trainer.critic)
     torch.distributed.barrier()
     if parts.is_rank0:
         tmp = path.parent / "latest.tmp"
@@ -46,7 +48,8 @@ def resume(parts, rollouts, run_dir: Path) -> int:
     from megatron_rl.trainer.checkpoint import load_checkpoint
 
     path = latest(run_dir)
-    state = json.loads(load_checkpoint(parts.policy, path, reference=parts.trainer.reference)["driver"])
+    state = json.loads(load_checkpoint(parts.policy, path, reference=parts.trainer.reference,
+                                       critic=parts.trainer.critic)["driver"])
     parts.sampler.load_state_dict(state["sampler"])
     rollouts.load_state_dict(state["rollouts"], parts.tasks_by_id)
     parts.monitor.rewards = list(state["alert_rewards"])

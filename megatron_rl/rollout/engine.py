@@ -129,7 +129,7 @@ class RolloutEngine:
 
     def __init__(self, model, cfg: EngineConfig | None = None, tp_group=None, cp_group=None, version: int = 0,
                  summarizer: Summarizer | None = None, valid_vocab: int | None = None,
-                 moe_layers: list[int] | None = None):
+                 moe_layers: list[int] | None = None, device=None):
         self.cfg = cfg or EngineConfig()
         self.valid_vocab = valid_vocab  # ids >= this pad the model's vocab: never sampled, not in any log-prob
         self.summarizer = summarizer
@@ -137,7 +137,7 @@ class RolloutEngine:
         self.runner = ModelRunner(model, tp_group, cp_group)
         if moe_layers is not None:  # routing replay: record every token's experts (models/routing_replay.py)
             self.runner.record_routes(moe_layers)
-        self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size)
+        self.cache = self.runner.make_cache(self.cfg.num_blocks, self.cfg.block_size, device)  # + batches
         self.scheduler = Scheduler(self.cache, self.cfg.max_tokens_per_step, self.cfg.max_running,
                                    self.cfg.prefix_cache)
         self.version = version
@@ -150,10 +150,11 @@ class RolloutEngine:
 
     @classmethod
     def build(cls, model_cfg, cfg: EngineConfig | None = None, parallel=None, pgs=None, version: int = 0,
-              valid_vocab: int | None = None, record_routes: bool = False):
+              valid_vocab: int | None = None, record_routes: bool = False, device=None):
         """Build the policy with `build_gpt` (the trainer's definition) and wrap it; `valid_vocab`: the
         tokenizer's size when the model's vocabulary is padded past it; `record_routes`: keep each token's
-        experts (routing replay, `SampleOutput.routed_experts`)."""
+        experts (routing replay, `SampleOutput.routed_experts`); `device`: the rank's (ctx.device), where the KV
+        cache and every batch live (None: the model's)."""
         import dataclasses
 
         from megatron_rl.models.gpt import build_gpt
@@ -168,7 +169,7 @@ class RolloutEngine:
         parallel = dataclasses.replace(parallel or ParallelConfig(), sequence_parallel=False)
         model = build_gpt(model_cfg, parallel, pgs)
         return cls(model, cfg, getattr(pgs, "tp", None), getattr(pgs, "cp", None), version, valid_vocab=valid_vocab,
-                   moe_layers=moe_layer_ids(model_cfg) if record_routes else None)
+                   moe_layers=moe_layer_ids(model_cfg) if record_routes else None, device=device)
 
     @property
     def model(self):
@@ -260,8 +261,10 @@ class RolloutEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled mixed batch; returns the requests that finished."""
         # inference_mode for the whole step; torch-function modes (the CPU compat layer's CUDA->CPU remap)
-        # off: nothing here places tensors on CUDA and the mode's Python hook per op is pure overhead
-        with self.lock, torch.inference_mode(), torch._C.DisableTorchFunction():
+        # off: the mode's Python hook per op is pure overhead (on, under the CPU device check)
+        from megatron_rl.compat.device_check import modes_off
+
+        with self.lock, torch.inference_mode(), modes_off():
             plan = self.scheduler.schedule()
             if plan:
                 t0 = time.perf_counter()

@@ -111,6 +111,8 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", parts: int = 2):
         self.block_size = block_size
+        self.device = torch.device(device)
+        """The device asked for (the rank's), where batches are built; `kv` lives there."""
         self.kv = torch.zeros(num_layers, parts, num_blocks, block_size, kv_heads, head_dim, dtype=dtype,
                               device=device)  # [L, 2 (K, V) or 1 (MLA latent row), NB, bs, kvh, d]
         self.allocator = BlockAllocator(num_blocks)

@@ -103,10 +103,12 @@ class ModelRunner:
         if not self.replays:
             raise ValueError("routing replay: the model has no MoE layer to record (set model.moe.num_experts)")
 
-    def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        dtype = next(self.model.parameters()).dtype
-        cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, dtype,
-                             parts=1 if self.mla else 2)
+    def make_cache(self, num_blocks: int, block_size: int, device=None) -> PagedKVCache:
+        """The paged KV pool in the model's dtype, on `device` (the rank's: its GPU under NCCL; None: the
+        model's device); the engine's batches follow it (`PagedKVCache.device`)."""
+        ref = next(self.model.parameters())
+        cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads, self.head_dim, ref.dtype,
+                             device=ref.device if device is None else device, parts=1 if self.mla else 2)
         if self.replays:
             cache.enable_routes(len(self.replays), self.model.config.moe_router_topk)
         return cache
@@ -127,7 +129,9 @@ class ModelRunner:
         Torch-function modes (the CPU compat layer's CUDA->CPU remapping) are off inside: this path
         places nothing on CUDA, and the mode's Python hook on every op cost ~2x the step time on CPU.
         """
-        with torch._C.DisableTorchFunction():
+        from megatron_rl.compat.device_check import modes_off
+
+        with modes_off():  # (kept on under the CPU device check, which follows placements through them)
             return self._forward(batch, cache)
 
     def _forward(self, batch: Batch, cache: PagedKVCache) -> Tensor:
@@ -213,7 +217,8 @@ class ModelRunner:
 
 
 def build_batch(plan: list, cache: PagedKVCache) -> Batch:
-    """Pack a scheduler plan [(sequence, chunk)] into model inputs (the chunk's blocks already allocated)."""
+    """Pack a scheduler plan [(sequence, chunk)] into model inputs (the chunk's blocks already allocated), on
+    the KV cache's device."""
     tokens, positions, slots, rows = [], [], [], []
     decode, prefill = [], []
     bs = cache.block_size
@@ -230,26 +235,28 @@ def build_batch(plan: list, cache: PagedKVCache) -> Batch:
         (decode if chunk == 1 else prefill).append((seq, first, start, chunk))
         if end == len(seq.tokens):
             rows.append(len(tokens) - 1)
-    groups = ([_decode_group(decode, bs)] if decode else []) + [_prefill_group(e, bs) for e in prefill]
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    dev = cache.device
+    groups = ([_decode_group(decode, bs, dev)] if decode else []) + [_prefill_group(e, bs, dev) for e in prefill]
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
     return Batch(as_long(tokens), as_long(positions), as_long(slots), groups, as_long(rows))
 
 
-def _decode_group(entries: list, bs: int) -> AttnGroup:
+def _decode_group(entries: list, bs: int, dev: torch.device) -> AttnGroup:
     """One query per sequence: (sequence, packed index, position, 1) entries."""
     nb = max(len(e[0].table.blocks) for e in entries)
-    tables = torch.tensor([e[0].table.blocks + [0] * (nb - len(e[0].table.blocks)) for e in entries])  # [S, nb]
-    ctx_len = torch.tensor([e[2] + 1 for e in entries])  # [S]
-    mask = torch.arange(nb * bs)[None, :] < ctx_len[:, None]  # [S, Lk]
-    return AttnGroup(torch.tensor([e[1] for e in entries]), True, tables.flatten(), mask[:, None, None])
+    tables = torch.tensor([e[0].table.blocks + [0] * (nb - len(e[0].table.blocks)) for e in entries],
+                          device=dev)  # [S, nb]
+    ctx_len = torch.tensor([e[2] + 1 for e in entries], device=dev)  # [S]
+    mask = torch.arange(nb * bs, device=dev)[None, :] < ctx_len[:, None]  # [S, Lk]
+    return AttnGroup(torch.tensor([e[1] for e in entries], device=dev), True, tables.flatten(), mask[:, None, None])
 
 
-def _prefill_group(entry: tuple, bs: int) -> AttnGroup:
+def _prefill_group(entry: tuple, bs: int, dev: torch.device) -> AttnGroup:
     """One sequence's chunk of queries at positions [start, start + chunk), packed from index `first`."""
     seq, first, start, chunk = entry
     nb = -(-(start + chunk) // bs)
-    key_pos = torch.arange(nb * bs)  # [Lk]
-    q_pos = torch.arange(start, start + chunk)  # [Q]
+    key_pos = torch.arange(nb * bs, device=dev)  # [Lk]
+    q_pos = torch.arange(start, start + chunk, device=dev)  # [Q]
     mask = key_pos[None, :] <= q_pos[:, None]  # [Q, Lk]
-    return AttnGroup(torch.tensor([first, first + chunk]), False, torch.tensor(seq.table.blocks[:nb]),
-                     mask[None, None])
+    return AttnGroup(torch.tensor([first, first + chunk], device=dev), False,
+                     torch.tensor(seq.table.blocks[:nb], device=dev), mask[None, None])

@@ -71,7 +71,7 @@ def filtered_logprobs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p:
 def _mask_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Set logits outside each row's top-k and top-p set to -inf; scaled [B, V] -> [B, V]."""
     sorted_z, order = scaled.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(scaled.shape[-1])[None, :]  # [1, V]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]  # [1, V]
     k = torch.where(top_k > 0, top_k, scaled.shape[-1])[:, None]  # [B, 1]
     drop = rank >= k  # [B, V]
     probs = torch.softmax(sorted_z.masked_fill(drop, float("-inf")), dim=-1)  # [B, V]
@@ -84,14 +84,15 @@ def _mask_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
            ) -> tuple[Tensor, Tensor]:
     """Tokens [B] and their log-probs [B] for fp32 logits [B, V], one params/generator per row."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)  # [B]
-    top_k = torch.tensor([p.top_k for p in params])  # [B]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)  # [B]
+    dev = logits.device  # the engine's (the rank's GPU under NCCL); the per-sample generators stay on the CPU
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)  # [B]
+    top_k = torch.tensor([p.top_k for p in params], device=dev)  # [B]
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)  # [B]
     if all(p.temperature == 0 for p in params):  # all greedy: no draw, the plain log-softmax (see above)
         tokens = logits.argmax(-1)  # [B]
         return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     logp = filtered_logprobs(logits, temperature, top_k, top_p)  # [B, V]
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [B]
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(dev)  # [B]
     cdf = logp.double().exp().cumsum(-1)  # [B, V]
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)  # [B]
     drawn = drawn.clamp(max=logits.shape[-1] - 1)

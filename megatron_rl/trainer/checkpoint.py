@@ -2,9 +2,10 @@
 
 One checkpoint directory holds the model (every virtual-pipeline chunk), the optimizer state (the
 DistributedOptimizer's as `fully_reshardable`, so it loads under another TP/PP/DP layout), the frozen
-reference model when there is one, and in the common part the LR scheduler, the step counter and rank 0's
-torch RNG state. Callers that save must run under `if __name__ == "__main__":` (the save starts a
-multiprocessing manager and hangs without the guard).
+reference model when there is one, the PPO critic when there is one (its model, value head and optimizer
+under `critic.`, its scheduler and step in the common part), and in the common part the LR scheduler, the
+step counter and rank 0's torch RNG state. Callers that save must run under `if __name__ == "__main__":`
+(the save starts a multiprocessing manager and hangs without the guard).
 
 Without TE/Apex the torch Adam path of Megatron's optimizers loads one `step` tensor SHARED by every
 parameter, so each optimizer step then increments it once per parameter and the bias correction goes wrong
@@ -30,17 +31,22 @@ def _model_state(chunks, prefix: str = "") -> dict:
     return {f"{prefix}model{i}": m.sharded_state_dict(prefix=prefix) for i, m in enumerate(chunks)}
 
 
-def _state(policy, reference, is_loading: bool) -> dict:
+def _state(policy, reference, is_loading: bool, critic=None) -> dict:
     model = _model_state([c.module for c in policy.chunks])
     state = {**model, "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                                         metadata=SHARDING)}
     if reference is not None:
         state.update(_model_state(reference.chunks, prefix="reference."))
+    if critic is not None:
+        cm = _model_state([c.module for c in critic.model.chunks], prefix="critic.")
+        state["critic"] = {**cm, "optimizer": critic.model.optimizer.sharded_state_dict(
+            cm, is_loading=is_loading, metadata=SHARDING)}
     return state
 
 
-def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None = None) -> None:
-    """Save model, optimizer, scheduler, step (and `extra`, plain data from rank 0) to directory `path`."""
+def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None = None, critic=None) -> None:
+    """Save model, optimizer, scheduler, step (and `extra`, plain data from rank 0) to directory `path`; with
+    `critic` (a `trainer.critic.ValueModel`) its model, optimizer, scheduler and step too."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -48,22 +54,32 @@ def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None
         path.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     _prime_adam_state(policy.optimizer)
-    state = _state(policy, reference, is_loading=False)
+    if critic is not None:
+        _prime_adam_state(critic.model.optimizer)
+    state = _state(policy, reference, is_loading=False, critic=critic)
     state["trainer"] = {"step": policy.step_count, "scheduler": policy.scheduler.state_dict(),
                         "rng": torch.get_rng_state(), "extra": extra or {}}
+    if critic is not None:
+        state["critic"]["trainer"] = {"step": critic.model.step_count,
+                                      "scheduler": critic.model.scheduler.state_dict()}
     dist_checkpointing.save(state, str(path))
 
 
-def load_checkpoint(policy, path: str | Path, reference=None) -> dict:
-    """Load a checkpoint saved under any layout into `policy` (and `reference`); returns `extra`."""
+def load_checkpoint(policy, path: str | Path, reference=None, critic=None) -> dict:
+    """Load a checkpoint saved under any layout into `policy` (and `reference`, `critic`); returns `extra`."""
     from megatron.core import dist_checkpointing
 
     if reference is not None and not has_reference(path):
         raise ValueError(f"checkpoint {path} holds no KL reference model (saved with rl.trainer.reference=false or "
                          "before references were saved), but this run needs one; resume with the reference "
                          "setting it was saved with, or start the run over")
+    if critic is not None and not has_prefix(path, "critic."):
+        raise ValueError(f"checkpoint {path} holds no critic (value model), but this run trains one (advantage "
+                         "gae); resume with the advantage estimator it was saved with, or start the run over")
     _prime_adam_state(policy.optimizer)
-    state = dist_checkpointing.load(_state(policy, reference, is_loading=True), str(path))
+    if critic is not None:
+        _prime_adam_state(critic.model.optimizer)
+    state = dist_checkpointing.load(_state(policy, reference, is_loading=True, critic=critic), str(path))
     for i, chunk in enumerate(policy.chunks):
         chunk.module.load_state_dict(state[f"model{i}"])
     if reference is not None:
@@ -75,14 +91,30 @@ def load_checkpoint(policy, path: str | Path, reference=None) -> dict:
     policy.scheduler.load_state_dict(trainer["scheduler"])
     policy.step_count = int(trainer["step"])
     torch.set_rng_state(trainer["rng"])
+    if critic is not None:
+        _load_critic(critic, state["critic"])
     return trainer.get("extra", {})
+
+
+def _load_critic(critic, state: dict) -> None:
+    for i, chunk in enumerate(critic.model.chunks):
+        chunk.module.load_state_dict(_strip(state[f"critic.model{i}"], "critic."))
+    _load_optimizer(critic.model.optimizer, state["optimizer"])
+    _unshare_adam_step(critic.model.optimizer)
+    critic.model.scheduler.load_state_dict(state["trainer"]["scheduler"])
+    critic.model.step_count = int(state["trainer"]["step"])
 
 
 def has_reference(path: str | Path) -> bool:
     """The checkpoint at `path` holds a frozen reference model (tensors saved under `reference.`)."""
+    return has_prefix(path, "reference.")
+
+
+def has_prefix(path: str | Path, prefix: str) -> bool:
+    """The checkpoint at `path` holds tensors whose keys start with `prefix` (reference., critic.)."""
     from megatron.core import dist_checkpointing
 
-    return any(k.startswith("reference.") for k in dist_checkpointing.load_tensors_metadata(str(path)))
+    return any(k.startswith(prefix) for k in dist_checkpointing.load_tensors_metadata(str(path)))
 
 
 def _load_optimizer(optimizer, state: dict) -> None:

@@ -35,7 +35,7 @@ forward-only pass of the policy before the update (`old_logprobs='recompute'`, n
 Reference log-probs for the KL term come from a frozen copy of the initial policy (`reference=True`). KL-in-reward
 (`advantage.kl_coef` > 0: REINFORCE++, GAE) needs them before the advantages: the micro-batches are packed with
 zero advantages, the old and reference log-probs computed, the per-token KL gathered into the global batch's
-layout on every rank, and the advantages of the whole batch written back (`_kl_in_reward`).
+layout on every rank, and the advantages of the whole batch written back (`_late_advantages`).
 
 Mismatch (`mismatch_kl` in the metrics): KL(behaviour || trainer), the k3 estimate per loss token of the rollout
 engine's behaviour log-probs against the trainer's log-probs of the same tokens from the first epoch's forward
@@ -47,6 +47,14 @@ of each input token (`routed_experts`, from the shard); forward-only log-prob pa
 the training forward with 'everywhere' (else it routes by itself and only compares). `routing_mismatch_frac`:
 the share of (token, MoE layer) pairs of the first epoch's training forward whose own top-k set differs from
 the engine's (None when the batch has no routes).
+
+Critic (PPO with GAE: `critic` config, built by default exactly when advantage.name is 'gae'): a value model
+(`trainer.critic.ValueModel`: the policy's architecture and layout with a scalar head, its own optimizer and
+schedule). Its forward-only values V(s_t) [1, S] are gathered like the KL above into the global batch's
+layout, GAE's advantages and returns computed over the whole batch and written back; after the policy's
+epochs the critic runs as many epochs of the clipped value loss (`rl.value`) on the same micro-batches.
+Metrics: value_loss and value_clip_fraction (first epoch: the critic before this step's update),
+explained_variance of the returns by the values GAE used, value_mean, value_grad_norm.
 
 Learning-rate schedule: one schedule step per RL step (after its last PPO epoch, when an update was made), so
 with `epochs` > 1 every epoch of RL step n uses the schedule's value at n; `lr` in the metrics is that value.
@@ -61,9 +69,11 @@ import torch
 
 from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
-from megatron_rl.rl.advantages import AdvantageInputs
+from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
 from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
+from megatron_rl.rl.value import explained_variance
+from megatron_rl.trainer.critic import CriticConfig, ValueModel
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
@@ -97,6 +107,8 @@ class RLConfig:
     """Optimizer steps over the same global batch (PPO epochs); > 1 needs old_logprobs='recompute'."""
     reference: bool = False
     """Keep a frozen copy of the initial policy for the KL term (required when loss.kl_coef > 0)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (PPO with GAE): built by default exactly when advantage.name is 'gae'."""
     valid_vocab: int | None = None
     """Ids below this are the tokenizer's; the rest pad the model's vocab and never enter a softmax (the loop
     sets it from the run's tokenizer; None = every id)."""
@@ -105,6 +117,15 @@ class RLConfig:
     in the shards): off; logprobs: the forward-only log-prob passes (recomputed old log-probs, the reference)
     replay them; everywhere: the training forward (loss and gradients) too. Needs an MoE model."""
 
+    def _validate_critic(self) -> None:
+        if self.advantage.name == "gae" and not self.critic.active("gae"):
+            raise ConfigError("advantage.name='gae' needs a critic (the values V(s_t) of its TD errors), but "
+                              "critic.enabled=false; remove that key (gae builds one by default) or use another "
+                              "estimator (grpo, rloo, reinforce++)")
+        if self.critic.active(self.advantage.name) and self.advantage.name != "gae":
+            raise ConfigError(f"critic.enabled=true, but advantage.name={self.advantage.name!r} does not use "
+                              "values; use advantage.name='gae' or remove critic.enabled")
+
     def validate(self) -> None:
         self.loss.validate()
         if self.routing_replay not in ("off", "logprobs", "everywhere"):
@@ -112,6 +133,8 @@ class RLConfig:
                               f"everywhere")
         self.advantage.validate()
         self.packing.validate()
+        self.critic.validate()
+        self._validate_critic()
         if not self.temperature > 0:
             raise ConfigError(f"rl.temperature must be > 0, got {self.temperature}")
         if self.logprob_impl not in ("fused", "logits"):
@@ -146,13 +169,20 @@ def mask_padding(logits: torch.Tensor, valid_vocab: int | None, tp_group) -> tor
 def token_advantages(cols, cfg: AdvantageConfig, kl: np.ndarray | None = None) -> np.ndarray:
     """float32 [T] advantages aligned with cols.tokens (label side: token t's advantage sits at t); `kl` [T]:
     the per-token KL to the reference for KL-in-reward (cfg.kl_coef > 0)."""
+    return advantage_output(cols, cfg, kl).advantages.float().numpy()
+
+
+def advantage_output(cols, cfg: AdvantageConfig, kl=None, values=None) -> AdvantageOutput:
+    """The estimator's output over the global batch, per token [T] aligned with cols.tokens (label side);
+    `kl` [T] for KL-in-reward, `values` [T] the critic's V(s_t) for gae (each an array or tensor, or None)."""
     lengths = np.diff(np.asarray(cols.offsets))  # [N]
     sample_index = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))  # [T]
     inputs = AdvantageInputs(rewards=torch.as_tensor(np.asarray(cols.reward, dtype=np.float64)),
                              group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)),
                              sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)),
-                             kl=None if kl is None else torch.as_tensor(kl))
-    return cfg.build()(inputs).advantages.float().numpy()
+                             kl=None if kl is None else torch.as_tensor(kl).cpu(),
+                             values=None if values is None else torch.as_tensor(values).cpu())
+    return cfg.build()(inputs)
 
 
 class RLTrainer:
@@ -165,6 +195,8 @@ class RLTrainer:
         self.fused = cfg.logprob_kernel.build() if cfg.logprob_impl == "fused" else None
         self.output = "hidden" if self.fused is not None else "logits"
         self.reference = reference if reference is not None or not cfg.reference else policy.frozen_copy()
+        self.critic = ValueModel(policy, cfg.critic, policy.scheduler.lr_decay_steps) \
+            if cfg.critic.active(cfg.advantage.name) else None
 
     # ------------------------------------------------------------------------------------ the step
     def step(self, cols) -> dict:
@@ -176,20 +208,22 @@ class RLTrainer:
             return {**out, "update_skipped": True}
         z = self._global_normaliser(mbs)
         self._set_old_and_ref(mbs)
-        self._kl_in_reward(cols, mbs)
+        late = self._late_advantages(cols, mbs)
         epochs = [self._update(mbs, z) for _ in range(self.cfg.epochs)]
         if any(e["update_ok"] for e in epochs):
             self.policy.advance_schedule()  # the LR schedule counts RL steps, not PPO epochs
         first = epochs[0]  # the first epoch's forward: the weights before the update
+        critic = self._update_critic(mbs) if self.critic is not None else {}
         return {**out, **epochs[-1], "update_skipped": False, "epoch_losses": [e["loss"] for e in epochs],
-                "mismatch_kl": first["mismatch_kl"], "routing_mismatch_frac": first["routing_mismatch_frac"]}
+                "mismatch_kl": first["mismatch_kl"], "routing_mismatch_frac": first["routing_mismatch_frac"],
+                **late, **critic}
 
     def prepare(self, cols):
         """Validate, compute advantages and pack: this rank's micro-batches and the packing stats. With
-        KL-in-reward (advantage.kl_coef > 0) the advantages are zeros here and `_kl_in_reward` fills them once
-        the old and reference log-probs are known."""
+        KL-in-reward (advantage.kl_coef > 0) or a critic the advantages are zeros here and `_late_advantages`
+        fills them once the old and reference log-probs and the values are known."""
         keep, stats = check_samples(cols, self.policy.cfg.vocab_size, self.cfg.packing)
-        if self.cfg.advantage.kl_coef > 0:
+        if self._late:
             adv = np.zeros(len(cols.tokens), dtype=np.float32)  # [T]
         else:
             adv = token_advantages(cols, self.cfg.advantage)  # [T]
@@ -203,10 +237,8 @@ class RLTrainer:
         return [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in mbs], stats
 
     def _device(self) -> torch.device:
-        """Where micro-batches and the trainer's collectives live: the current GPU under NCCL, else the CPU."""
-        if self.policy.ctx.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        """Where micro-batches and the trainer's collectives live: the rank's device (DistContext.device)."""
+        return self.policy.ctx.device
 
     def compute_gradients(self, cols) -> tuple[float, dict[str, torch.Tensor]]:
         """Forward+backward of one step WITHOUT the optimizer update (tests, diagnostics): the global loss
@@ -214,7 +246,7 @@ class RLTrainer:
         mbs, _ = self.prepare(cols)
         z = self._global_normaliser(mbs)
         self._set_old_and_ref(mbs)
-        self._kl_in_reward(cols, mbs)
+        self._late_advantages(cols, mbs)
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         _mark(mbs, "replay" if self.cfg.routing_replay == "everywhere" else "compare")
@@ -224,8 +256,15 @@ class RLTrainer:
                  if hasattr(p, "main_grad")}  # not the weight buffers (expert bias)
         return self._reduce(raw)["loss"], grads
 
+    @property
+    def _late(self) -> bool:
+        """The advantages need the models' outputs first (KL-in-reward, or GAE's values)."""
+        return self.cfg.advantage.kl_coef > 0 or self.critic is not None
+
     def _set_old_and_ref(self, mbs: list[dict]) -> None:
         _mark(mbs, "replay" if self.cfg.routing_replay != "off" else None)  # forward-only log-prob passes
+        if self.critic is not None:
+            self.critic.store_values(mbs, self.cfg.packing.max_tokens)
         if self.reference is not None:
             self._store_logprobs(self.reference, mbs, "ref_logprobs")
         if self.cfg.old_logprobs == "recompute":
@@ -234,33 +273,81 @@ class RLTrainer:
             for mb in mbs:
                 mb["old_logprobs"] = mb["behaviour_logprobs"]
 
-    def _kl_in_reward(self, cols, mbs: list[dict]) -> None:
-        """KL-in-reward (advantage.kl_coef > 0: REINFORCE++, GAE): the per-token k1 KL of the old policy to the
-        reference, log pi_old - log pi_ref on loss tokens, gathered from every rank's micro-batches into the
-        global batch's token layout [T] (each token lives on one dp x cp rank's last pipeline stage), then the
-        advantages of the whole batch with it, written back into this rank's micro-batches."""
-        if self.cfg.advantage.kl_coef <= 0:
-            return
+    def _late_advantages(self, cols, mbs: list[dict]) -> dict:
+        """Token-level advantages that need the models first: KL-in-reward (advantage.kl_coef > 0: REINFORCE++,
+        GAE) takes the per-token k1 KL of the old policy to the reference, log pi_old - log pi_ref; GAE takes the
+        critic's values V(s_t). Both are gathered from every rank's micro-batches into the global batch's token
+        layout [T] (each token lives on one dp x cp rank's last pipeline stage), the advantages (and GAE's
+        returns) of the whole batch computed, and written back into this rank's micro-batches. Returns the
+        critic's explained variance of those returns ({} without a critic)."""
+        if not self._late:
+            return {}
+        places = self._token_places(cols, mbs)
+        kl = self._gather(cols, mbs, places, lambda mb: kl_penalty(
+            mb["old_logprobs"].reshape(-1), mb["ref_logprobs"].reshape(-1), mb["loss_mask"].reshape(-1)),
+            "ref_logprobs") if self.cfg.advantage.kl_coef > 0 else None  # [T]
+        values = self._gather(cols, mbs, places, lambda mb: mb["old_values"].reshape(-1), "old_values") \
+            if self.critic is not None else None  # [T]
+        out = advantage_output(cols, self.cfg.advantage, kl, values)
+        self._scatter(mbs, places, "advantages", out.advantages)
+        if values is None:
+            return {}
+        self._scatter(mbs, places, "returns", out.returns)
+        mask = torch.from_numpy(cols.loss_mask.astype(bool))  # [T]
+        return {"explained_variance": explained_variance(values.cpu(), out.returns, mask),
+                "value_mean": float(values.cpu()[mask].mean()) if mask.any() else 0.0}
+
+    @staticmethod
+    def _token_places(cols, mbs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch: its real slots [S] (bool) and the global label token t [S'] of each."""
         offsets = torch.as_tensor(np.asarray(cols.offsets), dtype=torch.long)  # [N+1]
-        kl = torch.zeros(len(cols.tokens), dtype=torch.float64, device=self._device())  # [T]
         places = []
         for mb in mbs:
             si, pos = mb["sample_index"].reshape(-1), mb["position_ids"].reshape(-1)  # each [S]
             real = si >= 0
-            idx = offsets.to(si.device)[si[real]] + 1 + pos[real]  # [S'] label token t of each real slot
-            places.append((real, idx))
-            if "ref_logprobs" in mb:  # the last pipeline stage
-                per_token = kl_penalty(mb["old_logprobs"].reshape(-1), mb["ref_logprobs"].reshape(-1),
-                                       mb["loss_mask"].reshape(-1))  # [S]
-                kl[idx.to(kl.device)] = per_token[real].to(kl)
+            places.append((real, offsets.to(si.device)[si[real]] + 1 + pos[real]))  # label token t of each slot
+        return places
+
+    def _gather(self, cols, mbs: list[dict], places, per_slot, present: str) -> torch.Tensor:
+        """[T] float64 on the trainer's device: per_slot(mb) [S] of the micro-batches holding `present` (the
+        last pipeline stage), placed at their global tokens and summed over pp and dp x cp (each token once)."""
+        out = torch.zeros(len(cols.tokens), dtype=torch.float64, device=self._device())  # [T]
+        for mb, (real, idx) in zip(mbs, places):
+            if present in mb:
+                out[idx.to(out.device)] = per_slot(mb)[real].to(out)
         pgs = self.policy.ctx.pgs
         for group in (pgs.pp, pgs.dp_cp):
-            torch.distributed.all_reduce(kl, group=group)
-        adv = torch.from_numpy(token_advantages(cols, self.cfg.advantage, kl.cpu().numpy()))  # [T]
+            torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def _scatter(mbs: list[dict], places, key: str, values: torch.Tensor) -> None:
+        """mb[key] [1, S] = values [T] (global, label side) at each micro-batch's real slots, 0 elsewhere."""
         for mb, (real, idx) in zip(mbs, places):
-            flat = torch.zeros_like(mb["advantages"]).reshape(-1)  # [S]
-            flat[real] = adv[idx.cpu()].to(flat)
-            mb["advantages"] = flat.view_as(mb["advantages"])
+            flat = torch.zeros(mb["labels"].numel(), dtype=torch.float32, device=mb["labels"].device)  # [S]
+            flat[real] = values[idx.cpu()].to(flat)
+            mb[key] = flat.view_as(mb["labels"])
+
+    def _update_critic(self, mbs: list[dict]) -> dict:
+        """The critic's epochs (as many as the policy's) on the clipped value loss; value_loss and
+        value_clip_fraction are the first epoch's (the critic before this step's update: how well it predicted)."""
+        tokens = torch.tensor([float(sum(mb["loss_mask"].sum() for mb in mbs))], dtype=torch.float64,
+                              device=self._device())
+        torch.distributed.all_reduce(tokens, group=self.policy.ctx.pgs.dp_cp)
+        n = float(tokens.item())
+        epochs = [self.critic.update(mbs, n, self.cfg.packing.max_tokens) for _ in range(self.cfg.epochs)]
+        first = self._reduce_sums(epochs[0], ("value_loss_sum", "value_clip_sum"))
+        return {"value_loss": first["value_loss_sum"] / max(n, 1.0),
+                "value_clip_fraction": first["value_clip_sum"] / max(n, 1.0),
+                "value_grad_norm": epochs[-1]["value_grad_norm"]}
+
+    def _reduce_sums(self, raw: dict, keys: tuple[str, ...]) -> dict:
+        """raw[k] summed over the pipeline (non-last stages hold 0) and dp x cp ranks, on every rank."""
+        t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self._device())  # [K]
+        pgs = self.policy.ctx.pgs
+        for group in (pgs.pp, pgs.dp_cp):
+            torch.distributed.all_reduce(t, group=group)
+        return dict(zip(keys, t.tolist()))
 
     def _update(self, mbs: list[dict], z: float) -> dict:
         scale = len(mbs) * self.policy.grad_scale
@@ -336,7 +423,7 @@ class RLTrainer:
         rank."""
         keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
         t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self._device())  # [K]
-        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=t.device)  # [K]
+        present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=self._device())  # [K]
         pgs = self.policy.ctx.pgs
         for group in (pgs.pp, pgs.dp_cp):
             torch.distributed.all_reduce(t, group=group)

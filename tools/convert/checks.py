@@ -5,8 +5,9 @@ from pathlib import Path
 
 from tools.convert.arch.base import ConvertError, head_dim
 
-_IGNORED_CKPT_PREFIXES = ("optimizer.", "rng_state", "rerun_state", "reference.")
-"""Checkpoint tensors that are not the model's: optimizer and RNG state, an RL run's frozen KL reference."""
+_IGNORED_CKPT_PREFIXES = ("optimizer.", "rng_state", "rerun_state", "reference.", "critic.")
+"""Checkpoint tensors that are not the model's: optimizer and RNG state, an RL run's frozen KL reference and
+its PPO critic (value model and its optimizer)."""
 
 
 def shape(name: str, expected: tuple, got: tuple, where: str = "") -> None:
