@@ -26,9 +26,21 @@ def broadcast_named_tensors(named: Iterable[tuple[str, Tensor]] | None, src: int
     """Yield every (name, tensor) of the source rank `src` (global rank) on all ranks of `group`."""
     is_src = named is not None
     tensors = dict(named) if is_src else {}
-    box = [[(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()] if is_src else None]
+    box = [metadata(tensors) if is_src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    for bucket in _buckets(box[0], bucket_bytes):
+    yield from broadcast_known(box[0], tensors if is_src else None, src, group, bucket_bytes)
+
+
+def metadata(tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each tensor, the entries `broadcast_known` takes."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
+
+
+def broadcast_known(meta: list, tensors: dict[str, Tensor] | None, src: int, group=None,
+                    bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, Tensor]]:
+    """Yield the tensors `meta` names (known on every rank of `group`) from `src`, which passes `tensors`."""
+    is_src = tensors is not None
+    for bucket in _buckets(meta, bucket_bytes):
         dtype = _DTYPES[bucket[0][2]]
         if is_src:
             flat = torch.cat([tensors[n].detach().reshape(-1).to(dtype) for n, _, _ in bucket])  # [sum numel]
