@@ -90,7 +90,7 @@ def make_rollouts(parts: Parts, run_dir: Path):
     cfg = parts.cfg
     if cfg.episodes.runner == "inprocess":
         return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed,
-                        max_tokens=cfg.model.max_seq_length)
+                        max_tokens=cfg.model.max_seq_length, replica_group=parts.ctx.pgs.tp)  # an engine per TP group
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
     from megatron_rl.loop.dispatched import DispatchRollouts
 
@@ -139,7 +139,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
     engine, sync = build_engine(cfg, ctx, tok.vocab_size)
-    runner = episode_runner(cfg, run_dir) if rank0 else None
+    runner = episode_runner(cfg, run_dir) if scores_episodes(cfg, ctx) else None
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
@@ -158,6 +158,14 @@ def build_engine(cfg: RunConfig, ctx, valid_vocab: int):
     par, pgs = engine_layout(ctx)
     engine = RolloutEngine.build(cfg.model, cfg.engine, par, pgs, valid_vocab=valid_vocab)
     return engine, WeightSync(ctx, pgs)
+
+
+def scores_episodes(cfg: RunConfig, ctx) -> bool:
+    """This rank runs episodes: in-process, every engine replica's leader (TP rank 0; loop/rollout.py);
+    dispatched, rank 0."""
+    if cfg.episodes.runner == "inprocess":
+        return torch.distributed.get_rank(ctx.pgs.tp) == 0
+    return ctx.rank == 0
 
 
 def episode_runner(cfg: RunConfig, run_dir: Path):

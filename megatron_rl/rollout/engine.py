@@ -413,7 +413,8 @@ def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]],
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                              f"the model's is {tuple(params[name].shape)} (same TP layout needed)")
-        params[name].copy_(tensor.detach())
+        if tensor.data_ptr() != params[name].data_ptr():  # the sync may have received it in place already
+            params[name].copy_(tensor.detach())
         if written is not None:
             written.add(name)
         n += 1

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
-from megatron_rl.rollout.weights import broadcast_known, metadata
+from megatron_rl.rollout.weights import DTYPES, broadcast_known, metadata
 
 
 def check_engine_layout(parallel: ParallelConfig, model_cfg) -> None:
@@ -74,19 +75,30 @@ def engine_layout(ctx) -> tuple[ParallelConfig, object]:
 class WeightSync:
     """Copies the trainer's weights (global names, this rank's TP slice) into the engine; see the module doc."""
 
-    def __init__(self, ctx, engine_pgs, bucket_bytes: int = 64 << 20):
+    def __init__(self, ctx, engine_pgs, bucket_bytes: int = 64 << 20, direct_bytes: int = 1 << 20):
         self.direct = _direct(ctx.parallel)
+        self.direct_bytes = direct_bytes
+        """Tensors of at least this size are broadcast on their own into the engine's tensor (no bucket copy)."""
         self.peers = None if self.direct else engine_pgs.dp
         self.bucket_bytes = bucket_bytes
+        self.scratch: dict = {}
+        """Flat bucket buffers reused by every sync (rollout/weights.py `broadcast_known`)."""
 
     def __call__(self, engine, version: int, named: Iterable[tuple[str, Tensor]]) -> int:
         """Load `named` (every rank's own) into `engine` as `version`; returns the tensors written."""
-        tensors = named if self.direct else self.gather(named)
+        if self.direct:
+            tensors = named
+        else:
+            model = engine.model
+            tensors = self.gather(named, {**dict(model.named_buffers()), **dict(model.named_parameters())})
         return engine.update_weights(version, tensors, policy="continue", complete=True)
 
-    def gather(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """Every tensor of the ranks sharing this rank's TP rank, each from its first owner (collective)."""
-        mine = dict(named)
+    def gather(self, named: Iterable[tuple[str, Tensor]], dest: dict[str, Tensor] | None = None
+               ) -> Iterator[tuple[str, Tensor]]:
+        """Every tensor of the ranks sharing this rank's TP rank, each from its first owner (collective).
+        Tensors of at least `direct_bytes` are broadcast on their own, straight into `dest[name]` (the engine's
+        tensor of that name, when its shape and dtype match) with no staging copy; smaller ones in buckets."""
+        mine, dest = dict(named), dest or {}
         metas: list = [None] * self.peers.size()
         dist.all_gather_object(metas, metadata(mine), group=self.peers)  # [peers] (name, shape, dtype) lists
         owner: dict[str, int] = {}
@@ -95,6 +107,34 @@ class WeightSync:
                 owner.setdefault(name, i)
         me = self.peers.rank()
         for i, meta in enumerate(metas):
+            src = dist.get_global_rank(self.peers, i)
             sub = [m for m in meta if owner[m[0]] == i]
-            yield from broadcast_known(sub, mine if i == me else None, dist.get_global_rank(self.peers, i),
-                                       self.peers, self.bucket_bytes)
+            big = [m for m in sub if _nbytes(m) >= self.direct_bytes]
+            for name, shape, dtype in big:
+                yield name, self._direct_one(name, shape, dtype, mine if i == me else None, dest, src)
+            yield from broadcast_known([m for m in sub if _nbytes(m) < self.direct_bytes], mine if i == me else None,
+                                       src, self.peers, self.bucket_bytes, self.scratch)
+
+    def _direct_one(self, name: str, shape: tuple, dtype: str, mine: dict | None, dest: dict, src: int) -> Tensor:
+        """One tensor broadcast from `src`: the source sends its own (and copies it into `dest`); a receiver
+        receives into `dest[name]` when it fits (else a new tensor, which the engine's load then rejects)."""
+        target = dest.get(name)
+        fits = target is not None and tuple(target.shape) == shape and str(target.dtype) == dtype and \
+            target.is_contiguous()
+        if mine is not None:
+            t = mine[name].detach().contiguous()
+            dist.broadcast(t, src=src, group=self.peers)
+            if fits:
+                target.copy_(t)
+                return target
+            return t
+        buf = target if fits else torch.empty(shape, dtype=DTYPES[dtype])
+        dist.broadcast(buf, src=src, group=self.peers)
+        return buf
+
+
+def _nbytes(meta: tuple) -> int:
+    n = DTYPES[meta[2]].itemsize
+    for s in meta[1]:
+        n *= s
+    return n
