@@ -78,3 +78,41 @@ def test_a_separate_server_needs_tp1_only():
         cfg.validate()
     cfg.parallel = ParallelConfig(pp=2)  # rank 0's engine holds the whole model: accepted now
     cfg.validate()
+
+
+DP2 = ("parallel.tp=1", "train.steps=0", "data.train_tasks=16", "data.heldout_tasks=4", "eval.k=1", "eval.every=0",
+       "eval.tasks=2", "rl.prompts_per_step=4", "rl.group_size=2", "rl.dynamic_sampling=false",
+       "monitor.tensorboard=false", "rl.trainer.epochs=1", "export.enabled=false")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_dp2_replicas_generate_their_own_prompts_and_the_trained_batch_is_the_union(tmp_path):
+    """`megatron-rl train` at TP=1 on 2 ranks: two engine replicas. Each generates (and its leader scores) every
+    other group of a step, with staleness 1 (requests in flight across an update on both replicas); every rank
+    trains on the union."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_rl.data.shards import read_shard
+    from tests.mp.launch import REPO
+
+    exe = str(Path(sys.executable).parent / "megatron-rl")
+    proc = subprocess.run([exe, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", *DP2, "rl.steps=2",
+                           "rl.max_staleness=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = tmp_path / "demo"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["kind"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        shard = read_shard(run / "rl_shards" / f"step-{r['step']:06d}.h5")
+        by_replica: dict[str, set] = {}
+        for t in shard:
+            by_replica.setdefault(t.provenance["replica"], set()).add(t.group_id)
+        assert sorted(by_replica) == ["0", "1"], by_replica  # both replicas generated part of the step
+        assert not by_replica["0"] & by_replica["1"] and len(by_replica["0"] | by_replica["1"]) == 4
+        assert all(g % 2 == int(k) for k, gs in by_replica.items() for g in gs)
+        assert r["trained_samples"] == len(shard) == 8 == r["samples"]  # the trainer's batch is the union
