@@ -5,7 +5,9 @@
     -> advantages + policy update (Megatron) -> weights copied into the engine by name (policy_version += 1)
     -> evaluate / checkpoint / log, repeated.
 
-The engine shares the trainer's TP group and model definition, so a weight sync is a copy by parameter name.
+The engine shares the trainer's TP group and model definition but holds the whole model (TP only): the weight
+sync gathers pipeline stages and experts into it by global name (rollout/reshard.py), and each TP group is an
+engine replica generating its own share of the prompts (loop/rollout.py).
 `rl.max_staleness` = 0 is synchronous training; k >= 1 submits each step's prompts k steps early, so their
 generation overlaps the steps in between (the engine batches them with the current ones, rewards are scored
 while the trainer trains) and requests in flight continue across weight updates with per-token versions;

@@ -219,10 +219,12 @@ class RunConfig:
 
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
+        from megatron_rl.rollout.reshard import check_engine_layout
 
         self.model.check_parallel(self.parallel)
         self.model.check_training(self.parallel)
         check_servable(self.model)  # the rollout engine serves this policy (refused here, before any rank starts)
+        check_engine_layout(self.parallel, self.model)  # and the weight sync reshards this layout into it
         if self.tokenizer.resolved_path(self.model):
             self.tokenizer.build(self.model)  # the HF tokenizer loads and its ids fit the model
         self.parallel.resolve(self.launch.nproc_per_node)
@@ -235,9 +237,9 @@ class RunConfig:
         self._resolve_domains()
         self._check_agents()
         self._check_warmup()
-        if self.episodes.server == "separate" and (self.parallel.tp != 1 or self.parallel.pp != 1):
-            raise ConfigError(f"episodes.server=separate sends full weights from rank 0 and needs parallel.tp=1 and "
-                              f"pp=1 (got tp={self.parallel.tp}, pp={self.parallel.pp}); use episodes.server=colocated")
+        if self.episodes.server == "separate" and self.parallel.tp != 1:
+            raise ConfigError(f"episodes.server=separate sends the whole model from rank 0's engine and needs "
+                              f"parallel.tp=1 (got tp={self.parallel.tp}); use episodes.server=colocated")
         self._check_routing_replay()
         imaged = [n for n, d in self.envs.domains.items()
                   if d.image and (n != "harbor" or self.envs.image_store or self.envs.image_cache)]

@@ -126,10 +126,9 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.rollout import Rollouts
-    from megatron_rl.loop.setup import episode_runner, heldout_run
+    from megatron_rl.loop.setup import build_engine, episode_runner, heldout_run
     from megatron_rl.models.source import initializer
     from megatron_rl.prompts import prompt_ids
-    from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.checkpoint import load_checkpoint
     from megatron_rl.trainer.policy import Policy
 
@@ -141,9 +140,8 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     if checkpoint is not None:
         load_checkpoint(policy, checkpoint)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
-    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size,
-                                 device=ctx.device)
-    engine.update_weights(policy.step_count, policy.named_parameters(), policy="continue")
+    engine, sync = build_engine(cfg, ctx, tok.vocab_size)
+    sync(engine, policy.step_count, policy.global_named_tensors())
     runner = episode_runner(cfg, Path(cfg.output_dir) / cfg.name) if rank0 else None
     rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed,
                         max_tokens=cfg.model.max_seq_length)

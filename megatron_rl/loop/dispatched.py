@@ -360,7 +360,7 @@ class RolloutServerProcess:
         import torch
 
         path, tmp = self.dir / "weights.pt", self.dir / "weights.pt.tmp"
-        torch.save({name: p.detach().cpu().clone() for name, p in named_parameters}, tmp)
+        torch.save({name: p.detach().cpu() for name, p in named_parameters}, tmp)  # no clone: ~0.7 s/GB here
         os.replace(tmp, path)
         return path
 

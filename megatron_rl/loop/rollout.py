@@ -13,6 +13,14 @@ identically (TP), so every rank pumps it the same number of times and adds the s
 broadcasts each pump round's new follow-up requests. When a group's episodes are over, rank 0 broadcasts
 their tokens, loss masks (model tokens 1, observations 0), rewards and turns, so every rank makes the same
 dynamic-sampling decisions and trains on the same sequences.
+
+Generation scales with data parallelism (`replica_group`: the engine's TP group, `loop.setup.make_rollouts`):
+the engine is TP-only, so every TP group of the job is an engine replica of its own. Group g belongs to
+replica g.gid % replicas: only that replica's engine generates it and only its leader (TP rank 0, which
+has an episode runner) runs its episodes, broadcasting follow-ups inside its TP group. Settling a batch,
+each leader in turn broadcasts its groups to every rank, so every rank holds the union (the trained batch)
+and makes the same decisions. Without `replica_group` one engine copy is driven from rank 0 (every rank
+runs it identically), as the dispatched path and `megatron-rl eval` use it.
 """
 from __future__ import annotations
 
@@ -62,6 +70,8 @@ class Group:
     routes: dict = field(default_factory=dict)
     """Rank 0, routing replay: per sample (the tokens its latest engine request ran, their experts
     [len - 1, L_moe, k]); not checkpointed (a resumed sample trains with the trainer's own routing)."""
+    replica: int = 0
+    """The engine replica that generated it (its leader reports it with the episodes)."""
 
     def valid(self) -> list[int]:
         return [i for i, r in enumerate(self.rewards) if r[2] == "ok"]
@@ -83,9 +93,11 @@ def seed_of(run_seed: int, gid: int) -> int:
 class Rollouts:
     """Submits prompts to the engine, pumps it, runs the episodes and hands out batches."""
 
-    def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, max_tokens: int = 1 << 30):
+    def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, max_tokens: int = 1 << 30,
+                 replica_group=None):
         """prompt_fn(task) -> prompt token ids (`megatron_rl.prompts.prompt_ids` with the run's tokenizer);
-        max_tokens: the engine's sequence limit (no turn is asked to pass it)."""
+        max_tokens: the engine's sequence limit (no turn is asked to pass it); replica_group: the engine's TP
+        group, one replica of several (see the module doc; collective at construction), or None: one copy."""
         self.engine, self.runner, self.tok, self.prompt_fn, self.cfg, self.seed = (
             engine, runner, tok, prompt_fn, cfg, seed)
         self.max_tokens = max_tokens
@@ -103,6 +115,18 @@ class Rollouts:
         """Rank 0: episodes started and not finished."""
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_scorer = runner is not None
+        self.tp_group, self.leaders, self.replica = replica_group, [0], 0
+        if replica_group is not None and self.world > 1:
+            leader = dist.get_global_rank(replica_group, 0)
+            every: list = [None] * self.world
+            dist.all_gather_object(every, leader)  # each rank's replica leader
+            self.leaders = sorted(set(every))
+            self.replica = self.leaders.index(leader)
+        self.replicas = len(self.leaders)
+
+    def mine(self, gid: int) -> bool:
+        """This rank's replica generates group `gid`."""
+        return gid % self.replicas == self.replica
 
     # ------------------------------------------------------------------------------- generation
     def params(self, gid: int, n: int | None = None, temperature: float | None = None) -> SamplingParams:
@@ -114,7 +138,11 @@ class Rollouts:
         for task in tasks:
             g = Group(self.next_gid, step, task, self.prompt_fn(task))
             self.next_gid += 1
-            self._add(f"g{g.gid}", g, self.params(g.gid), self.inflight)
+            if self.mine(g.gid):
+                self._add(f"g{g.gid}", g, self.params(g.gid), self.inflight)
+            else:  # another replica generates it; its episodes arrive when the batch settles
+                g.params, g.rid = self.params(g.gid), f"g{g.gid}"
+                self.ready.append(g)
 
     def _add(self, rid: str, g: Group, params: SamplingParams, into: dict) -> None:
         g.params, g.rid = params, rid
@@ -153,8 +181,10 @@ class Rollouts:
         if self.is_scorer:
             new = self._collect()
             box = [(new, settled is None or settled(), self._pending())]
-        if self.world > 1:
+        if self.tp_group is None and self.world > 1:
             dist.broadcast_object_list(box, src=0)
+        elif self.tp_group is not None and self.tp_group.size() > 1:
+            dist.broadcast_object_list(box, src=self.leaders[self.replica], group=self.tp_group)
         return box[0]
 
     def _pending(self) -> int:
@@ -220,12 +250,14 @@ class Rollouts:
         groups = []
         for i, (task, sp) in enumerate(zip(tasks, params)):
             g = Group(-1 - i, None, task, self.prompt_fn(task))
-            self._add(f"{tag}-{i}", g, sp, self.evals)
+            if self.mine(g.gid):
+                self._add(f"{tag}-{i}", g, sp, self.evals)
             groups.append(g)
-        self.pump(lambda: all(g.samples for g in groups))
+        own = [g for g in groups if self.mine(g.gid)]
+        self.pump(lambda: all(g.samples for g in own))
         self.settle(groups)
         for i in range(len(groups)):
-            self.evals.pop(f"{tag}-{i}")
+            self.evals.pop(f"{tag}-{i}", None)
         return groups
 
     def take(self, step: int) -> list[Group]:
@@ -246,19 +278,26 @@ class Rollouts:
         self.settle(self.ready)
 
     def settle(self, groups: list[Group]) -> None:
-        """Finish the groups' episodes and broadcast them from rank 0: every rank gets each sample's tokens after
-        the prompt, log-probs, versions, loss mask, turns and (total, components, status)."""
+        """Finish the groups' episodes and broadcast them from their replica's leader (rank 0 with one engine
+        copy): every rank gets each sample's tokens after the prompt, log-probs, versions, loss mask, turns and
+        (total, components, status)."""
         t0 = time.perf_counter()
         todo = [g for g in groups if not g.rewards]
         if todo:
+            own = [g for g in todo if self.mine(g.gid)]
             gen = self.timers["generate_s"]
-            self.pump(lambda: True, lambda: all(g.over() for g in todo))
+            self.pump(lambda: True, lambda: all(g.over() for g in own))
             self.timers["generate_s"] = gen  # the wait counts as env time below
-            box = [[[_sample_state(r, g.prompt) for r in g.episodes] for g in todo] if self.is_scorer else None]
-            if self.world > 1:
-                dist.broadcast_object_list(box, src=0)
-            for g, states in zip(todo, box[0]):
-                _fill(g, states)
+            for r, leader in enumerate(self.leaders):  # the same order on every rank
+                part = [g for g in todo if g.gid % self.replicas == r]
+                if not part:
+                    continue
+                mine = self.is_scorer and r == self.replica
+                box = [[[_sample_state(e, g.prompt, r) for e in g.episodes] for g in part] if mine else None]
+                if self.world > 1:
+                    dist.broadcast_object_list(box, src=leader)
+                for g, states in zip(part, box[0]):
+                    _fill(g, states)
         self.timers["env_wait_s"] += time.perf_counter() - t0
 
     def push_weights(self, version: int, named_parameters) -> None:
@@ -316,7 +355,8 @@ class Rollouts:
         self.next_gid, self.submitted_upto = int(state["next_gid"]), int(state["submitted_upto"])
         self.ready = [Group(s["gid"], s["step"], tasks_by_id[s["task"]], s["prompt"],
                             [SampleOutput(**x) for x in s["samples"]], [], [tuple(r) for r in s["rewards"]],
-                            s.get("masks", []), s.get("turns", []), s.get("prompts", []), s.get("timings", []))
+                            s.get("masks", []), s.get("turns", []), s.get("prompts", []), s.get("timings", []),
+                            replica=s.get("replica", 0))
                       for s in state["ready"]]
 
 
@@ -324,25 +364,25 @@ def _group_state(g: Group) -> dict:
     return {"gid": g.gid, "step": g.step, "task": f"{g.task.domain}/{g.task.id}", "prompt": list(g.prompt),
             "rewards": g.rewards,
             "masks": [list(m) for m in g.masks], "turns": list(g.turns), "prompts": list(g.prompts),
-            "timings": list(g.timings),
+            "timings": list(g.timings), "replica": g.replica,
             "samples": [{"index": s.index, "token_ids": list(s.token_ids), "logprobs": list(s.logprobs),
                          "policy_versions": list(s.policy_versions), "finish_reason": s.finish_reason}
                         for s in g.samples]}
 
 
-def _sample_state(r, prompt: list[int]) -> dict:
-    """A finished episode as plain data (an EpisodeResult, or the reason it failed); its own prompt when it is
-    not the group's."""
+def _sample_state(r, prompt: list[int], replica: int = 0) -> dict:
+    """A finished episode as plain data (an EpisodeResult, or the reason it failed), from engine `replica`; its
+    own prompt when it is not the group's."""
     if isinstance(r, str):
         return {"token_ids": [], "logprobs": [], "versions": [], "mask": [], "turns": 0, "finish": "abort",
-                "reward": (0.0, {}, "error"), "prompt": None, "timings": {}}
+                "reward": (0.0, {}, "error"), "prompt": None, "timings": {}, "replica": replica}
     rr, n = r.reward, r.prompt_len
     own = list(r.tokens[:n])
     return {"token_ids": r.tokens[n:], "logprobs": r.logprobs[n:], "versions": r.versions[n:],
             "mask": r.loss_mask[n:], "turns": r.turns, "finish": r.finish_reason,
             "reward": (float(rr.total), dict(rr.components), r.infra_status),
             "prompt": None if own == list(prompt) else own,
-            "timings": {k: float(v) for k, v in r.timings.items() if isinstance(v, (int, float))}}
+            "timings": {k: float(v) for k, v in r.timings.items() if isinstance(v, (int, float))}, "replica": replica}
 
 
 def _fill(g: Group, states: list[dict]) -> None:
@@ -353,6 +393,7 @@ def _fill(g: Group, states: list[dict]) -> None:
     g.masks, g.turns = [s["mask"] for s in states], [s["turns"] for s in states]
     g.rewards = [tuple(s["reward"]) for s in states]
     g.prompts, g.timings = [s["prompt"] for s in states], [s["timings"] for s in states]
+    g.replica = states[0].get("replica", 0) if states else 0
     g.episodes = []
 
 
@@ -387,6 +428,6 @@ def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
                       policy_version_last=max(model), env=g.task.domain, task_id=g.task.id,
                       episode_id=episode_id, reward_components={k: float(v) for k, v in comps.items()},
                       token_versions=np.asarray([versions[0]] * n + versions, np.int32),
-                      provenance={"finish_reason": str(s.finish_reason)},
+                      provenance={"finish_reason": str(s.finish_reason), "replica": str(g.replica)},
                       timings={**(g.timings[i] if g.timings else {}), "turns": float(g.turns[i] if g.turns else 1)},
                       routed_experts=sample_routes(g, i, tokens))

@@ -71,6 +71,8 @@ class Parts:
     tasks_by_id: dict
     monitor: object
     is_rank0: bool
+    sync: object = None
+    """The weight sync from the trainer's layout into the engine's (rollout/reshard.py)."""
 
     def prompt_fn(self, task) -> list[int]:
         return prompt_ids(self.tok, task)
@@ -88,7 +90,7 @@ def make_rollouts(parts: Parts, run_dir: Path):
     cfg = parts.cfg
     if cfg.episodes.runner == "inprocess":
         return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed,
-                        max_tokens=cfg.model.max_seq_length)
+                        max_tokens=cfg.model.max_seq_length, replica_group=parts.ctx.pgs.tp)  # an engine per TP group
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
     from megatron_rl.loop.dispatched import DispatchRollouts
 
@@ -128,7 +130,6 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from envs.sampler import DomainSampler
     from megatron_rl.models.source import initializer
     from megatron_rl.monitoring import Monitor
-    from megatron_rl.rollout import RolloutEngine
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
 
@@ -137,17 +138,36 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
-    engine = RolloutEngine.build(cfg.model, cfg.engine, ctx.parallel, ctx.pgs, valid_vocab=tok.vocab_size,
-                                 record_routes=cfg.rl.trainer.routing_replay != "off",  # MoE routing replay
-                                 device=ctx.device)
-    runner = episode_runner(cfg, run_dir) if rank0 else None
+    engine, sync = build_engine(cfg, ctx, tok.vocab_size)
+    runner = episode_runner(cfg, run_dir) if scores_episodes(cfg, ctx) else None
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
     return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
-                 engine, runner, sampler, tasks["eval"], by_id, monitor, rank0)
+                 engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
+
+
+def build_engine(cfg: RunConfig, ctx, valid_vocab: int):
+    """The in-process engine in its own layout (TP only: the whole model on every rank) and the weight sync
+    that reshards the trainer's layout into it (collective: every rank)."""
+    from megatron_rl.rollout import RolloutEngine
+    from megatron_rl.rollout.reshard import WeightSync, engine_layout
+
+    par, pgs = engine_layout(ctx)
+    engine = RolloutEngine.build(cfg.model, cfg.engine, par, pgs, valid_vocab=valid_vocab,
+                                 record_routes=cfg.rl.trainer.routing_replay != "off",  # MoE routing replay
+                                 device=ctx.device)
+    return engine, WeightSync(ctx, pgs)
+
+
+def scores_episodes(cfg: RunConfig, ctx) -> bool:
+    """This rank runs episodes: in-process, every engine replica's leader (TP rank 0; loop/rollout.py);
+    dispatched, rank 0."""
+    if cfg.episodes.runner == "inprocess":
+        return torch.distributed.get_rank(ctx.pgs.tp) == 0
+    return ctx.rank == 0
 
 
 def episode_runner(cfg: RunConfig, run_dir: Path):
@@ -162,10 +182,20 @@ def episode_runner(cfg: RunConfig, run_dir: Path):
 
 
 def sync_weights(parts: Parts, rollouts, version: int) -> None:
-    """Copy the trainer's weights into the engine by name (same definition and TP layout), and push them to a
-    separate rollout server when there is one."""
-    parts.engine.update_weights(version, parts.policy.named_parameters(), policy="continue")
-    rollouts.push_weights(version, parts.policy.named_parameters())
+    """Reshard the trainer's weights into the engine (every layer and expert, checked complete), then push the
+    engine's (rank 0's holds the whole model at TP=1) to a separate rollout server when there is one."""
+    parts.sync(parts.engine, version, parts.policy.global_named_tensors())
+    rollouts.push_weights(version, engine_weights(parts.engine))
+
+
+def engine_weights(engine):
+    """The engine's weights by name: every parameter and the buffers the forward reads (the MoE expert bias)."""
+    from megatron_rl.trainer.policy import FORWARD_BUFFERS
+
+    yield from engine.model.named_parameters()
+    for name, b in engine.model.named_buffers():
+        if name.endswith(FORWARD_BUFFERS):
+            yield name, b
 
 
 def say(parts: Parts, msg: str) -> None:

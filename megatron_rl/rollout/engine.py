@@ -380,13 +380,20 @@ class RolloutEngine:
         return [done[i] for i in ids]
 
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       policy: UpdatePolicy | None = None) -> int:
-        """Copy tensors into the parameters of the same names (between steps); returns how many."""
+                       policy: UpdatePolicy | None = None, complete: bool = False) -> int:
+        """Copy tensors into the parameters of the same names (between steps); returns how many.
+        complete: every parameter of the engine must be written (else RuntimeError naming the missing ones)."""
         policy = policy or self.cfg.update_policy
         if policy not in ("continue", "abort"):
             raise ValueError(f"update policy {policy!r}: use 'continue' or 'abort'")
         with self.lock:
-            n = load_named_tensors(self.model, named_tensors)
+            written: set[str] = set()
+            n = load_named_tensors(self.model, named_tensors, written)
+            missing = sorted(set(dict(self.model.named_parameters())) - written) if complete else []
+            if missing:
+                raise RuntimeError(f"weight sync to policy version {version} left {len(missing)} engine parameters "
+                                   f"unwritten (the trainer sent no tensor of that name): {missing[:8]}"
+                                   f"{' ...' if len(missing) > 8 else ''}")
             self.version = version
             self._after_update(policy)
             return n
@@ -433,9 +440,9 @@ class RolloutEngine:
 
 
 @torch.no_grad()
-def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]], written: set | None = None) -> int:
     """Copy each (name, tensor) into `model`'s parameter (or weight buffer: the MoE expert bias) of that name;
-    errors name the parameter."""
+    errors name the parameter; the names written are added to `written`."""
     params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     n = 0
     for name, tensor in named_tensors:
@@ -444,6 +451,9 @@ def load_named_tensors(model, named_tensors: Iterable[tuple[str, torch.Tensor]])
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                              f"the model's is {tuple(params[name].shape)} (same TP layout needed)")
-        params[name].copy_(tensor.detach())
+        if tensor.data_ptr() != params[name].data_ptr():  # the sync may have received it in place already
+            params[name].copy_(tensor.detach())
+        if written is not None:
+            written.add(name)
         n += 1
     return n

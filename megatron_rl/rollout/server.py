@@ -91,11 +91,13 @@ class EngineLoop:
         return rid, fut
 
     async def update_weights(self, version: int, path: str, policy: str | None) -> int:
-        """Load a torch.save'd state dict (trainer parameter names) into the engine; returns the tensor count."""
+        """Load a torch.save'd state dict (trainer parameter names) into the engine; returns the tensor count.
+        Every engine parameter must be in it (the engine raises naming the missing ones). Memory-mapped: the
+        tensors are copied from the file's pages straight into the engine's."""
         import torch
 
-        state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True)
-        return await asyncio.to_thread(self.engine.update_weights, version, state.items(), policy)
+        state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True, mmap=True)
+        return await asyncio.to_thread(self.engine.update_weights, version, state.items(), policy, True)
 
     def abort(self, rid: str) -> None:
         with self.engine.lock:
@@ -336,7 +338,7 @@ async def update_weights(request: web.Request) -> web.Response:
         n = await st.loop.update_weights(body["version"], body["path"], body.get("policy"))
     except FileNotFoundError as e:
         return _error(400, f"update_weights: {e}")
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, RuntimeError) as e:
         return _error(400, str(e))
     log.info("update_weights: policy version %d, %d tensors from %s", body["version"], n, body["path"])
     return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
@@ -455,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(ParallelConfig(), source="single")
     engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs, valid_vocab=tok.vocab_size)
     if args.weights:
-        engine.update_weights(args.version, torch.load(args.weights, map_location="cpu", weights_only=True).items())
+        state = torch.load(args.weights, map_location="cpu", weights_only=True, mmap=True)
+        engine.update_weights(args.version, state.items(), complete=True)  # every parameter, or it names the missing
     asyncio.run(_serve_forever(create_app(engine, tok), args.host, args.port, args.port_file))
     return 0
 

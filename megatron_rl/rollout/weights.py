@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 def broadcast_named_tensors(named: Iterable[tuple[str, Tensor]] | None, src: int, group=None,
@@ -26,16 +26,44 @@ def broadcast_named_tensors(named: Iterable[tuple[str, Tensor]] | None, src: int
     """Yield every (name, tensor) of the source rank `src` (global rank) on all ranks of `group`."""
     is_src = named is not None
     tensors = dict(named) if is_src else {}
-    box = [[(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()] if is_src else None]
+    box = [metadata(tensors) if is_src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    for bucket in _buckets(box[0], bucket_bytes):
-        dtype = _DTYPES[bucket[0][2]]
+    yield from broadcast_known(box[0], tensors if is_src else None, src, group, bucket_bytes)
+
+
+def metadata(tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each tensor, the entries `broadcast_known` takes."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items()]
+
+
+def broadcast_known(meta: list, tensors: dict[str, Tensor] | None, src: int, group=None,
+                    bucket_bytes: int = 64 << 20, scratch: dict | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Yield the tensors `meta` names (known on every rank of `group`) from `src`, which passes `tensors`.
+
+    scratch: a dict kept by the caller across calls; buckets then reuse its flat buffers (one per dtype)
+    instead of allocating (and page-faulting) new ones, and the tensors yielded are views into them, valid
+    until the next one is drawn (copy them out, as `load_named_tensors` does)."""
+    is_src = tensors is not None
+    for bucket in _buckets(meta, bucket_bytes):
+        dtype, numel = DTYPES[bucket[0][2]], sum(_numel(s) for _, s, _ in bucket)
+        flat = _flat(scratch, dtype, numel)  # [numel]
         if is_src:
-            flat = torch.cat([tensors[n].detach().reshape(-1).to(dtype) for n, _, _ in bucket])  # [sum numel]
-        else:
-            flat = torch.empty(sum(_numel(s) for _, s, _ in bucket), dtype=dtype)
+            parts = [tensors[n].detach().reshape(-1).to(dtype) for n, _, _ in bucket]
+            flat = torch.cat(parts) if flat is None else torch.cat(parts, out=flat)
+        elif flat is None:
+            flat = torch.empty(numel, dtype=dtype)
         dist.broadcast(flat, src=src, group=group)
         yield from _unpack(flat, bucket)
+
+
+def _flat(scratch: dict | None, dtype: torch.dtype, numel: int) -> Tensor | None:
+    """A [numel] view of scratch's buffer of `dtype` (grown when too small); None without scratch."""
+    if scratch is None:
+        return None
+    buf = scratch.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = scratch[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -50,7 +78,7 @@ def _buckets(meta: list, bucket_bytes: int) -> list[list]:
     out: list[list] = []
     size = 0
     for entry in meta:
-        nbytes = _numel(entry[1]) * _DTYPES[entry[2]].itemsize
+        nbytes = _numel(entry[1]) * DTYPES[entry[2]].itemsize
         if not out or out[-1][0][2] != entry[2] or size + nbytes > bucket_bytes:
             out.append([])
             size = 0

@@ -201,11 +201,28 @@ class Policy:
         expert bias, which Megatron keeps as a buffer; without it an engine would route differently)."""
         for i, chunk in enumerate(self.chunks):
             prefix = f"chunk{i}." if len(self.chunks) > 1 else ""
-            for name, p in chunk.module.named_parameters():
-                yield prefix + name, p
-            for name, b in chunk.module.named_buffers():
-                if name.endswith(FORWARD_BUFFERS):
-                    yield prefix + name, b
+            for name, t in _weights(chunk.module):
+                yield prefix + name, t
+
+    def global_named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """`named_parameters`' tensors under their names in the unsharded model (layers of every pipeline stage
+        and virtual chunk, experts of every expert-parallel rank numbered globally; trainer/global_names.py),
+        each still this rank's tensor-parallel slice: what the engine's weight sync gathers."""
+        from megatron_rl.trainer.global_names import global_names
+
+        for chunk in self.chunks:
+            local = list(_weights(chunk.module))
+            names = global_names(chunk.module, [n for n, _ in local])
+            for name, t in local:
+                yield names[name], t
+
+
+def _weights(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """A chunk's parameters, then its FORWARD_BUFFERS, by local name."""
+    yield from module.named_parameters()
+    for name, b in module.named_buffers():
+        if name.endswith(FORWARD_BUFFERS):
+            yield name, b
 
 
 def install_routing_replay(model, cfg: ModelConfig) -> None:
