@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.dispatch.net import node_address  # noqa: F401 (re-exported: tests, callers)
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
 
 log = logging.getLogger(__name__)
@@ -243,20 +244,6 @@ def server_hosts(episodes_cfg) -> tuple[str, str]:
     slurm = episodes_cfg.dispatch.executor == "slurm"
     public = episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1")
     return (node_address(public) if slurm else "127.0.0.1", public)
-
-
-def node_address(name: str) -> str:
-    """The first non-loopback IPv4 address `name` resolves to; 0.0.0.0 (with a warning) when there is none."""
-    try:
-        addrs = [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)]
-    except OSError:
-        addrs = []
-    for a in addrs:
-        if not a.startswith("127."):
-            return a
-    log.warning("rollout server: %r resolves to no non-loopback address (%s); listening on 0.0.0.0 (mutating "
-                "endpoints still need the job token)", name, addrs)
-    return "0.0.0.0"
 
 
 def episode_id(gid: int, index: int) -> str:
