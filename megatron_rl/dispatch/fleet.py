@@ -115,8 +115,7 @@ class Fleet:
         """job id -> submitit job of a worker submitted (or adopted) by this driver."""
         self.adopted_until = 0.0
         self._adopted: list[str] = []
-        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0,
-                         "episodes_duplicate": 0}
+        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0}
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
         self._executor = None
         self.httpd = None
@@ -149,13 +148,16 @@ class Fleet:
             self.state.size = size
         self._top_up()
 
-    def close(self, grace_s: float = 15.0) -> None:
-        """Tell every worker to stop (their next request hears it), then cancel jobs still alive."""
+    def close(self, grace_s: float = 30.0) -> None:
+        """Tell every worker to stop (their next request hears it; the queue serves until each live worker
+        has), then cancel jobs still alive."""
         self._stop.set()
         with self.state.cond:
             self.state.closing = True
             self.state.cond.notify_all()
         end = time.monotonic() + grace_s
+        while time.monotonic() < end and self.state.unaware(self.config.lease_s):
+            time.sleep(0.2)
         while time.monotonic() < end and any(not _done(j) for j in self.jobs.values()):
             time.sleep(0.5)
         for j in self.jobs.values():
@@ -335,7 +337,8 @@ class Fleet:
 
     def _adopt(self) -> None:
         """Workers an earlier driver submitted: Slurm jobs are watched again; local ones (not re-attachable)
-        count for one lease period, in which they find the new queue and join."""
+        count for one lease period plus a worker's retry interval (wait_s), in which they find the new queue
+        and join."""
         path = self.folder / "jobs.json"
         if not path.is_file():
             return
@@ -347,7 +350,7 @@ class Fleet:
                 self.jobs[k] = submitit.SlurmJob(folder=self.folder / "submitit" / "%j", job_id=k)
         else:
             self._adopted = list(ids)
-            self.adopted_until = time.monotonic() + self.config.lease_s
+            self.adopted_until = time.monotonic() + self.config.lease_s + self.config.wait_s  # their retry period
         log.info("fleet: adopted %d workers of an earlier driver", len(ids))
 
     def _hosts(self) -> tuple[str, str]:

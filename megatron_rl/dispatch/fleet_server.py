@@ -37,6 +37,8 @@ class FleetState:
         """worker id -> {job, host, pid, last_seen, leases: set, joined}."""
         self.surplus: set[str] = set()
         """Workers told to stop (the fleet shrank, or the run is over)."""
+        self.told_stop: set[str] = set()
+        """Workers that have heard "stop" (close() waits for every live worker to hear it)."""
         self.closing = False
         self.size = 0
         """Wanted fleet size; a worker that asks for work while more are active is told to stop."""
@@ -50,6 +52,11 @@ class FleetState:
         w["last_seen"] = now
         return w
 
+    def unaware(self, silent_s: float) -> list[str]:
+        """Workers heard from within `silent_s` that have not been told to stop yet."""
+        now = time.monotonic()
+        return [k for k, w in self.workers.items() if k not in self.told_stop and now - w["last_seen"] < silent_s]
+
     def active(self) -> list[str]:
         return [k for k in self.workers if k not in self.surplus]
 
@@ -60,9 +67,11 @@ class FleetState:
                 now = time.monotonic()
                 w = self._seen(body, now)
                 if self.closing or body["worker"] in self.surplus:
+                    self.told_stop.add(body["worker"])
                     return {"stop": "run over" if self.closing else "fleet shrank"}
                 if len(self.active()) > self.size:
                     self.surplus.add(body["worker"])
+                    self.told_stop.add(body["worker"])
                     log.info("fleet: worker %s stops (fleet size %d)", body["worker"], self.size)
                     return {"stop": "fleet shrank"}
                 le = self.queue.lease(body["worker"], int(body.get("max", 8)), now)
@@ -81,7 +90,10 @@ class FleetState:
             w = self._seen(body, now)
             lost = self.queue.heartbeat(body["worker"], list(body.get("leases", [])), now)
             w["leases"] -= set(lost)
-            return {"lost": lost, "stop": self.closing or body["worker"] in self.surplus}
+            stop = self.closing or body["worker"] in self.surplus
+            if stop:
+                self.told_stop.add(body["worker"])
+            return {"lost": lost, "stop": stop}
 
     def done(self, body: dict) -> dict:
         with self.cond:

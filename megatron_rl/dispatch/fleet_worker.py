@@ -58,7 +58,8 @@ class FleetWorker:
         first_fail, delay = None, 0.5
         while True:
             q = self.queue
-            req = urllib.request.Request(q["url"] + path, data=json.dumps({"worker": self.id, **body}).encode(),
+            me = {"worker": self.id, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
+            req = urllib.request.Request(q["url"] + path, data=json.dumps({**me, **body}).encode(),
                                          headers={"Content-Type": "application/json", TOKEN_HEADER: q["token"]})
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -69,7 +70,7 @@ class FleetWorker:
                 if now - first_fail > float(q.get("orphan_exit_s", 300)):
                     raise Orphaned(f"fleet queue {q['url']} unreachable for {now - first_fail:.0f}s: {e}") from e
                 time.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, float(q.get("wait_s", 10.0)))  # back in within wait_s of a restart
                 try:
                     self.queue = self._read_queue()  # a restarted driver publishes its new address here
                 except (OSError, ValueError):
@@ -82,8 +83,7 @@ class FleetWorker:
         try:
             while not self.stopping.is_set():
                 wait = float(self.queue.get("wait_s", 10.0))
-                r = self._post("/lease", {"job": self.job, "host": socket.gethostname(), "pid": os.getpid(),
-                                          "max": int(self.queue.get("episodes_per_lease", 8)), "wait_s": wait},
+                r = self._post("/lease", {"max": int(self.queue.get("episodes_per_lease", 8)), "wait_s": wait},
                                timeout=wait + 30)
                 if "stop" in r:
                     reason = r["stop"]
