@@ -258,12 +258,15 @@ class Fleet:
         for k in ended:
             log.warning("fleet: worker job %s ended (%s)", k, _state(self.jobs.pop(k)))
             with self.state.cond:
+                self.state.ended_jobs.add(k)
                 lost = [w for w, v in self.state.workers.items() if v["job"] == k]
                 leases = [le for w in lost for le in self.state.queue.revoke_worker(w)]
                 for w in lost:
                     del self.state.workers[w]
                 self.counters["workers_lost"] += len(lost)
             self._settle(leases, f"job {k} ended")
+        if ended:
+            self._save_jobs()
         return bool(ended)
 
     def _read_size_file(self) -> None:

@@ -39,6 +39,9 @@ class FleetState:
         """Workers told to stop (the fleet shrank, or the run is over)."""
         self.told_stop: set[str] = set()
         """Workers that have heard "stop" (close() waits for every live worker to hear it)."""
+        self.ended_jobs: set[str] = set()
+        """Jobs the scheduler reported ended: a process of theirs still talking (Slurm's kill grace) is told to
+        stop and gets no lease."""
         self.closing = False
         self.size = 0
         """Wanted fleet size; a worker that asks for work while more are active is told to stop."""
@@ -66,6 +69,9 @@ class FleetState:
             while True:
                 now = time.monotonic()
                 w = self._seen(body, now)
+                if str(body.get("job", "")) in self.ended_jobs:
+                    self.told_stop.add(body["worker"])
+                    return {"stop": "its job ended"}
                 if self.closing or body["worker"] in self.surplus:
                     self.told_stop.add(body["worker"])
                     return {"stop": "run over" if self.closing else "fleet shrank"}
