@@ -70,6 +70,7 @@ class FleetState:
                 now = time.monotonic()
                 w = self._seen(body, now)
                 if str(body.get("job", "")) in self.ended_jobs:
+                    self.surplus.add(body["worker"])  # never counts towards the size again
                     self.told_stop.add(body["worker"])
                     return {"stop": "its job ended"}
                 if self.closing or body["worker"] in self.surplus:
