@@ -113,7 +113,6 @@ class Fleet:
         self.state.size = config.size
         self.jobs: dict[str, object] = {}
         """job id -> submitit job of a worker submitted (or adopted) by this driver."""
-        self.adopted_until = 0.0
         self._adopted: list[str] = []
         self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0}
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
@@ -163,6 +162,7 @@ class Fleet:
         for j in self.jobs.values():
             if not _done(j):
                 j.cancel(check=False)
+        (self.folder / "jobs.json").unlink(missing_ok=True)  # every worker was told to stop: nothing to adopt
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
@@ -290,8 +290,8 @@ class Fleet:
         with self.state.cond:
             active = [self.state.workers[k]["job"] for k in self.state.active()]
         waiting = [k for k in self.jobs if k not in active]
-        adopted = len(self._adopted) if time.monotonic() < self.adopted_until else 0
-        return len(active) + len(waiting) + max(0, adopted - len(active))
+        adopted = [k for k in self._adopted if k not in active and _pid_alive(k)]
+        return len(active) + len(waiting) + len(adopted)
 
     def _top_up(self) -> None:
         if self._stop.is_set():
@@ -339,9 +339,9 @@ class Fleet:
         _write_private(self.folder / "jobs.json", json.dumps(sorted(self.jobs)))
 
     def _adopt(self) -> None:
-        """Workers an earlier driver submitted: Slurm jobs are watched again; local ones (not re-attachable)
-        count for one lease period plus a worker's retry interval (wait_s), in which they find the new queue
-        and join."""
+        """Workers an earlier driver submitted (it died; a clean close removes jobs.json): Slurm jobs are
+        watched again; local ones (not re-attachable; their job id is the controller's pid) count while that
+        process lives, and rejoin within wait_s."""
         path = self.folder / "jobs.json"
         if not path.is_file():
             return
@@ -353,7 +353,6 @@ class Fleet:
                 self.jobs[k] = submitit.SlurmJob(folder=self.folder / "submitit" / "%j", job_id=k)
         else:
             self._adopted = list(ids)
-            self.adopted_until = time.monotonic() + self.config.lease_s + self.config.wait_s  # their retry period
         log.info("fleet: adopted %d workers of an earlier driver", len(ids))
 
     def _hosts(self) -> tuple[str, str]:
@@ -370,6 +369,15 @@ def _done(job) -> bool:
         return bool(job.done())
     except Exception:  # an adopted job whose folder is gone, sacct hiccups: treat as alive until known
         return False
+
+
+def _pid_alive(job_id: str) -> bool:
+    """A local worker (job id = its submitit controller's pid on this machine) still runs."""
+    try:
+        os.kill(int(job_id), 0)
+    except (ValueError, ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _state(job) -> str:
