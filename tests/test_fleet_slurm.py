@@ -1,6 +1,7 @@
 """The persistent fleet on the real dev Slurm cluster under faults: kill -9 of one worker, scancel of another,
-kill -9 of the driver and a restart; every episode is published (and read by the trainer's reader) exactly
-once, and the scheduler sees one submission per fleet plus one per lost worker."""
+kill -9 of the driver and a restart, then a preemption (submitit's signal: checkpoint + requeue) of a worker;
+every episode is published (and read by the trainer's reader) exactly once, and the scheduler sees one
+submission per fleet plus one per lost worker."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from megatron_rl.dispatch.fleet_server import TOKEN_HEADER
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, PER_STEP = 8, 16
+STEPS, PER_STEP = 10, 16
 
 
 def driver(slurm_cluster, out: Path) -> subprocess.Popen:
@@ -74,6 +75,9 @@ def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_p
         first.kill()  # the driver dies mid-run; its workers keep running and find the next driver
         first.wait()
         second = driver(slurm_cluster, out)
+        # a preemption of an adopted worker: submitit's signal -> it reports its lease and requeues itself
+        preempted = wait_for(lambda: busy_workers(out), 90, "an adopted worker holding a lease")[0]
+        slurm_cluster.run(["scancel", "--signal=USR2", preempted["job"]])
         assert second.wait(timeout=240) == 0, (out / "driver.log").read_text()[-4000:]
     finally:
         for p in (first, locals().get("second")):
@@ -104,6 +108,10 @@ def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_p
     print(json.dumps(summary))
     assert first_life[-1]["leases_expired"] >= 1 and first_life[-1]["workers_lost"] >= 1  # the kill -9 was seen
     assert first_life[-1]["workers_submitted"] >= 4 and first_life[-1]["submissions"] >= 2  # replaced
+    log = (out / "driver.log").read_text()
+    joins = {line.split("worker ")[1].split(" ")[0] for line in log.splitlines()
+             if f"joined (job {preempted['job']} " in line}
+    assert len(joins) >= 2, joins  # the requeued job came back as a new process under the same job id
     q = slurm_cluster.run(["squeue", "-h", "-n", "mrl-fleet", "-o", "%i %T"], check=False).stdout
     wait_for(lambda: not slurm_cluster.run(["squeue", "-h", "-n", "mrl-fleet"], check=False).stdout.strip(), 60,
              f"the fleet's jobs to end (left: {q})")

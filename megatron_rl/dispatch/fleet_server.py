@@ -93,6 +93,9 @@ class FleetState:
 
     def heartbeat(self, body: dict) -> dict:
         with self.cond:
+            if str(body.get("job", "")) in self.ended_jobs:  # not registered again: it is gone
+                self.told_stop.add(body["worker"])
+                return {"lost": list(body.get("leases", [])), "stop": True}
             now = time.monotonic()
             w = self._seen(body, now)
             lost = self.queue.heartbeat(body["worker"], list(body.get("leases", [])), now)
