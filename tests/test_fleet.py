@@ -175,3 +175,16 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_workers_that_cannot_start_break_the_fleet_with_their_error_not_an_endless_resubmission(tmp_path):
+    cfg = FleetConfig(size=2, setup=["echo 'no such module: rollout-env' >&2", "exit 3"], **FAST)
+    fleet = Fleet(cfg, scripted(), tmp_path / "fleet").start()
+    try:
+        with pytest.raises(RuntimeError, match="2 worker jobs in a row ended before joining") as err:
+            fleet.run_batch("b0", episodes_from_tasks(TASKS[:4]), tmp_path / "b0", url="", timeout_s=60)
+        assert "episodes.fleet.setup" in str(err.value)  # (the local executor keeps no log of a failed setup)
+        assert fleet.counters["submissions"] == 1 and fleet.counters["workers_submitted"] == 2
+    finally:
+        fleet.close()

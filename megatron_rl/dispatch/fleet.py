@@ -117,6 +117,9 @@ class Fleet:
         self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0}
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
         self._executor = None
+        self._failed_starts = 0
+        self.broken = ""
+        """Why the fleet gave up (workers that die before joining, `size` times in a row); run_batch raises it."""
         self.httpd = None
         self.url = ""
 
@@ -182,6 +185,9 @@ class Fleet:
             self.state.queue.put(batch, episodes, meta, published=done)
             self.state.cond.notify_all()
             while not self.state.queue.done(batch):
+                if self.broken:
+                    self.state.queue.pop(batch)
+                    raise RuntimeError(self.broken)
                 if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                     self.state.queue.pop(batch)
                     raise TimeoutError(f"fleet: batch {batch} not finished after {timeout_s}s ({self.status()})")
@@ -256,7 +262,9 @@ class Fleet:
             jobs[0].done(force_check=True)  # one sacct refreshes the shared watcher for all jobs
         ended = [k for k, j in self.jobs.items() if _done(j)]
         for k in ended:
-            log.warning("fleet: worker job %s ended (%s)", k, _state(self.jobs.pop(k)))
+            job = self.jobs.pop(k)
+            log.warning("fleet: worker job %s ended (%s)", k, _state(job))
+            self._count_start(k, job)
             with self.state.cond:
                 self.state.ended_jobs.add(k)
                 lost = [w for w, v in self.state.workers.items() if v["job"] == k]
@@ -268,6 +276,26 @@ class Fleet:
         if ended:
             self._save_jobs()
         return bool(ended)
+
+    def _count_start(self, job_id: str, job) -> None:
+        """A job that ended before any worker of it joined is a failed start; `size` in a row break the fleet
+        (no endless resubmission of a worker that cannot start)."""
+        if job_id in self.state.joined_jobs:
+            self._failed_starts = 0
+            return
+        self._failed_starts += 1
+        if self._failed_starts >= self.config.size and not self.broken:
+            try:
+                text = job.stderr()
+            except Exception as e:  # log on a node's local disk, folder gone
+                text = f"(stderr log unreadable: {e})"
+            tail = "\n".join((text or "(no stderr log: the job ended before its worker started)").splitlines()[-30:])
+            self.broken = (f"fleet: {self._failed_starts} worker jobs in a row ended before joining the queue "
+                           f"(last: {job_id}, {_state(job)}); fix the worker environment (episodes.fleet.setup, "
+                           f"partition, memory) -- its stderr:\n{tail}")
+            log.error("%s", self.broken)
+            with self.state.cond:
+                self.state.cond.notify_all()
 
     def _read_size_file(self) -> None:
         """`<folder>/size` (an operator's `echo 16 > run/fleet/size`) resizes the fleet during the run."""
@@ -294,7 +322,7 @@ class Fleet:
         return len(active) + len(waiting) + len(adopted)
 
     def _top_up(self) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or self.broken:
             return
         with self.state.cond:
             size = self.state.size

@@ -39,6 +39,8 @@ class FleetState:
         """Workers told to stop (the fleet shrank, or the run is over)."""
         self.told_stop: set[str] = set()
         """Workers that have heard "stop" (close() waits for every live worker to hear it)."""
+        self.joined_jobs: set[str] = set()
+        """Jobs a worker of which has talked to this queue."""
         self.ended_jobs: set[str] = set()
         """Jobs the scheduler reported ended: a process of theirs still talking (Slurm's kill grace) is told to
         stop and gets no lease."""
@@ -51,6 +53,7 @@ class FleetState:
         if w is None:
             w = self.workers[body["worker"]] = {"job": str(body.get("job", "")), "host": body.get("host", ""),
                                                 "pid": body.get("pid", 0), "leases": set(), "joined": now}
+            self.joined_jobs.add(w["job"])
             log.info("fleet: worker %s joined (job %s on %s)", body["worker"], w["job"], w["host"])
         w["last_seen"] = now
         return w
