@@ -46,7 +46,8 @@ class FleetWorker:
         self.lost = threading.Event()
         """The current lease was revoked by the driver: publish nothing of it."""
         self.stopping = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # also taken by the preemption handler (main thread, any time)
+        self._finishing = False
         self.stats = {"leases": 0, "episodes": 0, "shards": 0, "fenced": 0}
 
     # ------------------------------------------------------------------------------------------ transport
@@ -134,6 +135,13 @@ class FleetWorker:
         self._finish(lease, publisher, runner, spec, error)
 
     def _finish(self, lease: dict, publisher, runner, spec: WorkerSpec, error: str) -> None:
+        self._finishing = True
+        try:
+            self._report(lease, publisher, runner, spec, error)
+        finally:
+            self._finishing = False
+
+    def _report(self, lease: dict, publisher, runner, spec: WorkerSpec, error: str) -> None:
         published = [] if self.lost.is_set() else publisher.freeze()  # fenced: publish nothing of it
         self.stats["fenced"] += self.lost.is_set()
         failed = dict(runner.failed)
@@ -168,8 +176,8 @@ class FleetWorker:
         self.stopping.set()
         with self._lock:
             lease = self.lease
-        if lease is None or self.runner is None:
-            return
+        if lease is None or self.runner is None or self._finishing:  # interrupted while reporting: the driver
+            return                                                    # settles the lease from the shards
         self.runner.stop.set()
         self._finish(lease, self.runner.publisher, self.runner, self.runner.spec, "worker preempted")
 
