@@ -50,6 +50,19 @@ def test_lease_expiry_requeues_only_the_unpublished_and_fences_the_old_holder():
     assert q.counters["fenced_heartbeats"] == 1
 
 
+def test_a_committed_lease_outlives_its_lost_worker_until_the_deadline_and_a_revoked_one_cannot_commit():
+    q = LeaseQueue(lease_s=10)
+    q.put("b", eps(4), {})
+    a, b = q.lease("w1", 2, now=0.0), q.lease("w2", 2, now=0.0)
+    assert q.commit("w1", a.id, now=5.0)  # w1 may publish; then its job is reported ended
+    assert q.revoke_worker("w1") == [] and q.revoke_worker("w2") == [b]  # w2 had not committed: revoked now
+    q.requeue(b, set(), "job ended")
+    assert not q.commit("w2", b.id, now=5.5)  # a worker still alive after its job ended publishes nothing
+    assert q.expired(now=14.0) == [] and q.expired(now=15.5) == [a]  # committed: settled at its deadline
+    q.requeue(a, {"e0", "e1"}, "lease expired")  # from the shards: w1 did publish both
+    assert [e.episode_id for e in q.lease("w3", 8, now=16.0).episodes] == ["e2", "e3"]
+
+
 def test_an_episode_lost_max_attempts_times_is_given_up_with_the_reason():
     q = LeaseQueue(lease_s=1, max_attempts=2)
     q.put("b", eps(1), {})

@@ -2,6 +2,7 @@
 
     POST /lease      {worker, job, host, pid, max, wait_s} -> {lease: {...}} | {stop: reason} | {}  (long poll)
     POST /heartbeat  {worker, leases: [id]}                 -> {lost: [id], stop: bool}
+    POST /commit     {worker, lease}                        -> {ok: bool}   (may it publish the lease's shard?)
     POST /done       {worker, lease, published: [id], failed: {id: reason}} -> {accepted: bool}
     GET  /status                                            -> workers, counters
 
@@ -108,6 +109,14 @@ class FleetState:
                 self.told_stop.add(body["worker"])
             return {"lost": lost, "stop": stop}
 
+    def commit(self, body: dict) -> dict:
+        with self.cond:
+            if str(body.get("job", "")) in self.ended_jobs:
+                return {"ok": False}
+            now = time.monotonic()
+            self._seen(body, now)
+            return {"ok": self.queue.commit(body["worker"], body["lease"], now)}
+
     def done(self, body: dict) -> dict:
         with self.cond:
             w = self._seen(body, time.monotonic())
@@ -154,7 +163,8 @@ def serve(state: FleetState, token: str, host: str) -> ThreadingHTTPServer:
         def do_POST(self):
             if not self._authorised():
                 return
-            routes = {"/lease": state.lease, "/heartbeat": state.heartbeat, "/done": state.done}
+            routes = {"/lease": state.lease, "/heartbeat": state.heartbeat, "/commit": state.commit,
+                      "/done": state.done}
             if self.path not in routes:
                 return self._reply(404, {"error": f"no endpoint {self.path}"})
             try:

@@ -4,7 +4,8 @@ run them in one sandbox pool, publish one shard per lease, report it, ask again.
 It finds the queue through `<fleet>/queue.json` (url, token, timing), re-read whenever the driver cannot be
 reached, so a restarted driver (new port, new token) gets its workers back. A heartbeat thread extends the
 lease; when the driver answers "lost" (the lease expired and was re-queued) the worker stops that lease and
-publishes nothing of it. It exits when told to stop (the run is over, the fleet shrank) or when the driver
+publishes nothing of it; before publishing it commits the lease (/commit), and publishes only if the driver
+says it still holds it. It exits when told to stop (the run is over, the fleet shrank) or when the driver
 has been unreachable for `orphan_exit_s`. On Slurm's time-limit or preemption signal (submitit
 Checkpointable) it publishes what is finished, reports it (the rest goes back to the queue) and requeues.
 """
@@ -142,7 +143,9 @@ class FleetWorker:
             self._finishing = False
 
     def _report(self, lease: dict, publisher, runner, spec: WorkerSpec, error: str) -> None:
-        published = [] if self.lost.is_set() else publisher.freeze()  # fenced: publish nothing of it
+        if not self.lost.is_set() and not self._commit(lease):
+            self.lost.set()
+        published = publisher.discard() if self.lost.is_set() else publisher.freeze()  # fenced: publish nothing
         self.stats["fenced"] += self.lost.is_set()
         failed = dict(runner.failed)
         failed.update({e.episode_id: error for e in spec.episodes if error and e.episode_id not in published})
@@ -153,6 +156,13 @@ class FleetWorker:
         self.stats["shards"] += len(publisher.shards)
         if not self.lost.is_set():
             self._post("/done", {"lease": lease["id"], "published": published, "failed": failed}, timeout=60)
+
+    def _commit(self, lease: dict) -> bool:
+        """Ask the driver whether the lease is still this worker's before its shard is published."""
+        try:
+            return bool(self._post("/commit", {"lease": lease["id"]}, timeout=30).get("ok"))
+        except Orphaned:
+            return False
 
     def _spec(self, lease: dict) -> WorkerSpec:
         worker = dataclasses.replace(self.cfg, generator=dataclasses.replace(self.cfg.generator, url=lease["url"]))

@@ -4,12 +4,16 @@
     q.put("g0000000-g0000003", episodes, meta={"shard_dir": ..., "url": ...})
     lease = q.lease("w1", max_episodes=8, now=t)   # episodes of one batch, deadline t + lease_s
     q.heartbeat("w1", [lease.id], now)          # extends the worker's leases; returns the ids it no longer holds
+    q.commit("w1", lease.id, now)                 # may I publish? (False: it was revoked; publish nothing)
     q.complete(lease.id, published_ids, now)      # the rest of the lease goes back to the queue
     for lease in q.expired(now): ...              # the caller re-queues what is not published (`requeue`)
 
 An episode is in exactly one place: pending, leased (to one lease), published or given up. A lease that
 expired (no heartbeat within `lease_s`) or whose worker is known lost is gone: its worker's heartbeat hears
 "lost" and must not publish it (fencing); the caller checks the published shards and re-queues the rest.
+Before publishing, a worker commits the lease: a committed lease is not revoked when its worker is found
+lost, only at its deadline (the worker had `lease_s` to rename its shard into place), so a worker that is
+still alive after its job was cancelled cannot publish episodes that were already handed to another.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class Lease:
     """Expires at this time unless a heartbeat extends it."""
     attempt: int = 0
     """Highest earlier attempt count among its episodes (0 = first time out)."""
+    committed: bool = False
+    """The worker was allowed to publish it: it is settled only at its deadline (from the shards)."""
 
 
 @dataclass
@@ -111,6 +117,15 @@ class LeaseQueue:
         self.counters["fenced_heartbeats"] += len(lost)
         return lost
 
+    def commit(self, worker: str, lease_id: str, now: float) -> bool:
+        """The worker asks to publish the lease: True (and `lease_s` more to do it) iff it still holds it. A
+        committed lease is never re-queued before its deadline, and then only what is not in a shard."""
+        le = self.leases.get(lease_id)
+        if le is None or le.worker != worker:
+            return False
+        le.committed, le.deadline = True, now + self.lease_s
+        return True
+
     def complete(self, lease_id: str, published: list[str], failed: dict[str, str] | None = None) -> bool:
         """The worker published `published` of the lease; its other episodes go back to the queue (retryable
         failures). False when the lease was no longer held (expired: the caller already re-queued it)."""
@@ -132,8 +147,9 @@ class LeaseQueue:
         return out
 
     def revoke_worker(self, worker: str) -> list[Lease]:
-        """A worker known lost (its job ended): remove and return its leases at once."""
-        out = [le for le in self.leases.values() if le.worker == worker]
+        """A worker known lost (its job ended): remove and return its leases at once, except committed ones
+        (it may be writing their shard): those settle at their deadline."""
+        out = [le for le in self.leases.values() if le.worker == worker and not le.committed]
         for le in out:
             del self.leases[le.id]
         self.counters["leases_expired"] += len(out)
