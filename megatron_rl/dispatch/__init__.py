@@ -1,7 +1,9 @@
 """Slurm-native dispatch: episode batches as submitit job arrays (or local processes), HDF5 shards back.
 
 `Dispatcher(DispatchConfig(...), WorkerConfig(...), shard_dir).run(episodes) -> DispatchReport`; the worker
-side is `megatron_rl.dispatch.worker` (`megatron-rl rollout-worker --spec FILE`).
+side is `megatron_rl.dispatch.worker` (`megatron-rl rollout-worker --spec FILE`). A persistent fleet (one
+submission per run, leases from the driver's queue): `Fleet(FleetConfig(...), WorkerConfig(...), folder)`
+(`megatron_rl.dispatch.fleet`, workers in `fleet_worker`).
 """
 from megatron_rl.dispatch.dispatcher import (
     DispatchConfig,

@@ -271,6 +271,12 @@ class ShardPublisher:
             self._frozen = True
             return list(self.published_ids)
 
+    def discard(self) -> list[str]:
+        """Drop what is buffered and refuse more (the lease was revoked); returns what was published before."""
+        with self._lock:
+            self._buf, self._frozen = [], True
+            return list(self.published_ids)
+
     def _flush_locked(self) -> None:
         from megatron_rl.data.shards import write_shard
 

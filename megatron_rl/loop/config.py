@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
 from megatron_rl.dispatch.dispatcher import DispatchConfig
+from megatron_rl.dispatch.fleet import FleetConfig
 from megatron_rl.rl.config import LossConfig
 from megatron_rl.trainer.packing import PackingConfig
 from megatron_rl.trainer.policy import OptimConfig
@@ -95,7 +96,9 @@ class EpisodesConfig:
     runner: str = "inprocess"
     """inprocess: the in-process engine generates and rank 0's threads score (sandboxed);
     dispatch: rollout workers (submitit: local processes or Slurm array tasks) run whole episodes, calling
-    the engine's HTTP server on rank 0, and publish HDF5 shards that the trainer reads."""
+    the engine's HTTP server on rank 0, and publish HDF5 shards that the trainer reads (one job array per step);
+    fleet: the same episodes on a persistent fleet (episodes.fleet): long-lived workers submitted once, pulling
+    leases from a queue that rank 0 serves."""
     server: str = "colocated"
     """colocated: the trainer ranks serve their in-process engine while a step's episodes run (no overlap with
     training); separate: a rollout server process of its own (weights pushed after every update), so with
@@ -109,14 +112,19 @@ class EpisodesConfig:
     """Episodes a worker task runs at once (0 = the CPUs Slurm gave it)."""
     dispatch: DispatchConfig = field(default_factory=_default_dispatch)
     """Executor, partition, batching and retries of the dispatched episodes ('' folder = <run>/dispatch)."""
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    """The persistent fleet of runner=fleet: size, resources, leases, heartbeats ('' folder = <run>/fleet)."""
 
     def validate(self) -> None:
-        if self.runner not in ("inprocess", "dispatch"):
-            raise ConfigError(f"episodes.runner must be inprocess or dispatch, got {self.runner!r}")
+        if self.runner not in ("inprocess", "dispatch", "fleet"):
+            raise ConfigError(f"episodes.runner must be inprocess, dispatch or fleet, got {self.runner!r}")
         if self.server not in ("colocated", "separate"):
             raise ConfigError(f"episodes.server must be colocated or separate, got {self.server!r}")
-        if self.server == "separate" and self.runner != "dispatch":
-            raise ConfigError("episodes.server=separate needs episodes.runner=dispatch (workers call the server)")
+        if self.server == "separate" and self.runner == "inprocess":
+            raise ConfigError("episodes.server=separate needs episodes.runner=dispatch or fleet (workers call the "
+                              "server)")
+        if self.runner == "fleet":
+            self.fleet.validate()
         if self.server_threads < 1:
             raise ConfigError(f"episodes.server_threads must be >= 1, got {self.server_threads}")
         if self.worker_threads < 0:

@@ -1,6 +1,8 @@
 """Rollouts from dispatched episodes: rollout workers run whole episodes and publish HDF5 shards.
 
     episodes.runner: dispatch   ->   DispatchRollouts (same interface as loop.rollout.Rollouts)
+    episodes.runner: fleet      ->   the same, episodes on a persistent fleet (dispatch/fleet.py) instead of
+                                     one submitit job array per step
 
 At a step that needs groups, every rank of global rank 0's tensor-parallel group serves the in-process
 engine over HTTP (`rollout.tp_serve.serve_tp`: TP rank 0 runs the server, the others follow its schedule),
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.dispatch.net import node_address  # noqa: F401 (re-exported: tests, callers)
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,15 @@ class DispatchRollouts(Rollouts):
         self.pool = ThreadPoolExecutor(cfg.max_staleness + 1, thread_name_prefix="dispatch") if self.separate else None
         self.counters = {"episodes_dispatched": 0, "episodes_recovered": 0, "episodes_missing": 0,
                          "dispatch_failed_tasks": 0, "dispatch_rounds": 0, "unreadable_shards": 0}
+        self.fleet = None
+        """Rank 0, runner=fleet: the persistent fleet (started here, so its workers start during step 0's
+        set-up and stay for the whole run)."""
+        if episodes_cfg.runner == "fleet":
+            self.counters.update({f"fleet_{k}": 0 for k in (*FLEET_COUNTERS, "first_lease_s")})
+            if dist.get_rank() == 0:
+                from megatron_rl.dispatch.fleet import Fleet
+
+                self.fleet = Fleet(episodes_cfg.fleet, worker_cfg, run_dir / "fleet").start()
         self.tool_stats: dict[tuple[str, str], list[float]] = {}
         """(domain, tool) -> [calls, errors, seconds] of the episodes taken since the last batch()."""
 
@@ -164,6 +176,9 @@ class DispatchRollouts(Rollouts):
             self.server.push(version, named_parameters)
 
     def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.server is not None:
@@ -195,7 +210,9 @@ class DispatchRollouts(Rollouts):
             done = {e for ids in published_episode_ids(shard_dir).values() for e in ids}
             todo = [s for s in specs if s.episode_id not in done]
             counters = {"episodes_recovered": len(specs) - len(todo), "episodes_dispatched": len(todo)}
-            if todo:
+            if todo and self.fleet is not None:
+                counters.update(self._on_fleet(shard_dir, todo, url))
+            elif todo:
                 worker = dataclasses.replace(self.worker_cfg, generator=dataclasses.replace(
                     self.worker_cfg.generator, url=url))
                 report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name).run(todo)
@@ -206,6 +223,17 @@ class DispatchRollouts(Rollouts):
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
             return {"error": f"{type(e).__name__}: {e}"}
+
+    def _on_fleet(self, shard_dir: Path, todo: list, url: str) -> dict:
+        """Run `todo` on the persistent fleet; the fleet's counters of this batch (metrics fleet_*)."""
+        before = {**self.fleet.state.queue.counters, **self.fleet.counters}
+        rep = self.fleet.run_batch(shard_dir.name, todo, shard_dir, url)
+        after = {**self.fleet.state.queue.counters, **self.fleet.counters}
+        for eid, reason in sorted(rep["given_up"].items()):
+            log.warning("rollouts: episode %s given up by the fleet: %s", eid, reason)
+        out = {f"fleet_{k}": after[k] - before[k] for k in FLEET_COUNTERS if k in after}
+        out["fleet_first_lease_s"] = rep["first_lease_s"] or 0.0  # queued -> first lease taken (summed per step)
+        return out
 
     def _dispatch_cfg(self):
         d = self.episodes_cfg.dispatch
@@ -235,28 +263,19 @@ class DispatchRollouts(Rollouts):
 
 
 _TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
+FLEET_COUNTERS = ("scheduler_queries", "submissions", "workers_lost", "leases", "leases_expired",
+                  "episodes_requeued", "episodes_given_up", "fenced_heartbeats")
+"""Fleet counters reported per step as metrics fleet_<name> (plus fleet_first_lease_s: seconds from queueing
+a batch to its first lease, summed over the step's batches)."""
 
 
 def server_hosts(episodes_cfg) -> tuple[str, str]:
     """(bind address, address the workers use) of the rollout server: under Slurm the node's own address (the
     one its name resolves to), never 0.0.0.0 unless the name resolves to loopback only."""
-    slurm = episodes_cfg.dispatch.executor == "slurm"
+    executor = episodes_cfg.fleet.executor if episodes_cfg.runner == "fleet" else episodes_cfg.dispatch.executor
+    slurm = executor == "slurm"
     public = episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1")
     return (node_address(public) if slurm else "127.0.0.1", public)
-
-
-def node_address(name: str) -> str:
-    """The first non-loopback IPv4 address `name` resolves to; 0.0.0.0 (with a warning) when there is none."""
-    try:
-        addrs = [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)]
-    except OSError:
-        addrs = []
-    for a in addrs:
-        if not a.startswith("127."):
-            return a
-    log.warning("rollout server: %r resolves to no non-loopback address (%s); listening on 0.0.0.0 (mutating "
-                "endpoints still need the job token)", name, addrs)
-    return "0.0.0.0"
 
 
 def episode_id(gid: int, index: int) -> str:

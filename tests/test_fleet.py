@@ -1,0 +1,203 @@
+"""The persistent rollout fleet: the lease queue (expiry, fencing, give-up), its config checks, and real worker
+processes (submitit local executor) surviving kill -9 of a worker, a resize, and kill -9 of the driver."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from envs.tasks import load_domain
+from megatron_rl.config import ConfigError
+from megatron_rl.dispatch import EpisodeSpec, FaultConfig, GeneratorConfig, WorkerConfig, episodes_from_tasks
+from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+from megatron_rl.dispatch.lease_queue import LeaseQueue
+from megatron_rl.loop.dispatched import read_episodes
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = load_domain("countdown", split="train")
+
+
+def eps(n: int, prefix: str = "e") -> list[EpisodeSpec]:
+    return [EpisodeSpec(episode_id=f"{prefix}{i}", env="countdown") for i in range(n)]
+
+
+def test_lease_expiry_requeues_only_the_unpublished_and_fences_the_old_holder():
+    q = LeaseQueue(lease_s=10, max_attempts=3)
+    q.put("b", eps(5), {"shard_dir": "x"})
+    a = q.lease("w1", 3, now=0.0)
+    b = q.lease("w2", 3, now=0.0)
+    assert [e.episode_id for e in a.episodes] == ["e0", "e1", "e2"] and len(b.episodes) == 2
+    assert q.lease("w3", 3, now=0.0) is None and not q.done("b")
+    assert q.heartbeat("w1", [a.id], now=8.0) == []  # extended to 18
+    assert [le.id for le in q.expired(now=12.0)] == [b.id]  # w2 fell silent; w1's heartbeat kept its lease
+    q.requeue(b, published={"e3"}, reason="lease expired")  # e3 made it into a shard before w2 died
+    assert q.heartbeat("w2", [b.id], now=12.5) == [b.id]  # the old holder hears "lost": it must not publish
+    c = q.lease("w3", 8, now=13.0)
+    assert [e.episode_id for e in c.episodes] == ["e4"] and c.attempt == 1
+    assert q.complete(a.id, ["e0", "e2"], {"e1": "timeout: server down"})  # e1 goes back to the queue
+    assert not q.complete(b.id, ["e3", "e4"])  # a revoked lease reported late is refused
+    d = q.lease("w1", 8, now=14.0)
+    assert [e.episode_id for e in d.episodes] == ["e1"]
+    assert q.complete(c.id, ["e4"]) and q.complete(d.id, ["e1"]) and q.done("b")
+    assert q.pop("b").published == {f"e{i}" for i in range(5)}
+    assert q.counters["leases_expired"] == 1 and q.counters["episodes_requeued"] == 2
+    assert q.counters["fenced_heartbeats"] == 1
+
+
+def test_a_committed_lease_outlives_its_lost_worker_until_the_deadline_and_a_revoked_one_cannot_commit():
+    q = LeaseQueue(lease_s=10)
+    q.put("b", eps(4), {})
+    a, b = q.lease("w1", 2, now=0.0), q.lease("w2", 2, now=0.0)
+    assert q.commit("w1", a.id, now=5.0)  # w1 may publish; then its job is reported ended
+    assert q.revoke_worker("w1") == [] and q.revoke_worker("w2") == [b]  # w2 had not committed: revoked now
+    q.requeue(b, set(), "job ended")
+    assert not q.commit("w2", b.id, now=5.5)  # a worker still alive after its job ended publishes nothing
+    assert q.expired(now=14.0) == [] and q.expired(now=15.5) == [a]  # committed: settled at its deadline
+    q.requeue(a, {"e0", "e1"}, "lease expired")  # from the shards: w1 did publish both
+    assert [e.episode_id for e in q.lease("w3", 8, now=16.0).episodes] == ["e2", "e3"]
+
+
+def test_an_episode_lost_max_attempts_times_is_given_up_with_the_reason():
+    q = LeaseQueue(lease_s=1, max_attempts=2)
+    q.put("b", eps(1), {})
+    for t in (0.0, 5.0):
+        le = q.lease("w", 1, now=t)
+        (lost,) = q.expired(now=t + 2)
+        q.requeue(lost, set(), "lease expired")
+    assert q.done("b") and q.lease("w", 1, now=9.0) is None
+    assert "lease expired" in q.pop("b").given_up["e0"] and le.attempt == 1
+    assert q.counters["episodes_given_up"] == 1
+
+
+def test_fleet_config_is_checked_with_the_fix_named():
+    with pytest.raises(ConfigError, match="heartbeat_s .* below lease_s"):
+        FleetConfig(heartbeat_s=30, lease_s=30).validate()
+    with pytest.raises(ConfigError, match="poll_s must be >= 1 s"):
+        FleetConfig(poll_s=0.2).validate()
+    with pytest.raises(ConfigError, match="local or slurm"):
+        FleetConfig(executor="debug").validate()
+    from megatron_rl import config as C
+    from megatron_rl.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match="unknown config key 'episodes.fleet.sise'"):
+        C.load(RunConfig, REPO / "configs" / "demo_cpu.yaml", ["episodes.runner=fleet", "episodes.fleet.sise=3"])
+    cfg = C.load(RunConfig, REPO / "configs" / "demo_cpu.yaml", ["episodes.runner=fleet", "episodes.fleet.size=5",
+                                                                  "episodes.fleet.executor=slurm"])
+    assert cfg.episodes.fleet.size == 5 and cfg.episodes.fleet.executor == "slurm"
+
+
+FAST = dict(heartbeat_s=0.5, lease_s=3.0, wait_s=1.0, poll_s=1.0, orphan_exit_s=30.0)
+
+
+def scripted(delay_s: float = 0.0) -> WorkerConfig:
+    """Scripted TEST policy, 90% wrong answers (no sandbox run needed) -> cheap episodes."""
+    return WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), faults=FaultConfig(delay_s=delay_s))
+
+
+def published_counts(root: Path) -> dict[str, int]:
+    from megatron_rl.data.shards import read_shard
+
+    counts: dict[str, int] = {}
+    for p in root.rglob("*.h5"):
+        for t in read_shard(p):
+            counts[t.episode_id] = counts.get(t.episode_id, 0) + 1
+    return counts
+
+
+def wait_for(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.mark.slow
+def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tmp_path):
+    import threading
+
+    fleet = Fleet(FleetConfig(size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15), tmp_path / "fleet").start()
+    try:
+        batch = episodes_from_tasks(TASKS[:24], prefix="k")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
+        t.start()
+        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 30, "a lease")
+        os.kill(busy[0]["pid"], signal.SIGKILL)  # mid-lease: its episodes were not published
+        t.join(90)
+        assert not t.is_alive() and out["given_up"] == {}
+        counts = published_counts(tmp_path / "b0")
+        assert counts == {e.episode_id: 1 for e in batch}  # all 24, each once
+        assert fleet.state.queue.counters["leases_expired"] >= 1 and fleet.counters["workers_lost"] >= 1
+        assert fleet.counters["workers_submitted"] == 3 and fleet.counters["submissions"] == 2  # one replacement
+        # the fleet shrinks while the run goes on: one worker is told to stop, the next batch runs on the other
+        (tmp_path / "fleet" / "size").write_text("1\n")
+        wait_for(lambda: len(fleet.state.surplus) == 1, 20, "a surplus worker")
+        rep = fleet.run_batch("b1", episodes_from_tasks(TASKS[24:32], prefix="s"), tmp_path / "b1", url="")
+        assert rep["given_up"] == {} and len(published_counts(tmp_path / "b1")) == 8
+        assert len(fleet.state.active()) == 1 and fleet.counters["submissions"] == 2
+    finally:
+        fleet.close()
+    assert all(j.done() for j in fleet.jobs.values())  # every worker gone after close
+
+
+def _driver(out: Path, steps: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_rl.dispatch", "fleet", "--executor", "local", "--steps", str(steps),
+           "--per-step", "12", "--size", "2", "--episodes-per-lease", "3", "--wrong-fraction", "0.9", "--threads", "1",
+           "--delay-s", "0.1", "--heartbeat-s", "0.5", "--lease-s", "3", "--wait-s", "1", "--poll-s", "1",
+           "--orphan-exit-s", "30", "--out", str(out)]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "driver.log", "a") as log:  # a file, not a pipe: the workers outlive the driver and keep it
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.slow
+def test_driver_kill_9_and_restart_adopts_the_workers_and_loses_nothing(tmp_path):
+    out = tmp_path / "run"
+    first = _driver(out, steps=3)
+    wait_for(lambda: (out / "steps.jsonl").exists() and list((out / "shards" / "step0001").glob("*.h5")), 60,
+             "step 1 under way")
+    first.kill()  # the driver dies mid-step; its workers do not
+    first.wait()
+    workers = json.loads((out / "fleet" / "jobs.json").read_text())
+    second = _driver(out, steps=3)
+    assert second.wait(timeout=120) == 0, (out / "driver.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["recovered"] >= 3  # step 1's published leases were not run again
+    assert rows[-1]["workers_submitted"] == 0  # the restarted driver adopted the running workers
+    counts = published_counts(out / "shards")
+    assert len(counts) == 36 and set(counts.values()) == {1}, counts  # every episode exactly once
+    assert all(read_episodes(out / "shards" / f"step{s:04d}", set(counts)) for s in range(3))
+    for job in workers:  # the adopted workers stopped when the second driver closed the fleet
+        wait_for(lambda job=job: not _alive(int(job)), 20, f"worker {job} to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.slow
+def test_workers_that_cannot_start_break_the_fleet_with_their_error_not_an_endless_resubmission(tmp_path):
+    cfg = FleetConfig(size=2, setup=["echo 'no such module: rollout-env' >&2", "exit 3"], **FAST)
+    fleet = Fleet(cfg, scripted(), tmp_path / "fleet").start()
+    try:
+        with pytest.raises(RuntimeError, match="2 worker jobs in a row ended before joining") as err:
+            fleet.run_batch("b0", episodes_from_tasks(TASKS[:4]), tmp_path / "b0", url="", timeout_s=60)
+        assert "episodes.fleet.setup" in str(err.value)  # (the local executor keeps no log of a failed setup)
+        assert fleet.counters["submissions"] == 1 and fleet.counters["workers_submitted"] == 2
+    finally:
+        fleet.close()
