@@ -243,7 +243,7 @@ class RunConfig:
         self._check_routing_replay()
         imaged = [n for n, d in self.envs.domains.items()
                   if d.image and (n != "harbor" or self.envs.image_store or self.envs.image_cache)]
-        if self.episodes.runner == "dispatch" and imaged:
+        if self.episodes.runner in ("dispatch", "fleet") and imaged:
             raise ConfigError(f"envs.domains.{imaged[0]}.image (or envs.image_store/image_cache): dispatched workers "
                               "are not sent the domains' image settings yet; use episodes.runner=inprocess (harbor "
                               "task images with the default image folders do work dispatched)")

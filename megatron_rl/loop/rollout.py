@@ -68,7 +68,7 @@ class Group:
     rid: str = ""
     """Engine request id of the first turn (follow-ups: <rid>/s<sample>/t<turn>)."""
     routes: dict = field(default_factory=dict)
-    """Rank 0, routing replay: per sample (the tokens its latest engine request ran, their experts
+    """Routing replay: per sample (the tokens its latest engine request ran, their experts
     [len - 1, L_moe, k]); not checkpointed (a resumed sample trains with the trainer's own routing)."""
     replica: int = 0
     """The engine replica that generated it (its leader reports it with the episodes)."""
@@ -279,8 +279,8 @@ class Rollouts:
 
     def settle(self, groups: list[Group]) -> None:
         """Finish the groups' episodes and broadcast them from their replica's leader (rank 0 with one engine
-        copy): every rank gets each sample's tokens after the prompt, log-probs, versions, loss mask, turns and
-        (total, components, status)."""
+        copy): every rank gets each sample's tokens after the prompt, log-probs, versions, loss mask, turns,
+        (total, components, status) and its recorded experts (routing replay)."""
         t0 = time.perf_counter()
         todo = [g for g in groups if not g.rewards]
         if todo:
@@ -293,11 +293,13 @@ class Rollouts:
                 if not part:
                     continue
                 mine = self.is_scorer and r == self.replica
-                box = [[[_sample_state(e, g.prompt, r) for e in g.episodes] for g in part] if mine else None]
+                box = [[([_sample_state(e, g.prompt, r) for e in g.episodes], g.routes) for g in part]
+                       if mine else None]  # routes too: rank 0 writes every replica's trajectories
                 if self.world > 1:
                     dist.broadcast_object_list(box, src=leader)
-                for g, states in zip(part, box[0]):
+                for g, (states, routes) in zip(part, box[0]):
                     _fill(g, states)
+                    g.routes = routes
         self.timers["env_wait_s"] += time.perf_counter() - t0
 
     def push_weights(self, version: int, named_parameters) -> None:

@@ -413,7 +413,7 @@ class RolloutEngine:
         params = dict(self.model.named_parameters())
 
         def received():
-            for name, t in broadcast_named_tensors(named_tensors, src, group, bucket_bytes):
+            for name, t in broadcast_named_tensors(named_tensors, src, group, bucket_bytes, device=self.cache.device):
                 p = params.get(name)
                 yield name, shard_for_tp(t, p, rank, size) if full_tensors and p is not None else t
 

@@ -83,6 +83,8 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.scratch: dict = {}
         """Flat bucket buffers reused by every sync (rollout/weights.py `broadcast_known`)."""
+        self.device = ctx.device
+        """Where received tensors land (the backend's device: NCCL needs the rank's GPU)."""
 
     def __call__(self, engine, version: int, named: Iterable[tuple[str, Tensor]]) -> int:
         """Load `named` (every rank's own) into `engine` as `version`; returns the tensors written."""
@@ -113,7 +115,7 @@ class WeightSync:
             for name, shape, dtype in big:
                 yield name, self._direct_one(name, shape, dtype, mine if i == me else None, dest, src)
             yield from broadcast_known([m for m in sub if _nbytes(m) < self.direct_bytes], mine if i == me else None,
-                                       src, self.peers, self.bucket_bytes, self.scratch)
+                                       src, self.peers, self.bucket_bytes, self.scratch, device=self.device)
 
     def _direct_one(self, name: str, shape: tuple, dtype: str, mine: dict | None, dest: dict, src: int) -> Tensor:
         """One tensor broadcast from `src`: the source sends its own (and copies it into `dest`); a receiver
@@ -128,7 +130,7 @@ class WeightSync:
                 target.copy_(t)
                 return target
             return t
-        buf = target if fits else torch.empty(shape, dtype=DTYPES[dtype])
+        buf = target if fits else torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
         dist.broadcast(buf, src=src, group=self.peers)
         return buf
 

@@ -22,13 +22,14 @@ DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torc
 
 
 def broadcast_named_tensors(named: Iterable[tuple[str, Tensor]] | None, src: int, group=None,
-                            bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, Tensor]]:
-    """Yield every (name, tensor) of the source rank `src` (global rank) on all ranks of `group`."""
+                            bucket_bytes: int = 64 << 20, device=None) -> Iterator[tuple[str, Tensor]]:
+    """Yield every (name, tensor) of the source rank `src` (global rank) on all ranks of `group`; receivers'
+    buffers on `device` (the backend's: the rank's GPU under NCCL; None: the CPU)."""
     is_src = named is not None
     tensors = dict(named) if is_src else {}
     box = [metadata(tensors) if is_src else None]
     dist.broadcast_object_list(box, src=src, group=group)
-    yield from broadcast_known(box[0], tensors if is_src else None, src, group, bucket_bytes)
+    yield from broadcast_known(box[0], tensors if is_src else None, src, group, bucket_bytes, device=device)
 
 
 def metadata(tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -37,32 +38,34 @@ def metadata(tensors: dict[str, Tensor]) -> list[tuple[str, tuple[int, ...], str
 
 
 def broadcast_known(meta: list, tensors: dict[str, Tensor] | None, src: int, group=None,
-                    bucket_bytes: int = 64 << 20, scratch: dict | None = None) -> Iterator[tuple[str, Tensor]]:
+                    bucket_bytes: int = 64 << 20, scratch: dict | None = None, device=None
+                    ) -> Iterator[tuple[str, Tensor]]:
     """Yield the tensors `meta` names (known on every rank of `group`) from `src`, which passes `tensors`.
 
     scratch: a dict kept by the caller across calls; buckets then reuse its flat buffers (one per dtype)
     instead of allocating (and page-faulting) new ones, and the tensors yielded are views into them, valid
-    until the next one is drawn (copy them out, as `load_named_tensors` does)."""
+    until the next one is drawn (copy them out, as `load_named_tensors` does). device: where the flat buffers
+    live (the backend's device; None: the CPU)."""
     is_src = tensors is not None
     for bucket in _buckets(meta, bucket_bytes):
         dtype, numel = DTYPES[bucket[0][2]], sum(_numel(s) for _, s, _ in bucket)
-        flat = _flat(scratch, dtype, numel)  # [numel]
+        flat = _flat(scratch, dtype, numel, device)  # [numel]
         if is_src:
             parts = [tensors[n].detach().reshape(-1).to(dtype) for n, _, _ in bucket]
             flat = torch.cat(parts) if flat is None else torch.cat(parts, out=flat)
         elif flat is None:
-            flat = torch.empty(numel, dtype=dtype)
+            flat = torch.empty(numel, dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
         yield from _unpack(flat, bucket)
 
 
-def _flat(scratch: dict | None, dtype: torch.dtype, numel: int) -> Tensor | None:
+def _flat(scratch: dict | None, dtype: torch.dtype, numel: int, device=None) -> Tensor | None:
     """A [numel] view of scratch's buffer of `dtype` (grown when too small); None without scratch."""
     if scratch is None:
         return None
     buf = scratch.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = scratch[dtype] = torch.empty(numel, dtype=dtype)
+        buf = scratch[dtype] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
