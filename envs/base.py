@@ -92,9 +92,10 @@ class _LazySandbox(Sandbox):
         except Exception:
             return "unavailable"
 
-    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
+    def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
         try:
-            return self._env.sandbox.run(command, files=files, limits=limits, stdin=stdin, collect=collect)
+            kw = {"sockets": sockets} if sockets else {}
+            return self._env.sandbox.run(command, files=files, limits=limits, stdin=stdin, collect=collect, **kw)
         except Exception as e:
             log.warning("%s: sandbox failed: %s", self._env.name, e)
             return SandboxResult(-1, "", f"{e.__class__.__name__}: {e}", 0.0, violations=["setup"])

@@ -86,7 +86,10 @@ class ApptainerSandbox(Sandbox):
                 a += ["--cpus", f"{limits.cpus:g}"]
         return a + [self.image, *_argv(command)]
 
-    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
+    def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
+        if sockets:
+            raise ValueError("the apptainer backend cannot bind Unix sockets into a run (agent episodes need "
+                             "them); use sandbox.backend=bwrap")
         limits = limits or self.default_limits
         limits.validate()
         _argv(command)

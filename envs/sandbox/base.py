@@ -100,10 +100,13 @@ class Sandbox(abc.ABC):
         limits: Limits | None = None,
         stdin: bytes | None = None,
         collect: list[str] | None = None,
+        sockets: dict | None = None,
     ) -> SandboxResult:
         """Run `command` (argv list, or a shell string run by /bin/sh -c) in a fresh scratch directory
         holding `files` (relative path -> content); return its result. `collect` names scratch files to
-        read back after the run."""
+        read back after the run. `sockets`: name -> bind(host_path), Unix sockets the caller listens on that
+        the program reaches at /.sandbox/<name> during this run (a backend that cannot bind them into the
+        run raises ValueError)."""
 
     def run_python(
         self,

@@ -119,7 +119,10 @@ class SubprocessSandbox(Sandbox):
         self._env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8",
                      **(env or {})}
 
-    def run(self, command, files=None, limits=None, stdin=None, collect=None) -> SandboxResult:
+    def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
+        if sockets:
+            raise ValueError("the subprocess backend cannot bind Unix sockets into a run (agent episodes need "
+                             "them); use sandbox.backend=bwrap")
         limits = limits or self.default_limits
         limits.validate()
         argv = _argv(command)
