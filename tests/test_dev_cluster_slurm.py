@@ -123,6 +123,21 @@ def _describe(pids: list[int]) -> list[str]:
     return out
 
 
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """The process has exited (gone, or a zombie its parent has not reaped yet) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def test_lifecycle_stale_daemons_running_job_stop_and_wipe(private_cluster):
     state, env = private_cluster
     _start(env)
@@ -138,7 +153,7 @@ def test_lifecycle_stale_daemons_running_job_stop_and_wipe(private_cluster):
     assert set(now) == set(DAEMONS), status
     assert now["slurmctld"] != pids["slurmctld"]
     assert now["slurmd-cpunode"] != pids["slurmd-cpunode"]  # the untracked one was replaced
-    assert not Path(f"/proc/{pids['slurmd-cpunode']}").exists()
+    assert _gone(pids["slurmd-cpunode"])
     assert now["slurmdbd"] == pids["slurmdbd"]  # healthy daemons are left alone
 
     # stop with a job running: no daemon, step daemon or job process of this cluster survives.
