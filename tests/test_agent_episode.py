@@ -17,22 +17,8 @@ BIG = '<tool_call>{"name": "shell", "arguments": {"command": "seq 1 400"}}</tool
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from megatron_rl.tokenizer import HFTokenizer
-    from tests.hf_tiny import tiny_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    tiny_tokenizer(folder)
-    return HFTokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    from envs.sandbox import SandboxConfig
-
-    sb = SandboxConfig().build()
-    yield sb
-    sb.close()
+def tok(hf_tok):
+    return hf_tok
 
 
 def _task(tmp_path):
