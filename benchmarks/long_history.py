@@ -4,14 +4,15 @@ A long-horizon Harbor task (built here): six log files of `--file-lines` noisy l
 of each; the answer is the sum of the six codes, written to /app/answer. The episode runs through the product
 path of agent episodes -- the shell agent in the bubblewrap sandbox, calling the policy through the gateway
 socket (`envs.agents`), the task's tests in the verifier sandbox -- with each strategy of the agent
-(`--history full | head-tail | drop-oldest`; full keeps every output whole, the others cut each to
-`--cut-chars`) and each context budget (the episode's token budget, which the
-gateway enforces, and the agent's --context-budget).
+(`--history full | head-tail | drop-oldest | summary`; full keeps every output whole, the others cut each to
+`--cut-chars`; summary asks for its summary 700 tokens before the budget) and each context budget (the
+episode's token budget, which the gateway enforces, and the agent's --context-budget).
 
 The policy is a scripted context reader, NOT a model: each turn it reads the codes present in its context (the
-token ids it is given, decoded), restates them in its reply as notes, and cats the next file; after the sixth
-it writes the sum of the codes it can see. So success measures what each strategy keeps of the history, and
-tokens what it costs; a model's skill is not measured. Tokens are counted with the main job's tokenizer.
+token ids it is given, decoded), restates them in its reply as notes, and cats the first file whose code it
+cannot see; once it sees all six it writes their sum, then says it is done; asked for a summary, it replies with
+its notes. So success measures what each strategy keeps of the history, and tokens what it costs; a model's
+skill is not measured. Tokens are counted with the main job's tokenizer.
 
     .venv/bin/python benchmarks/long_history.py [--budgets 1024 2048 4096 8192 --file-lines 60 --cut-chars 400]
 
@@ -62,17 +63,21 @@ class Reader:
         self.tok, self.prompt_tokens, self.calls = tok, 0, 0
 
     def __call__(self, tokens, turn):
+        from envs.agents.shell_agent import SUMMARY_ASK
+
         self.prompt_tokens, self.calls = self.prompt_tokens + len(tokens), self.calls + 1
-        seen = dict(re.findall(r"CODE_(\d)=(\d+)", self.tok.decode(tokens)))
+        context = self.tok.decode(tokens)
+        seen = dict(re.findall(r"CODE_(\d)=(\d+)", context))
         notes = "notes: " + " ".join(f"CODE_{k}={v}" for k, v in sorted(seen.items()))
-        if turn < FILES:
-            cmd = f"cat logs/f{turn + 1}.log"
-        else:
-            cmd = f"echo {sum(map(int, seen.values()))} > answer"
-        if turn > FILES:
-            text = notes + "\nDone."
-        else:
+        missing = [i for i in range(1, FILES + 1) if str(i) not in seen]
+        write = f"echo {sum(map(int, seen.values()))} > answer"
+        if SUMMARY_ASK[:40] in context[-800:]:
+            text = notes
+        elif missing or write not in context:
+            cmd = f"cat logs/f{missing[0]}.log" if missing else write
             text = notes + '\n<tool_call>{"name": "shell", "arguments": {"command": "' + cmd + '"}}</tool_call>'
+        else:
+            text = notes + "\nDone."
         ids = self.tok.encode(text) + [self.tok.stop_ids[-1]]
         return ids, [-0.1] * len(ids), [0] * len(ids)
 
@@ -81,10 +86,10 @@ def run(strategy: str, budget: int, task, tok, sandbox, cut_chars: int) -> dict:
     from envs.base import Budget, make_env
 
     chars = 1 << 16 if strategy == "full" else cut_chars  # full: every output whole
-    args = f"--history {strategy} --max-output-chars {chars}" + (f" --context-budget {budget}"
-                                                                if strategy == "drop-oldest" else "")
+    soft = {"drop-oldest": budget, "summary": budget - 700}.get(strategy)
+    args = f"--history {strategy} --max-output-chars {chars}" + (f" --context-budget {soft}" if soft else "")
     env = make_env("harbor", agent="shell", agent_args=args, sandbox=sandbox,
-                   budget=Budget(max_turns=FILES + 3, max_tokens=budget))
+                   budget=Budget(max_turns=FILES + 4, max_tokens=budget))
     policy = Reader(tok)
     r = drive(open_episode(env, task, tok, budget), policy)
     return {"success": int(r.reward.total >= 1.0), "trained_tokens": len(r.tokens),
@@ -108,7 +113,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp, SandboxConfig().build() as sandbox:
         task, answer = build_task(Path(tmp), args.file_lines)
         out["file_tokens"] = len(tok.encode((Path(tmp) / "sum-the-codes/environment/logs/f1.log").read_text()))
-        for strategy in ("full", "head-tail", "drop-oldest"):
+        for strategy in ("full", "head-tail", "drop-oldest", "summary"):
             for budget in args.budgets:
                 out["results"][f"{strategy}@{budget}"] = run(strategy, budget, task, tok, sandbox, args.cut_chars)
     print(json.dumps(out, indent=1))

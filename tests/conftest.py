@@ -40,3 +40,24 @@ def clean_env(monkeypatch):
                                                                       "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.delenv(k, raising=False)
     return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+    """The tiny HF tokenizer of tests/hf_tiny.py (BPE with ChatML tokens and a chat template), built here."""
+    from megatron_rl.tokenizer import HFTokenizer
+    from tests.hf_tiny import tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    tiny_tokenizer(folder)
+    return HFTokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """The default sandbox (bubblewrap), closed after the module."""
+    from envs.sandbox import SandboxConfig
+
+    sb = SandboxConfig().build()
+    yield sb
+    sb.close()

@@ -17,22 +17,8 @@ BIG = '<tool_call>{"name": "shell", "arguments": {"command": "seq 1 400"}}</tool
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from megatron_rl.tokenizer import HFTokenizer
-    from tests.hf_tiny import tiny_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    tiny_tokenizer(folder)
-    return HFTokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    from envs.sandbox import SandboxConfig
-
-    sb = SandboxConfig().build()
-    yield sb
-    sb.close()
+def tok(hf_tok):
+    return hf_tok
 
 
 def _task(tmp_path):
@@ -248,3 +234,29 @@ def test_model_commands_cannot_replace_or_crash_the_gateway(tok, sandbox, tmp_pa
     assert seen.count("status 400") == 2 and "status 413" in seen
     assert r.status == "ok" and r.reward.total == 1.0 and r.timings["agent.splits"] == 0
     assert r.timings["agent.rejected"] == 1  # the malformed chat (the unparsable bodies never reach the session)
+
+
+def test_summary_history_asks_the_policy_and_continues_from_its_summary(tok, sandbox, tmp_path):
+    """`--history summary`: over the budget, the agent sends the outputs with a summary request (still the same
+    exact segment), then continues from the first message and the policy's own summary (a new segment)."""
+    from envs.agents.shell_agent import SUMMARY_ASK
+
+    class Summarizer(Scripted):
+        def __call__(self, tokens, turn):
+            if SUMMARY_ASK[:40] in tok.decode(tokens[-400:]):  # the agent asked for a summary
+                self.texts.insert(turn, "SUMMARY-OK: printed 1 to 400 twice; next: create ok.")
+            return super().__call__(tokens, turn)
+
+    env = _env(sandbox)
+    env.agent_args = "--history summary --context-budget 900 --max-output-chars 600"
+    policy = Summarizer(tok, [BIG, BIG, BIG, WRITE_OK, WRITE_OK])
+    r = drive(open_episode(env, _task(tmp_path), tok, 8192), policy)
+    asked = [i for i, t in enumerate(policy.asked) if SUMMARY_ASK[:40] in tok.decode(t[-400:])]
+    assert asked and r.reward.total == 1.0 and r.timings["agent.splits"] >= 1
+    i = asked[0]
+    # the summary request extends the exact sequence: the previous call's prompt + completion, then new tokens
+    assert policy.asked[i][:len(policy.asked[i - 1]) + len(policy.given[i - 1][0])] == \
+        policy.asked[i - 1] + policy.given[i - 1][0]
+    after = tok.decode(policy.asked[i + 1])
+    assert "SUMMARY-OK" in after and "\n399\n" not in after  # the summary replaced the old outputs
+    assert r.tokens == policy.asked[-1] + policy.given[-1][0]

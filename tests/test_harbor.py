@@ -25,25 +25,6 @@ def suite():
     return {t.id: t for t in load_harbor()}
 
 
-@pytest.fixture(scope="module")
-def hf_tok(tmp_path_factory):
-    from megatron_rl.tokenizer import HFTokenizer
-    from tests.hf_tiny import tiny_tokenizer
-
-    folder = tmp_path_factory.mktemp("tok")
-    tiny_tokenizer(folder)
-    return HFTokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    from envs.sandbox import SandboxConfig
-
-    sb = SandboxConfig().build()
-    yield sb
-    sb.close()
-
-
 def _task_folder(root, dockerfile, test_sh="#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n", toml=""):
     d = root / "t1"
     (d / "environment").mkdir(parents=True)

@@ -16,7 +16,11 @@ Long histories (`--history`, against `--context-budget` tokens, measured from th
 - `head-tail`: a tool output longer than --max-output-chars keeps its head and tail (the episode stays exact);
 - `drop-oldest`: head-tail, and when the last call's context plus the new output would pass the budget, the
   oldest exchanges (assistant message + its tool outputs) after the first message are dropped: the history
-  is edited, so the gateway starts a new exact segment (what the model saw is what is recorded).
+  is edited, so the gateway starts a new exact segment (what the model saw is what is recorded);
+- `summary`: head-tail, and when the budget would be passed, the new outputs are sent with a request to the
+  policy itself to summarise the work so far (that call still extends the episode exactly); the history then
+  becomes the first message and that summary, and the gateway starts a new exact segment. Keep
+  --context-budget below the episode's token budget by one output and a summary.
 
 Standard library only (it runs in the sandbox's Python); the threat model is the sandbox's: everything it
 runs is the policy's choice.
@@ -105,6 +109,20 @@ def drop_oldest(messages: list, need: int, context: int, budget: int) -> list:
     return out
 
 
+SUMMARY_ASK = ("Your context is nearly full. Summarize the work so far for yourself in a few lines: what you found "
+               "(exact values, file names), what you changed, and what is left to do. Reply with the summary only.")
+"""The request of a summary (history strategy `summary`)."""
+
+
+def summarized(sock: str, episode: str, messages: list, tools: list, max_tokens: int) -> tuple[list, int]:
+    """The policy's summary of `messages` (asked in one more call that extends them), and the new history: the
+    first message and the summary (as a user message)."""
+    msg, context = complete(sock, episode, messages + [{"role": "user", "content": SUMMARY_ASK}], tools, max_tokens)
+    note = {"role": "user", "content": f"Summary of your earlier steps, written by you:\n{msg['content']}\n"
+                                       "Continue the task."}
+    return [messages[0], note], context
+
+
 def first_call(path: str) -> tuple[list, list]:
     """(messages, tools) of the first call: a JSON task as it is, or a text instruction with the shell tool."""
     text = open(path).read()
@@ -122,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tool-timeout", type=float, default=30.0)
-    ap.add_argument("--history", choices=("full", "head-tail", "drop-oldest"), default="full")
-    ap.add_argument("--context-budget", type=int, default=0, help="tokens (drop-oldest); 0 = no budget")
+    ap.add_argument("--history", choices=("full", "head-tail", "drop-oldest", "summary"), default="full")
+    ap.add_argument("--context-budget", type=int, default=0, help="tokens (drop-oldest, summary); 0 = no budget")
     ap.add_argument("--max-output-chars", type=int, default=2000,
                     help="a tool output's length at most (full: its tail; otherwise head and tail)")
     ap.add_argument("--quiet", action="store_true", help="no summary line on stdout")
@@ -147,10 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             stopped = "answer"
             break
         outs = [cut(run_tool(c, args.tool_timeout), args.max_output_chars) for c in msg["tool_calls"]]
+        need = sum(map(len, outs)) // 4 + args.max_tokens + 16
         if args.history == "drop-oldest" and args.context_budget:
-            messages = drop_oldest(messages, sum(map(len, outs)) // 4 + args.max_tokens + 16, context,
-                                   args.context_budget)
+            messages = drop_oldest(messages, need, context, args.context_budget)
         messages += [{"role": "tool", "content": o} for o in outs]
+        if args.history == "summary" and args.context_budget and context + need > args.context_budget:
+            try:
+                messages, context = summarized(args.socket, args.episode, messages, tools, args.max_tokens)
+            except Refused as e:
+                stopped = str(e)[:200]
+                break
+            turns += 1
     if not args.quiet:
         print(json.dumps({"turns": turns, "stopped": stopped}))
     return 0
