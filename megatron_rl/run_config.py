@@ -179,7 +179,8 @@ class RunConfig:
                               f"RL from the model as it is, or pick a domain with reference answers")
 
     def _check_agents(self) -> None:
-        """Domains played by a black-box agent need the gateway's chat template and the in-process loop."""
+        """Domains played by a black-box agent need the gateway's chat template (every episode runner plays them:
+        in process, dispatched and on the fleet, `dispatch.spec.WorkerConfig.agents`)."""
         agents = self.envs.agent_domains()
         if not agents:
             return
@@ -189,9 +190,6 @@ class RunConfig:
             raise ConfigError(f"{key}: the agent's chat calls are rendered with the model's chat template, and the "
                               f"run's tokenizer has none; use an HF model folder with a chat template "
                               f"(model.init: hf:DIR) or drop the agent")
-        if self.episodes.runner != "inprocess":
-            raise ConfigError(f"{key}: agent episodes run in the in-process loop only; set episodes.runner: "
-                              f"inprocess (got {self.episodes.runner!r})")
 
     def _check_routing_replay(self) -> None:
         """rl.trainer.routing_replay needs routes recorded by the in-process engine of an MoE policy."""

@@ -133,8 +133,8 @@ def test_context_budget_ends_the_episode_truncated(tok, sandbox, tmp_path):
 
 
 def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
-    """An agent needs the model's chat template (not the byte tokenizer), an environment it can play, valid
-    options, and the in-process loop."""
+    """An agent needs the model's chat template (not the byte tokenizer), an environment it can play, and valid
+    options; a worker config's agent entry names its agent."""
     import yaml
 
     from megatron_rl import load_config
@@ -151,6 +151,12 @@ def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
         path.write_text(yaml.safe_dump({**base, "envs": {"domains": domains}}))
         with pytest.raises(ConfigError, match=message):
             load_config(str(path))
+    from megatron_rl.dispatch import WorkerConfig
+
+    WorkerConfig(agents={"harbor": {"agent": "shell", "agent_args": "--quiet"}}).validate()
+    for bad in ({"harbor": {"agent_args": "--quiet"}}, {"harbor": {"agent": "shell", "args": "--quiet"}}):
+        with pytest.raises(ConfigError, match=r"worker.agents: .*harbor"):
+            WorkerConfig(agents=bad).validate()
 
 
 def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups():

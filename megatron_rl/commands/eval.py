@@ -9,7 +9,8 @@ run's held-out split (the generated curriculum when enabled); `--domains` adds o
 shipped held-out suites. Results are printed and written as JSON (`--out`, default `<run>/eval.json`); the per-task
 table (pass@1 and pass@k per task, per domain and overall; `megatron_rl.eval_report`) is printed and written next
 to it as `eval_tasks.json`, `eval_tasks.md` and a plot `eval_tasks.png` (when matplotlib is installed).
-Episodes run on the run's episode runner (`episode_runner`), the same one the RL loop uses. Harbor tasks:
+Episodes run on the run's episode runner, the same one the RL loop uses: in process, or dispatched to rollout
+workers or the persistent fleet (`episodes.runner: dispatch | fleet`, `loop.setup.rollouts_for`). Harbor tasks:
 `--domains harbor` (its shipped held-out tasks), or `envs.domains.harbor.task_files=[DIR]` for a folder of tasks.
 Pass the run's saved `<run>/config.yaml` to evaluate it as trained.
 """
@@ -125,8 +126,7 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
-    from megatron_rl.loop.rollout import Rollouts
-    from megatron_rl.loop.setup import build_engine, episode_runner, heldout_run
+    from megatron_rl.loop.setup import build_engine, engine_weights, episode_runner, heldout_run, rollouts_for
     from megatron_rl.models.source import initializer
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.trainer.checkpoint import load_checkpoint
@@ -142,16 +142,20 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
     engine, sync = build_engine(cfg, ctx, tok.vocab_size)
     sync(engine, policy.step_count, policy.global_named_tensors())
-    runner = episode_runner(cfg, Path(cfg.output_dir) / cfg.name) if rank0 else None
-    rollouts = Rollouts(engine, runner, tok, lambda t: prompt_ids(tok, t), cfg.rl, cfg.seed,
-                        max_tokens=cfg.model.max_seq_length)
+    run_dir = Path(cfg.output_dir) / cfg.name
+    runner = episode_runner(cfg, run_dir) if rank0 else None
+    rollouts = rollouts_for(cfg, ctx, engine, runner, tok, lambda t: prompt_ids(tok, t), run_dir)
+    rollouts.push_weights(policy.step_count, engine_weights(engine))  # to a separate rollout server, if any
     results, rows = {}, []
-    for domain in domains:
-        tasks = _fitting(_heldout(cfg, domain), tok, cfg)
-        if tasks:
-            metrics, task_rows = heldout_run(rollouts, tasks, cfg, tag=f"eval-{domain}")
-            results[domain] = {**metrics, "k": cfg.eval.k}
-            rows += task_rows
+    try:
+        for domain in domains:
+            tasks = _fitting(_heldout(cfg, domain), tok, cfg)
+            if tasks:
+                metrics, task_rows = heldout_run(rollouts, tasks, cfg, tag=f"eval-{domain}")
+                results[domain] = {**metrics, "k": cfg.eval.k}
+                rows += task_rows
+    finally:
+        rollouts.close()
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
         report = write_report(out, rows, cfg.eval.k)

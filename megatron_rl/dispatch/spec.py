@@ -105,10 +105,16 @@ class WorkerConfig:
     budgets: dict[str, dict[str, int]] = field(default_factory=dict)
     """Environment name -> its episode budget {max_turns, max_tokens, max_observation_chars} (the run's
     envs.domains); an environment not listed gets max_turns and max_tokens above."""
+    agents: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment name -> the black-box agent playing its episodes {agent, agent_args} (the run's
+    envs.domains.<d>.agent / agent_args; envs.agents); an environment not listed is played turn by turn."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
 
     def validate(self) -> None:
+        bad = {k: v for k, v in self.agents.items() if not set(v) <= {"agent", "agent_args"} or not v.get("agent")}
+        if bad:
+            raise ConfigError(f"worker.agents: {bad} -- each entry is {{agent: NAME, agent_args: '...'}}")
         if self.threads < 0 or self.episodes_per_shard < 0:
             raise ConfigError("worker.threads and worker.episodes_per_shard must be >= 0")
 

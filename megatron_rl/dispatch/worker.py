@@ -340,13 +340,15 @@ class EpisodeRunner:
         budget = (lambda name: Budget(**{"max_turns": w.max_turns, "max_tokens": w.max_tokens,
                                          **w.budgets.get(name, {})}))
         w = spec.worker
+        w.validate()
         self.threads = w.threads or _default_threads()
         self.tok = from_path(w.tokenizer, w.vocab_size)
         self.generator = build_generator(w.generator, self.tok, w.max_tokens)
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
         self._make_env = lambda name: make_env(
             name, budget=budget(name), sandbox=self.sandbox,
-            token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name))
+            token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name),
+            **w.agents.get(name, {}))
         self._done = 0
         self._lock = threading.Lock()
         self.stop = threading.Event()

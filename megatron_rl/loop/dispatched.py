@@ -131,19 +131,8 @@ class DispatchRollouts(Rollouts):
             self._await([self.futures[n] for n in names] if dist.get_rank() == 0 else [])
             results = [self.futures.pop(n).result() if dist.get_rank() == 0 else None for n in names]
         else:
-            shard_dir = self.run_dir / "rl_episodes" / batch_name(groups)
-            box = {}
-            work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
-            serve_while(self.engine, self.tp_group, work, self._hosts())
-            results = [box if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(results, src=0)
-        episodes: dict[str, dict] = {}
-        for result in results:
-            if "error" in result:
-                raise RuntimeError(f"episode dispatch failed on rank 0: {result['error']}")
-            episodes.update(result["episodes"])
-            for k in self.counters:
-                self.counters[k] += result["counters"].get(k, 0)
+            results = [self._dispatch_now(groups, self.run_dir / "rl_episodes" / batch_name(groups))]
+        episodes = self._results(results, count=True)
         self._fill(groups, episodes)
         self._count_tools(episodes.values())
         for g in groups:
@@ -151,6 +140,46 @@ class DispatchRollouts(Rollouts):
             self.batch_of.pop(g.gid, None)
             self.ready.append(g)
         self.timers["generate_s"] += time.perf_counter() - t0
+
+    def run_now(self, tasks: list, params: list, tag: str) -> list[Group]:
+        """Evaluation groups (one per task, its `SamplingParams`: greedy n=1, or eval.k samples) dispatched to the
+        same workers, fleet and server as the training episodes, in a folder of their own
+        (`<run>/eval_episodes/<tag>-<nonce>`: an evaluation never finds another's episodes); every rank gets the
+        groups with their rewards. Not counted in the step's dispatch metrics."""
+        groups = [Group(-1 - i, None, t, self.prompt_fn(t), params=sp) for i, (t, sp) in enumerate(zip(tasks, params))]
+        if not groups:
+            return groups
+        folder = self.run_dir / "eval_episodes" / f"{tag}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        if self.separate:
+            rank0 = dist.get_rank() == 0
+            futures = [self.pool.submit(self._dispatch, groups, folder, self.server.url)] if rank0 else []
+            self._await(futures)
+            results = [futures[0].result() if futures else None]
+        else:
+            results = [self._dispatch_now(groups, folder)]
+        self._fill(groups, self._results(results, count=False))
+        return groups
+
+    def _dispatch_now(self, groups: list[Group], shard_dir: Path) -> dict | None:
+        """Colocated: dispatch `groups` into `shard_dir` while the trainer ranks serve the engine (every rank
+        calls it); rank 0's result, None on the others."""
+        box = {}
+        work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
+        serve_while(self.engine, self.tp_group, work, self._hosts())
+        return box if dist.get_rank() == 0 else None
+
+    def _results(self, results: list, count: bool) -> dict[str, dict]:
+        """Rank 0's dispatch results on every rank: episode id -> episode (a failed dispatch raises on every
+        rank); `count`: add their counters to the step's metrics."""
+        dist.broadcast_object_list(results, src=0)
+        episodes: dict[str, dict] = {}
+        for result in results:
+            if "error" in result:
+                raise RuntimeError(f"episode dispatch failed on rank 0: {result['error']}")
+            episodes.update(result["episodes"])
+            for k in self.counters if count else ():
+                self.counters[k] += result["counters"].get(k, 0)
+        return episodes
 
     @staticmethod
     def _await(futures: list[Future], poll_s: float = 5.0) -> None:
@@ -192,14 +221,21 @@ class DispatchRollouts(Rollouts):
 
         out = []
         for g in groups:
-            base = seed_of(self.seed, g.gid)
-            for i in range(self.cfg.group_size):
+            sp = self._sampling(g)
+            for i in range(sp.n):
                 out.append(EpisodeSpec(
                     episode_id=episode_id(g.gid, i), env=g.task.domain, task=g.task.to_dict(), group_id=g.gid,
-                    seed=base + 7919 * i, prompt_ids=list(g.prompt),
-                    sampling={"temperature": self.cfg.temperature, "max_new_tokens": self.cfg.max_new_tokens,
-                              "seed": base + 7919 * i, "stop_token_ids": list(self.tok.stop_ids)}))
+                    seed=sp.seed + 7919 * i, prompt_ids=list(g.prompt),
+                    sampling={"temperature": sp.temperature, "max_new_tokens": sp.max_new_tokens,
+                              "seed": sp.seed + 7919 * i, "stop_token_ids": list(sp.stop_token_ids)}))
         return out
+
+    def _sampling(self, g: Group):
+        """A group's sampling: its own (an evaluation group's), else the run's (group_size samples at the rollout
+        temperature, seeded by the group id)."""
+        if g.params is None:
+            return self.params(g.gid)
+        return g.params if g.params.seed is not None else dataclasses.replace(g.params, seed=seed_of(self.seed, g.gid))
 
     def _dispatch(self, groups: list[Group], shard_dir: Path, url: str) -> dict:
         """Rank 0, while the engine serves at `url`: run the missing episodes, read back every published one."""
@@ -243,15 +279,20 @@ class DispatchRollouts(Rollouts):
         from megatron_rl.rollout import SampleOutput
 
         for g in groups:
-            g.samples, g.rewards, g.masks, g.turns = [], [], [], []
-            for i in range(self.cfg.group_size):
+            g.samples, g.rewards, g.masks, g.turns, g.prompts, g.timings = [], [], [], [], [], []
+            for i in range(self._sampling(g).n):
                 e = episodes.get(episode_id(g.gid, i))
                 if e is None:
                     g.samples.append(SampleOutput(i, [], [], [], "abort"))
                     g.rewards.append((0.0, {}, "missing"))
                     g.masks.append([])
                     g.turns.append(0)
+                    g.prompts.append(None)
+                    g.timings.append({})
                     continue
+                # the episode's own prompt when it is not the group's (a black-box agent asked another one)
+                g.prompts.append(None if e["prompt"] == list(g.prompt) else e["prompt"])
+                g.timings.append({k: v for k, v in e["timings"].items() if k != "turns"})
                 ids = e["token_ids"]
                 finish = "stop" if ids and ids[-1] in self.tok.stop_ids else "length"
                 g.samples.append(SampleOutput(i, ids, e["logprobs"], e["versions"], finish))
@@ -316,6 +357,8 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
                                  "versions": [int(x) for x in versions], "reward": float(t.reward),
                                  "components": {k: float(v) for k, v in t.reward_components.items()},
                                  "status": str(t.status), "env": str(t.env),
+                                 "prompt": [int(x) for x in t.tokens[:n]],
+                                 "timings": {k: float(v) for k, v in t.timings.items()},
                                  "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
     return out
 

@@ -84,32 +84,44 @@ class Parts:
 
 
 def make_rollouts(parts: Parts, run_dir: Path):
-    """In-process rollouts, or dispatched episodes (`episodes.runner: dispatch`, loop/dispatched.py)."""
+    """The run's rollouts (`rollouts_for`)."""
+    return rollouts_for(parts.cfg, parts.ctx, parts.engine, parts.runner, parts.tok, parts.prompt_fn, run_dir)
+
+
+def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: Path):
+    """In-process rollouts, or dispatched episodes (`episodes.runner: dispatch | fleet`, loop/dispatched.py), for
+    the train loop and `megatron-rl eval` alike."""
     from megatron_rl.loop.rollout import Rollouts
 
-    cfg = parts.cfg
     if cfg.episodes.runner == "inprocess":
-        return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed,
-                        max_tokens=cfg.model.max_seq_length, replica_group=parts.ctx.pgs.tp)  # an engine per TP group
-    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
+        return Rollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed,
+                        max_tokens=cfg.model.max_seq_length, replica_group=ctx.pgs.tp)  # an engine per TP group
     from megatron_rl.loop.dispatched import DispatchRollouts
 
-    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
-    seq = cfg.model.max_seq_length
-    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
-    worker = WorkerConfig(generator=gen,
-                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
-                          max_tokens=seq, vocab_size=cfg.model.vocab_size,
-                          tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
-                          reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()})
     server = None
-    if cfg.episodes.server == "separate" and parts.is_rank0:
+    if cfg.episodes.server == "separate" and ctx.rank == 0:
         from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
 
         server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
                                       server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer)
-    return DispatchRollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed, cfg.episodes,
-                            worker, Path(run_dir), parts.ctx.pgs.tp, server, max_tokens=seq)
+    return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg),
+                            Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length)
+
+
+def worker_config(cfg: RunConfig):
+    """What every dispatched or fleet worker of the run is told: sandbox, budgets, rewards, agents, tokenizer."""
+    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
+
+    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    seq = cfg.model.max_seq_length
+    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
+    return WorkerConfig(generator=gen,
+                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
+                          max_tokens=seq, vocab_size=cfg.model.vocab_size,
+                          tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
+                          reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()},
+                          agents={d: {"agent": c.agent, "agent_args": c.agent_args}
+                                  for d, c in cfg.envs.domains.items() if c.agent})
 
 
 def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
