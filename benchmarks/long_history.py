@@ -17,8 +17,9 @@ skill is not measured. Tokens are counted with the main job's tokenizer.
     .venv/bin/python benchmarks/long_history.py [--budgets 1024 2048 4096 8192 --file-lines 60 --cut-chars 400]
 
 Prints one JSON object: per strategy and budget, success (0/1), the trained sequence's tokens, the prompt
-tokens summed over calls (what the engine prefills without a prefix cache), calls, splits, the model tokens of
-earlier segments left untrained (drop-oldest edits the history) and status.
+tokens summed over calls (what the engine prefills without a prefix cache), calls, splits (drop-oldest edits the
+history: each split is one more exact segment, trained as a row of the episode), the trained rows' tokens summed
+over segments, and status.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def run(strategy: str, budget: int, task, tok, sandbox, cut_chars: int) -> dict:
     return {"success": int(r.reward.total >= 1.0), "trained_tokens": len(r.tokens),
             "prompt_tokens": policy.prompt_tokens,
             "calls": int(r.timings["agent.calls"]), "splits": int(r.timings["agent.splits"]),
-            "untrained_model_tokens": int(r.timings["agent.untrained_tokens"]), "status": r.status}
+            "segment_tokens": len(r.tokens) + sum(len(s["tokens"]) for s in r.segments), "status": r.status}
 
 
 def main(argv=None) -> dict:

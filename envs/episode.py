@@ -28,6 +28,10 @@ MIN_TURN_TOKENS = 8
 """A turn is not started with fewer tokens than this left in the episode's budget."""
 
 
+SEGMENT_KEYS = ("tokens", "logprobs", "loss_mask", "versions", "prompt_len")
+"""The fields of one segment of `EpisodeResult.segments`."""
+
+
 @dataclass
 class EpisodeResult:
     """A finished episode: its token sequence and what the environment made of it."""
@@ -52,6 +56,10 @@ class EpisodeResult:
     """Why the last turn ended: stop (a stop token), length, or budget (the episode's token budget)."""
     timings: dict = field(default_factory=dict)
     """Seconds spent in env steps ('env'), and the environment's per-tool counters (`tool.<name>.*`)."""
+    segments: list[dict] = field(default_factory=list)
+    """Earlier exact segments of an episode that was split (a black-box agent edited its history:
+    `envs.agents.episode`), first to last, each {tokens, logprobs, loss_mask, versions, prompt_len} like the
+    fields above, which hold the last segment; trained as rows of this episode, with its reward."""
 
     @property
     def infra_status(self) -> str:

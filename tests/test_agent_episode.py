@@ -97,9 +97,10 @@ def test_the_callers_first_prompt_is_used_when_it_is_the_agents(tok, sandbox, tm
         assert r.turns == 2 and r.tokens[:len(prompt)] == prompt
 
 
-def test_drop_oldest_history_splits_and_trains_the_exact_last_segment(tok, sandbox, tmp_path):
-    """With a context budget the agent drops old exchanges: the gateway starts a new segment, the trajectory
-    is that segment (what the model saw, token for token) and the earlier model tokens are counted as untrained."""
+def test_drop_oldest_history_splits_into_exact_segments_that_are_all_trained(tok, sandbox, tmp_path):
+    """With a context budget the agent drops old exchanges: the gateway starts a new segment. The episode's
+    sequence is the last segment and the earlier ones come with it; each is exactly what the model saw and
+    sampled at one call (token for token), and together they hold every model token once."""
     from envs.harbor.env import HarborEnv
 
     task = _task(tmp_path)
@@ -108,11 +109,17 @@ def test_drop_oldest_history_splits_and_trains_the_exact_last_segment(tok, sandb
     policy = Scripted(tok, [BIG, BIG, BIG, WRITE_OK])
     r = drive(open_episode(env, task, tok, 8192), policy)
     assert isinstance(env, HarborEnv) and r.reward.total == 1.0
-    assert r.timings["agent.splits"] >= 1 and r.timings["agent.untrained_tokens"] > 0
+    assert r.timings["agent.splits"] >= 1 and len(r.segments) == r.timings["agent.splits"]
     last = policy.asked[-1]
     assert r.tokens == last + policy.given[-1][0]  # the last segment: the last prompt exactly as generated from
     assert len(last) < len(policy.asked[-2]) + len(policy.given[-2][0])  # ... which is shorter: history was dropped
-    assert sum(r.loss_mask) == sum(len(g[0]) for g in policy.given) - r.timings["agent.untrained_tokens"]
+    calls = [a + g[0] for a, g in zip(policy.asked, policy.given)]
+    for seg in r.segments:
+        assert seg["tokens"] in calls and len(seg["tokens"]) == len(seg["loss_mask"]) == len(seg["logprobs"])
+        model = [lp for lp, m in zip(seg["logprobs"], seg["loss_mask"]) if m]
+        assert model and all(lp < 0 for lp in model) and not any(seg["loss_mask"][:seg["prompt_len"]])
+    trained = sum(r.loss_mask) + sum(sum(seg["loss_mask"]) for seg in r.segments)
+    assert trained == sum(len(g[0]) for g in policy.given)  # every model token in exactly one segment
 
 
 def test_head_tail_keeps_the_episode_exact_and_cuts_long_outputs(tok, sandbox, tmp_path):

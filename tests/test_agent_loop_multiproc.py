@@ -85,7 +85,7 @@ def test_train_with_the_shell_agent_through_the_gateway(tmp_path):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl" or '"rl"' in json.dumps(r)]
     assert rl and rl[-1].get("harbor/count") == 4 and np.isfinite(rl[-1]["loss"])
-    assert rl[-1]["agent_calls_mean"] >= 1 and rl[-1]["agent_splits"] == 0 == rl[-1]["agent_untrained_tokens"]
+    assert rl[-1]["agent_calls_mean"] >= 1 and rl[-1]["agent_splits"] == 0 == rl[-1]["agent_segment_rows"]
 
 
 @pytest.mark.slow

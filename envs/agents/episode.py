@@ -11,9 +11,11 @@ time, turns or token budget are spent), the environment scores the episode (Harb
 separate verifier sandbox).
 
 The trajectory is the recorder's (`envs.agents.recorder`): the exact token ids of every call, the model's
-tokens trained (mask 1) and everything else masked. An agent that edits its history splits the episode; then
-only the last segment (exact on its own) is trained and `agent.splits` / `agent.untrained_tokens` say what was
-left out -- nothing is trained as if exact that was not.
+tokens trained (mask 1) and everything else masked. An agent that edits its history splits the episode into
+segments, each exact on its own (the context the engine received, token for token): the last is the episode's
+sequence, the earlier ones travel in `EpisodeResult.segments` and are trained as rows of the same episode (one
+reward and one advantage for all of them; `megatron_rl.data.shards.SEGMENT_MARK`); `agent.splits` counts them.
+Nothing is trained as if exact that was not: no segment is ever joined to another.
 
 `prompt` (the caller's first prompt, generated before the agent was asked): when the agent's first call has
 exactly these ids the caller's completion answers it (a group's shared prefill); otherwise it is discarded
@@ -28,6 +30,7 @@ from collections.abc import Generator
 
 from envs.agents.session import AgentSession
 from envs.base import Environment, RewardResult, Task
+from envs.episode import SEGMENT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,14 @@ def agent_episode(env: Environment, task: Task, tok, max_tokens: int, prompt: li
         env.infra_status = "error"
     res = env.finish("truncated" if session.truncated else "ok")
     rr = res.reward_result or RewardResult(0.0, status="error", reasons={"env": "no reward"})
-    tokens, lps, mask, versions, n, untrained = _sequence(session, prompt)
+    segments = session.segments()
+    tokens, lps, mask, versions, n = _sequence(segments[-1]) if segments else _prompt_only(prompt)
     timings = {"env": time.perf_counter() - t0, "agent.calls": float(turns), "agent.splits": float(session.splits()),
-               "agent.untrained_tokens": float(untrained), "agent.rejected": float(session.rejected)}
+               "agent.rejected": float(session.rejected)}
     stop = bool(last) and int(last[-1]) in set(tok.stop_ids)
     return EpisodeResult(tokens, lps, mask, versions, n, turns, rr, res.info.get("status", rr.status),
-                         "budget" if session.truncated else ("stop" if stop else "length"), timings)
+                         "budget" if session.truncated else ("stop" if stop else "length"), timings,
+                         segments=[dict(zip(SEGMENT_KEYS, _sequence(s))) for s in segments[:-1]])
 
 
 def _run_agent(env: Environment, session: AgentSession, obs, box: dict) -> None:
@@ -81,15 +86,16 @@ def _run_agent(env: Environment, session: AgentSession, obs, box: dict) -> None:
         session.agent_exited()
 
 
-def _sequence(session: AgentSession, prompt: list[int] | None):
-    """(tokens, logprobs, mask, versions, prompt_len, untrained model tokens): the last segment, or the prompt
-    alone when the agent made no call that was answered."""
-    segs = session.segments()
-    if not segs:
-        ids = list(prompt or [])
-        return ids, [0.0] * len(ids), [0] * len(ids), [0] * len(ids), len(ids), 0
-    seg, untrained = segs[-1], sum(sum(s["mask"]) for s in segs[:-1])
+def _prompt_only(prompt: list[int] | None):
+    """The sequence of an episode whose agent made no call that was answered: the prompt alone."""
+    ids = list(prompt or [])
+    return ids, [0.0] * len(ids), [0] * len(ids), [0] * len(ids), len(ids)
+
+
+def _sequence(seg: dict):
+    """(tokens, logprobs, mask, versions, prompt_len) of a recorded segment; its prompt carries the version of
+    its first model token."""
     n, versions, mask = seg["prompt_len"], list(seg["versions"]), list(seg["mask"])
     model = [v for v, m in zip(versions, mask) if m]
     versions[:n] = [min(model)] * n if model else versions[:n]
-    return list(seg["tokens"]), list(seg["logprobs"]), mask, versions, n, untrained
+    return list(seg["tokens"]), list(seg["logprobs"]), mask, versions, n

@@ -77,6 +77,38 @@ STR_COLUMNS = ("env", "task_id", "episode_id", "status", "provenance")
 _I32 = np.iinfo(np.int32)
 ROUTE_MAX = 32767
 """Largest expert id routed_experts holds (int16 in memory; uint16 on disk with 65535 = not recorded)."""
+SEGMENT_MARK = "~seg"
+"""An episode published as several rows (a black-box agent's episode split where it edited its history:
+`envs.agents`): its earlier exact segments are `<episode_id>~seg<j>`, its last is `<episode_id>`; the trainer
+scores them as one sample (`episode_of`)."""
+
+
+def segment_id(episode_id: str, j: int) -> str:
+    """The row id of segment j (0 = the first) of a split episode whose last row is `episode_id`."""
+    return f"{episode_id}{SEGMENT_MARK}{j}"
+
+
+def episode_of(row_id: str) -> str:
+    """The episode a row belongs to: its own id, or the episode of a segment row."""
+    return str(row_id).split(SEGMENT_MARK, 1)[0]
+
+
+def segment_rows(main: Trajectory, segments: list[dict]) -> list[Trajectory]:
+    """The rows of the earlier `segments` of a split episode whose last row is `main` (each {tokens, logprobs,
+    loss_mask, versions, prompt_len}: `envs.episode.EpisodeResult.segments`), with its reward, group, task and
+    status, ids `segment_id(main.episode_id, j)`."""
+    out = []
+    for j, seg in enumerate(segments):
+        versions, mask = list(seg["versions"]), list(seg["loss_mask"])
+        model = [v for v, m in zip(versions, mask) if m] or versions or [0]
+        out.append(Trajectory(
+            tokens=np.asarray(seg["tokens"], np.int32), logprobs=np.asarray(seg["logprobs"], np.float32),
+            loss_mask=np.asarray(mask, np.uint8), prompt_len=int(seg["prompt_len"]), reward=main.reward,
+            group_id=main.group_id, policy_version_first=min(model), policy_version_last=max(model), env=main.env,
+            task_id=main.task_id, episode_id=segment_id(main.episode_id, j), status=main.status,
+            reward_components=dict(main.reward_components), token_versions=np.asarray(versions, np.int32),
+            provenance={"segment_of": main.episode_id, "segment": str(j)}))
+    return out
 
 
 class TrajectoryError(ValueError):
@@ -300,6 +332,12 @@ class TrajectoryColumns:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def episode_index(self) -> np.ndarray:
+        """int64 [N]: the episode of each row, numbered 0.. in order of first appearance; the rows of a split
+        episode (`SEGMENT_MARK`) share one."""
+        keys: dict[str, int] = {}
+        return np.asarray([keys.setdefault(episode_of(e), len(keys)) for e in self.episode_id], np.int64)
 
     def select(self, index) -> TrajectoryColumns:
         """Samples picked by a boolean mask [N] or an index array, in that order (self if all, in order)."""

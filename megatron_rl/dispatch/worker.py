@@ -170,15 +170,21 @@ def build_generator(config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: i
 
 # ------------------------------------------------------------------------------------------------- episode
 def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30):
-    """One episode -> Trajectory, through the one episode loop (`envs.episode`: reset, [generate -> step]*
-    until done), each turn one call of `generator`.
+    """One episode -> its Trajectory (`episode_rows`' last row)."""
+    return episode_rows(ep, env, generator, tok, max_tokens)[-1]
+
+
+def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30) -> list:
+    """One episode -> the Trajectory rows it publishes, through the one episode loop (`envs.episode`: reset,
+    [generate -> step]* until done), each turn one call of `generator`: the episode's, after the earlier exact
+    segments of a split black-box agent episode (`shards.segment_rows`).
 
     A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
     `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
     """
     from envs.base import Task
     from envs.episode import drive, open_episode
-    from megatron_rl.data.shards import Trajectory
+    from megatron_rl.data.shards import Trajectory, segment_rows
 
     t0, gen_s = time.perf_counter(), [0.0]
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
@@ -188,19 +194,20 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_
     except GenerationError as e:
         if e.retryable:
             raise
-        return failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))
+        return [failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))]
     timings = {"generate": gen_s[0], **r.timings, "turns": float(r.turns), "total": time.perf_counter() - t0}
     prov = {k: json.dumps(v, sort_keys=True) for k, v in r.reward.provenance.items()}
     if isinstance(generator, ScriptedGenerator):
         prov["policy"] = "scripted test policy (not a model)"
     model_versions = [v for v, m in zip(r.versions, r.loss_mask) if m] or [0]
-    return Trajectory(
+    main = Trajectory(
         tokens=np.asarray(r.tokens, np.int32), logprobs=np.asarray(r.logprobs, np.float32),
         loss_mask=np.asarray(r.loss_mask, np.uint8), prompt_len=r.prompt_len, reward=float(r.reward.total),
         group_id=ep.group_id, policy_version_first=min(model_versions), policy_version_last=max(model_versions),
         env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=_status(r),
         reward_components=dict(r.reward.components), timings=timings, provenance=prov,
         token_versions=np.asarray(r.versions, np.int32))
+    return [*segment_rows(main, r.segments), main]
 
 
 def _status(r) -> str:
@@ -251,11 +258,12 @@ class ShardPublisher:
         self.published_ids: list[str] = []
         self.shards: list[str] = []
 
-    def add(self, traj) -> None:
+    def add(self, *trajs) -> None:
+        """Buffer the rows of one episode (published together)."""
         with self._lock:
             if self._frozen:
                 return
-            self._buf.append(traj)
+            self._buf.extend(trajs)
             if self.every and len(self._buf) >= self.every:
                 self._flush_locked()
 
@@ -362,13 +370,13 @@ class EpisodeRunner:
         if self.stop.is_set():
             return
         try:
-            traj = run_episode(ep, self._make_env(ep.env), self.generator, self.tok, self.spec.worker.max_tokens)
+            rows = episode_rows(ep, self._make_env(ep.env), self.generator, self.tok, self.spec.worker.max_tokens)
         except GenerationError as e:  # retryable: not published; the dispatcher's next round re-runs it
             log.warning("episode %s not finished (%s, retryable): %s", ep.episode_id, e.status, e)
             with self._lock:
                 self.failed[ep.episode_id] = f"{e.status}: {e}"
             return
-        self.publisher.add(traj)
+        self.publisher.add(*rows)  # a split episode's rows in one shard
         with self._lock:
             self._done += 1
             if self.spec.round in f.raise_in_rounds and self._done >= f.raise_after:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.data.shards import SEGMENT_MARK, episode_of
 from megatron_rl.dispatch.net import node_address  # noqa: F401 (re-exported: tests, callers)
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
 
@@ -279,7 +280,7 @@ class DispatchRollouts(Rollouts):
         from megatron_rl.rollout import SampleOutput
 
         for g in groups:
-            g.samples, g.rewards, g.masks, g.turns, g.prompts, g.timings = [], [], [], [], [], []
+            g.samples, g.rewards, g.masks, g.turns, g.prompts, g.timings, g.segments = [], [], [], [], [], [], []
             for i in range(self._sampling(g).n):
                 e = episodes.get(episode_id(g.gid, i))
                 if e is None:
@@ -289,10 +290,12 @@ class DispatchRollouts(Rollouts):
                     g.turns.append(0)
                     g.prompts.append(None)
                     g.timings.append({})
+                    g.segments.append([])
                     continue
                 # the episode's own prompt when it is not the group's (a black-box agent asked another one)
                 g.prompts.append(None if e["prompt"] == list(g.prompt) else e["prompt"])
                 g.timings.append({k: v for k, v in e["timings"].items() if k != "turns"})
+                g.segments.append(e["segments"])
                 ids = e["token_ids"]
                 finish = "stop" if ids and ids[-1] in self.tok.stop_ids else "length"
                 g.samples.append(SampleOutput(i, ids, e["logprobs"], e["versions"], finish))
@@ -344,6 +347,10 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
             if unreadable is not None:
                 unreadable.append(f"{p}: {e}")
             continue
+        segments: dict[str, list] = {}  # a split agent episode's earlier rows, from the shard of its last
+        for t in trajs:
+            if SEGMENT_MARK in t.episode_id:
+                segments.setdefault(episode_of(t.episode_id), []).append(t)
         for t in trajs:
             if t.episode_id not in wanted or t.episode_id in out:
                 continue
@@ -358,9 +365,20 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
                                  "components": {k: float(v) for k, v in t.reward_components.items()},
                                  "status": str(t.status), "env": str(t.env),
                                  "prompt": [int(x) for x in t.tokens[:n]],
+                                 "segments": [_segment(x) for x in sorted(
+                                     segments.get(t.episode_id, []),
+                                     key=lambda x: int(x.episode_id.rsplit(SEGMENT_MARK, 1)[1]))],
                                  "timings": {k: float(v) for k, v in t.timings.items()},
                                  "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
     return out
+
+
+def _segment(t) -> dict:
+    """A segment row as `EpisodeResult.segments` holds it."""
+    versions = t.token_versions if t.token_versions is not None else [t.policy_version_first] * len(t.tokens)
+    return {"tokens": [int(x) for x in t.tokens], "logprobs": [float(x) for x in t.logprobs],
+            "loss_mask": [int(x) for x in t.loss_mask], "versions": [int(x) for x in versions],
+            "prompt_len": int(t.prompt_len)}
 
 
 def serve_while(engine, tp_group, work, hosts: tuple[str, str]) -> None:

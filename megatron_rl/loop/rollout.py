@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from megatron_rl.data.shards import Trajectory
+from megatron_rl.data.shards import Trajectory, segment_rows
 from megatron_rl.rollout import SamplingParams
 
 
@@ -63,6 +63,9 @@ class Group:
     another first prompt, or was split: its trained segment's prompt), else None."""
     timings: list = field(default_factory=list)
     """Per sample the episode's counters (env seconds, tool.*, agent.*)."""
+    segments: list = field(default_factory=list)
+    """Per sample the earlier exact segments of its episode when a black-box agent split it
+    (`EpisodeResult.segments`: dicts of tokens, logprobs, loss_mask, versions, prompt_len), else []."""
     params: SamplingParams | None = None
     """Sampling of the first turn (follow-up turns use its temperature and seed)."""
     rid: str = ""
@@ -341,7 +344,8 @@ class Rollouts:
         out = []
         for g in groups:
             for i in g.valid():
-                out.append(trajectory(g, i, f"{tag}-g{g.gid}-s{i}"))
+                main = trajectory(g, i, f"{tag}-g{g.gid}-s{i}")
+                out += [*segment_rows(main, g.segments[i] if g.segments else []), main]  # a split episode's rows
         return out
 
     # ------------------------------------------------------------------------------- state
@@ -358,7 +362,7 @@ class Rollouts:
         self.ready = [Group(s["gid"], s["step"], tasks_by_id[s["task"]], s["prompt"],
                             [SampleOutput(**x) for x in s["samples"]], [], [tuple(r) for r in s["rewards"]],
                             s.get("masks", []), s.get("turns", []), s.get("prompts", []), s.get("timings", []),
-                            replica=s.get("replica", 0))
+                            s.get("segments", []), replica=s.get("replica", 0))
                       for s in state["ready"]]
 
 
@@ -366,7 +370,7 @@ def _group_state(g: Group) -> dict:
     return {"gid": g.gid, "step": g.step, "task": f"{g.task.domain}/{g.task.id}", "prompt": list(g.prompt),
             "rewards": g.rewards,
             "masks": [list(m) for m in g.masks], "turns": list(g.turns), "prompts": list(g.prompts),
-            "timings": list(g.timings), "replica": g.replica,
+            "timings": list(g.timings), "segments": list(g.segments), "replica": g.replica,
             "samples": [{"index": s.index, "token_ids": list(s.token_ids), "logprobs": list(s.logprobs),
                          "policy_versions": list(s.policy_versions), "finish_reason": s.finish_reason}
                         for s in g.samples]}
@@ -377,14 +381,16 @@ def _sample_state(r, prompt: list[int], replica: int = 0) -> dict:
     own prompt when it is not the group's."""
     if isinstance(r, str):
         return {"token_ids": [], "logprobs": [], "versions": [], "mask": [], "turns": 0, "finish": "abort",
-                "reward": (0.0, {}, "error"), "prompt": None, "timings": {}, "replica": replica}
+                "reward": (0.0, {}, "error"), "prompt": None, "timings": {}, "segments": [], "replica": replica}
     rr, n = r.reward, r.prompt_len
     own = list(r.tokens[:n])
     return {"token_ids": r.tokens[n:], "logprobs": r.logprobs[n:], "versions": r.versions[n:],
             "mask": r.loss_mask[n:], "turns": r.turns, "finish": r.finish_reason,
             "reward": (float(rr.total), dict(rr.components), r.infra_status),
             "prompt": None if own == list(prompt) else own,
-            "timings": {k: float(v) for k, v in r.timings.items() if isinstance(v, (int, float))}, "replica": replica}
+            "timings": {k: float(v) for k, v in r.timings.items() if isinstance(v, (int, float))},
+            "segments": [{k: list(v) if isinstance(v, list) else int(v) for k, v in seg.items()} for seg in r.segments],
+            "replica": replica}
 
 
 def _fill(g: Group, states: list[dict]) -> None:
@@ -395,6 +401,7 @@ def _fill(g: Group, states: list[dict]) -> None:
     g.masks, g.turns = [s["mask"] for s in states], [s["turns"] for s in states]
     g.rewards = [tuple(s["reward"]) for s in states]
     g.prompts, g.timings = [s["prompt"] for s in states], [s["timings"] for s in states]
+    g.segments = [s["segments"] for s in states]
     g.replica = states[0].get("replica", 0) if states else 0
     g.episodes = []
 

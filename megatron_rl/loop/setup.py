@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from megatron_rl.config import ConfigError
+from megatron_rl.data.shards import SEGMENT_MARK
 from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
 from megatron_rl.tokenizer import Tokenizer
@@ -234,7 +235,10 @@ def to_shard(parts: Parts, rollouts, groups: list, step: int, run_dir: Path):
     if not trajs:
         return None
     cols = read_arrays(path)
-    fresh = np.asarray(cols.policy_version_first) >= step - parts.cfg.rl.max_staleness
+    episode = cols.episode_index()  # [N] the rows of a split agent episode are kept or dropped together
+    first = np.full(int(episode.max()) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(first, episode, np.asarray(cols.policy_version_first, np.int64))
+    fresh = first[episode] >= step - parts.cfg.rl.max_staleness
     return cols if fresh.all() else cols.select(np.flatnonzero(fresh))
 
 
@@ -303,14 +307,14 @@ def _batch_metrics(cols, version: int, clock: Clock) -> dict:
 
 
 def _agent_metrics(cols) -> dict:
-    """Black-box agent episodes of the batch (envs.agents): calls per episode, history splits, model tokens of
-    earlier segments left untrained; {} without any."""
+    """Black-box agent episodes of the batch (envs.agents): calls per episode, and history splits (each one an
+    extra row of its episode: an earlier exact segment, trained with it); {} without any."""
     t = cols.timings
     if "agent.calls" not in t:
         return {}
     return {"agent_calls_mean": float(np.nanmean(t["agent.calls"])),
             "agent_splits": float(np.nansum(t.get("agent.splits", 0.0))),
-            "agent_untrained_tokens": float(np.nansum(t.get("agent.untrained_tokens", 0.0)))}
+            "agent_segment_rows": int(sum(SEGMENT_MARK in str(e) for e in cols.episode_id))}
 
 
 def _runner_metrics(runner) -> dict:

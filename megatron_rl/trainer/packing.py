@@ -12,7 +12,8 @@ data-parallel ranks round-robin and every rank pads its list with empty micro-ba
 
     sample_num_tokens                                                                      float [1, S]
         loss tokens of each slot's WHOLE sample (0 on padding): seq-mean aggregation stays exact when a
-        sample is split over context-parallel ranks
+        sample is split over context-parallel ranks, and weighs a split agent episode's rows (its
+        segments) as one sample
     routed_experts (when the batch has them: routing replay)                        long  [1, S, L_moe, k]
         the rollout engine's experts of each INPUT token (tokens[:-1] side), -1 on padding / not recorded
 
@@ -142,10 +143,25 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
-                     token_fields: dict[str, np.ndarray] | None = None, pad_to: int = 1) -> dict[str, torch.Tensor]:
+def episode_loss_tokens(cols, kept: np.ndarray) -> np.ndarray:
+    """float64 [N]: the loss tokens of each row's whole episode over the `kept` rows: the row's own, or, for the
+    rows of a split agent episode (`shards.SEGMENT_MARK`), all of theirs, so that seq-mean aggregation weighs
+    that episode as one sample (0 on rows not kept)."""
+    s, e = np.asarray(cols.offsets[:-1]), np.asarray(cols.offsets[1:])
+    own = np.asarray([np.count_nonzero(cols.loss_mask[a + 1:b]) for a, b in zip(s, e)], np.float64)  # [N] label side
+    episode = cols.episode_index() if hasattr(cols, "episode_index") else np.arange(len(own))  # [N]
+    total = np.zeros(int(episode.max(initial=-1)) + 1)
+    np.add.at(total, episode[kept], own[kept])
+    out = np.zeros(len(own))
+    out[kept] = total[episode[kept]]
+    return out
+
+
+def build_microbatch(cols, sample_ids: list[int], max_tokens: int, token_fields: dict[str, np.ndarray] | None = None,
+                     pad_to: int = 1, num_tokens: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """The [1, max_tokens] micro-batch holding samples `sample_ids` end to end (padding after them); each
-    sample's segment is padded to a multiple of `pad_to` (2*cp under context parallelism)."""
+    sample's segment is padded to a multiple of `pad_to` (2*cp under context parallelism); `num_tokens` [N]:
+    each sample's `sample_num_tokens` (default: its own loss tokens; `episode_loss_tokens`)."""
     S, token_fields = max_tokens, token_fields or {}
     names = ("tokens", "labels", "loss_mask", "behaviour_logprobs", *token_fields)
     ints = {"tokens", "labels", "position_ids", "sample_index"}
@@ -160,7 +176,8 @@ def build_microbatch(cols, sample_ids: list[int], max_tokens: int,
             mb[k][pos:pos + n] = torch.from_numpy(np.asarray(seg[k], dtype=np.int64 if k in ints else np.float64))
         mb["position_ids"][pos:pos + padded] = torch.arange(padded)
         mb["sample_index"][pos:pos + n] = i
-        mb["sample_num_tokens"][pos:pos + n] = float(np.count_nonzero(seg["loss_mask"]))
+        own = np.count_nonzero(seg["loss_mask"])
+        mb["sample_num_tokens"][pos:pos + n] = float(own if num_tokens is None else num_tokens[i])
         pos += padded
         bounds.append(pos)
     mb["position_ids"][pos:] = torch.arange(S - pos)
@@ -210,7 +227,8 @@ def pack(cols, keep: np.ndarray, cfg: PackingConfig, dp_rank: int, dp_size: int,
     mine += [[] for _ in range(per_rank - len(mine))]
     stats.samples, stats.bins, stats.microbatches_per_rank = len(kept), len(bins), per_rank
     stats.fill = float(slots.sum()) / max(len(bins) * cfg.max_tokens, 1)
-    mbs = [build_microbatch(cols, b, cfg.max_tokens, token_fields, pad_to) for b in mine]
+    counts = episode_loss_tokens(cols, kept)
+    mbs = [build_microbatch(cols, b, cfg.max_tokens, token_fields, pad_to, counts) for b in mine]
     return ([split_microbatch(mb, cp_rank, cp_size) for mb in mbs] if cp_size > 1 else mbs), stats
 
 

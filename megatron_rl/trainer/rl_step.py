@@ -176,9 +176,12 @@ def advantage_output(cols, cfg: AdvantageConfig, kl=None, values=None) -> Advant
     """The estimator's output over the global batch, per token [T] aligned with cols.tokens (label side);
     `kl` [T] for KL-in-reward, `values` [T] the critic's V(s_t) for gae (each an array or tensor, or None)."""
     lengths = np.diff(np.asarray(cols.offsets))  # [N]
-    sample_index = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths))  # [T]
-    inputs = AdvantageInputs(rewards=torch.as_tensor(np.asarray(cols.reward, dtype=np.float64)),
-                             group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)),
+    episode = cols.episode_index() if hasattr(cols, "episode_index") else np.arange(len(lengths))  # [N] -> [0, E)
+    # (the rows of a split agent episode are one sample: one reward, one group entry, one advantage)
+    first = np.unique(episode, return_index=True)[1]  # [E] each episode's first row
+    sample_index = torch.from_numpy(np.repeat(episode, lengths))  # [T] values in [0, E)
+    inputs = AdvantageInputs(rewards=torch.as_tensor(np.asarray(cols.reward, dtype=np.float64)[first]),
+                             group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)[first]),
                              sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)),
                              kl=None if kl is None else torch.as_tensor(kl).cpu(),
                              values=None if values is None else torch.as_tensor(values).cpu())
