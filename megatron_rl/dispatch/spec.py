@@ -107,6 +107,13 @@ class WorkerConfig:
     envs.domains); an environment not listed gets max_turns and max_tokens above."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
+    images: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment name -> its sandbox image {digest, file}: built once by the driver into the shared store
+    (`MixtureConfig.worker_images`); each node extracts it once into image_cache and mounts it."""
+    image_store: str = ""
+    """Shared-filesystem folder of built images (harbor's per-task images; '' = ~/.cache/megatron-rl/images)."""
+    image_cache: str = ""
+    """Node-local folder images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
 
     def validate(self) -> None:
         if self.threads < 0 or self.episodes_per_shard < 0:

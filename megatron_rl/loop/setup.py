@@ -83,6 +83,23 @@ class Parts:
         self.monitor.close()
 
 
+def worker_config(cfg: RunConfig):
+    """What every dispatched or fleet worker runs with (the generator's url is set at dispatch); the domains'
+    images are built here, once, into the shared store (`MixtureConfig.worker_images`)."""
+    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
+
+    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    seq = cfg.model.max_seq_length
+    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
+    return WorkerConfig(generator=gen,
+                        sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
+                        max_tokens=seq, vocab_size=cfg.model.vocab_size,
+                        tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
+                        reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()},
+                        images=cfg.envs.worker_images(), image_store=cfg.envs.image_store,
+                        image_cache=cfg.envs.image_cache)
+
+
 def make_rollouts(parts: Parts, run_dir: Path):
     """In-process rollouts, or dispatched episodes (`episodes.runner: dispatch`, loop/dispatched.py)."""
     from megatron_rl.loop.rollout import Rollouts
@@ -91,17 +108,9 @@ def make_rollouts(parts: Parts, run_dir: Path):
     if cfg.episodes.runner == "inprocess":
         return Rollouts(parts.engine, parts.runner, parts.tok, parts.prompt_fn, cfg.rl, cfg.seed,
                         max_tokens=cfg.model.max_seq_length, replica_group=parts.ctx.pgs.tp)  # an engine per TP group
-    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
     from megatron_rl.loop.dispatched import DispatchRollouts
 
-    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
-    seq = cfg.model.max_seq_length
-    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
-    worker = WorkerConfig(generator=gen,
-                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
-                          max_tokens=seq, vocab_size=cfg.model.vocab_size,
-                          tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
-                          reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()})
+    seq, worker = cfg.model.max_seq_length, worker_config(cfg)
     server = None
     if cfg.episodes.server == "separate" and parts.is_rank0:
         from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
