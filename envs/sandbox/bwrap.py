@@ -701,8 +701,7 @@ class BwrapSandbox(Sandbox):
                 bind(bound[-1])
                 os.chmod(bound[-1], 0o666)  # the slot's uid connects (a socket on a read-only mount still can)
             if self._has_sh:
-                with open(os.path.join(cell.ctl, "cmd"), "w") as f:
-                    f.write(_inner_limits(cell, limits) + script)
+                _rewrite(os.path.join(cell.ctl, "cmd"), _inner_limits(cell, limits) + script)
             if launch is None:
                 launch = self._spawn(cell, limits, command)
                 self.counts["cold"] += 1
@@ -966,6 +965,19 @@ def _inner_limits(cell: _Cell, limits: Limits) -> str:
         return ""
     n = limits.pids + 1  # + bwrap's pid 1 (the trampoline shell execs the program)
     return f"ulimit -p {n} 2>/dev/null || ulimit -u {n} 2>/dev/null\n"
+
+
+def _rewrite(path: str, text: str) -> None:
+    """Replace a small file's content without O_TRUNC: ext4 (auto_da_alloc) flushes a file truncated to 0 when
+    it is closed, which cost ~4 ms of I/O wait per run on a disk-backed temp folder; ftruncate to the new
+    length after the write does not."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
 def _size(files: dict | None) -> int:
