@@ -110,6 +110,7 @@ def control_deb(folder: Path, name: str, depends: str, script: str) -> None:
     subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg), str(out)], check=True, capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("dpkg-scanpackages") is None or shutil.which("apt-get") is None,
                     reason="dpkg-dev and apt are needed to make and read a local apt repository")
 def test_apt_dependencies_the_base_lacks_are_resolved_into_the_image(open_dir):

@@ -244,7 +244,10 @@ def apt_options(spec: ImageSpec, work: str) -> list[str]:
     opts = ["-o", f"Dir::Etc::SourceList={state}/sources.list", "-o", "Dir::Etc::SourceParts=/nonexistent",
             "-o", f"Dir::State::Lists={state}/lists", "-o", f"Dir::Cache={state}", "-o", "Dir::Cache::pkgcache=",
             "-o", "Dir::Cache::srcpkgcache=", "-o", "Debug::NoLocking=1", "-o", "APT::Sandbox::User=" + _me()]
-    r = subprocess.run(["apt-get", *opts, "-q", "update"], capture_output=True, text=True, timeout=600)
+    try:
+        r = subprocess.run(["apt-get", *opts, "-q", "update"], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ImageBuildError(f"apt_sources {spec.apt_sources}: apt-get update could not run ({e})") from None
     if r.returncode != 0 or "Failed to fetch" in r.stderr:
         raise ImageBuildError(f"apt_sources {spec.apt_sources}: apt-get update failed: "
                               f"{(r.stderr or r.stdout).strip()[-300:]}; check the source lines")
@@ -267,11 +270,16 @@ def resolve_apt(spec: ImageSpec, opts: list[str]) -> list[str]:
     asked = [p for p in spec.apt if not _local_deb(spec.deb_dirs, *p.partition("=")[::2])]
     if not (spec.apt_deps and asked):
         return list(spec.apt)
-    r = subprocess.run(["apt-get", *opts, "install", "-s", "-q", "--no-install-recommends", *asked],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "LANG": "C"})
+    what = "apt package " + " / ".join(map(repr, asked))
+    try:
+        r = subprocess.run(["apt-get", *opts, "install", "-s", "-q", "--no-install-recommends", *asked],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "LANG": "C"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ImageBuildError(f"{what}: apt's resolver could not run ({e}); put the .debs in a deb_dirs folder or "
+                              "list them under debs") from None
     if r.returncode != 0:
-        raise ImageBuildError(f"apt packages {asked}: apt's resolver failed: {r.stderr.strip()[-300:]}; check the "
-                              "names, `apt-get update`, or the spec's apt_sources")
+        raise ImageBuildError(f"{what}: apt's resolver failed: {r.stderr.strip()[-300:]}; check the names, "
+                              "`apt-get update`, or the spec's apt_sources")
     names = {p.partition("=")[0] for p in spec.apt}
     deps = [f"{m[1]}={m[3]}" for m in map(_INST.match, r.stdout.splitlines())
             if m and not m[2] and m[1] not in names]
