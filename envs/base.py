@@ -92,6 +92,14 @@ class _LazySandbox(Sandbox):
         except Exception:
             return "unavailable"
 
+    @property
+    def layer(self):
+        """The environment's sandbox image (None without one, or when the sandbox cannot be built)."""
+        try:
+            return self._env.sandbox.layer
+        except Exception:
+            return None
+
     def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
         try:
             kw = {"sockets": sockets} if sockets else {}

@@ -148,6 +148,14 @@ class MixtureConfig:
                 raise ConfigError(f"envs.domains.{name}.image: {e}") from None
         return len(specs)
 
+    def worker_images(self) -> dict[str, dict[str, str]]:
+        """Domain -> its image {digest, file} for dispatched and fleet workers: each domain image (harbor's are
+        per task, built by `prepare_images`) built once into the shared store, here in the driver."""
+        from envs.sandbox.domain_images import configure, publish
+
+        configure(self.image_store, self.image_cache)
+        return {name: publish(d.image) for name, d in self.domains.items() if d.image and name != "harbor"}
+
     def loader_options(self, name: str) -> dict:
         """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/."""
         d = self.domains.get(name)

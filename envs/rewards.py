@@ -245,7 +245,7 @@ def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None =
 def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0,
                       site: bool = False) -> RewardOutput:
     """Fraction of the payload's unit tests that pass against the code extracted from the response (`site`:
-    the solution may import site packages; else the standard library only)."""
+    the solution may import site packages, as it always may in a domain image; else the standard library only)."""
     tests = list(ctx.task.payload.get(tests_key, []))
     code = ctx.state.get("code") if "code" in ctx.state else extract_code(ctx.response)
     if not tests:
@@ -254,6 +254,7 @@ def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: 
         return RewardOutput(0.0, "no code found (put it in a ```python block)")
     if ctx.sandbox is None:
         return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
+    site = site or getattr(ctx.sandbox, "layer", None) is not None
     results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s, site)
     passed = sum(p for p, _ in results)
     fails = "; ".join(dict.fromkeys(m for p, m in results if not p))[:300]

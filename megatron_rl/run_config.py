@@ -239,12 +239,6 @@ class RunConfig:
             raise ConfigError(f"episodes.server=separate sends the whole model from rank 0's engine and needs "
                               f"parallel.tp=1 (got tp={self.parallel.tp}); use episodes.server=colocated")
         self._check_routing_replay()
-        imaged = [n for n, d in self.envs.domains.items()
-                  if d.image and (n != "harbor" or self.envs.image_store or self.envs.image_cache)]
-        if self.episodes.runner in ("dispatch", "fleet") and imaged:
-            raise ConfigError(f"envs.domains.{imaged[0]}.image (or envs.image_store/image_cache): dispatched workers "
-                              "are not sent the domains' image settings yet; use episodes.runner=inprocess (harbor "
-                              "task images with the default image folders do work dispatched)")
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")

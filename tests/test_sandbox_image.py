@@ -3,6 +3,7 @@ usable inside its sandboxes and absent outside; content addresses; the node cach
 mixture's envs.domains.<d>.image, Harbor's environment/ -> image, SandboxConfig) and the Apptainer command."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import yaml
 from envs.sandbox import SandboxConfig, domain_images, image_cache
 from envs.sandbox.apptainer import ApptainerSandbox
 from envs.sandbox.bwrap import BwrapSandbox
-from envs.sandbox.image import ImageSpec, build, has_squashfs
+from envs.sandbox.image import ImageBuildError, ImageSpec, build, has_squashfs
 from megatron_rl.config import ConfigError
 
 HELLO = "mrl-image-hello"
@@ -94,6 +95,43 @@ def test_package_only_in_the_image_is_usable_inside_its_sandbox_and_absent_outsi
         r = bare.run(PROBE)
         assert r.exit_code != 0 and "not found" in r.stderr and "No module named 'mrl_wheelmod'" in r.stderr
     assert shutil.which(HELLO) is None
+
+
+def control_deb(folder: Path, name: str, depends: str, script: str) -> None:
+    """A .deb `name` (a program of the same name running `script`) that depends on `depends`."""
+    pkg = folder / name
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "usr/bin").mkdir(parents=True)
+    (pkg / "DEBIAN/control").write_text(f"Package: {name}\nVersion: 2.0\nArchitecture: all\nDepends: {depends}\n"
+                                        "Maintainer: t <t@example.org>\nDescription: test\n")
+    (pkg / "usr/bin" / name).write_text(f"#!/bin/sh\n{script}\n")
+    os.chmod(pkg / "usr/bin" / name, 0o755)
+    out = folder / "repo" / f"{name}_2.0_all.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg), str(out)], check=True, capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dpkg-scanpackages") is None or shutil.which("apt-get") is None,
+                    reason="dpkg-dev and apt are needed to make and read a local apt repository")
+def test_apt_dependencies_the_base_lacks_are_resolved_into_the_image(open_dir):
+    """The spec lists one package; apt's resolver adds its dependency that the base lacks (from the spec's own
+    apt source, a local repository), and leaves out the one the base has (bash)."""
+    from envs.sandbox.image import apt_options, resolve_apt
+
+    (open_dir / "repo").mkdir()
+    control_deb(open_dir, "mrl-dep-app", "mrl-dep-lib (>= 2.0), bash", "mrl-dep-lib; echo app-ok")
+    control_deb(open_dir, "mrl-dep-lib", "bash", "echo lib-ok")
+    (open_dir / "repo/Packages").write_bytes(subprocess.run(["dpkg-scanpackages", "-m", "."], cwd=open_dir / "repo",
+                                                            check=True, capture_output=True).stdout)
+    spec = ImageSpec(apt=["mrl-dep-app"], deb_dirs=[], apt_sources=[f"deb [trusted=yes] file:{open_dir}/repo ./"])
+    assert resolve_apt(spec, apt_options(spec, str(open_dir / "w"))) == ["mrl-dep-app", "mrl-dep-lib=2.0"]
+    assert resolve_apt(dataclasses.replace(spec, apt_deps=False), []) == ["mrl-dep-app"]
+    with BwrapSandbox(layer=image_cache.resolve(spec, str(open_dir / "store"), str(open_dir / "cache")),
+                      prespawn=False) as sb:
+        r = sb.run("mrl-dep-app; ls /usr/local/bin")
+    assert r.stdout == "lib-ok\napp-ok\nmrl-dep-app\nmrl-dep-lib\n", r  # the dependency is in; bash is not
+    with pytest.raises(ImageBuildError, match="mrl-no-such"):
+        resolve_apt(dataclasses.replace(spec, apt=["mrl-no-such"]), apt_options(spec, str(open_dir / "w2")))
 
 
 def test_same_spec_same_digest_changed_spec_or_input_new_digest(open_dir):

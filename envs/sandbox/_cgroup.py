@@ -6,8 +6,8 @@ for the whole process tree, not per process as rlimits are; OOM kills, refused f
 back from the kernel's counters (not from anything the program prints); after a run every process left in
 the group is SIGKILLed until the group is empty. The sandboxed program cannot see or write these files
 (no /sys inside the sandbox, and a cgroup namespace).
-Not covered: cgroup v2 (a pure-v2 host falls back to rlimits, and the backend says so in each result's
-notes, with what `v2_status` found: a delegated subtree with memory/pids or why not); I/O bandwidth;
+cgroup v2 (a delegated subtree where these v1 hierarchies are not writable) is `envs.sandbox._cgroup2`.
+Not covered: I/O bandwidth;
 kernel memory outside the memory controller's accounting.
 """
 from __future__ import annotations

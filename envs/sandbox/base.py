@@ -91,6 +91,8 @@ class Sandbox(abc.ABC):
     bad limits). Use as a context manager, or call `close()`, to release what it holds."""
 
     name: str = "abstract"
+    layer = None
+    """The per-domain image it runs in (`image_cache.ImageLayer`); None = the bare system."""
 
     @abc.abstractmethod
     def run(

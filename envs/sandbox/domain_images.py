@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from envs.sandbox import image_cache
 from envs.sandbox.base import Sandbox
 from envs.sandbox.image import ImageSpec
+from megatron_rl.config import ConfigError
 
 
 @dataclass
@@ -58,6 +59,48 @@ def image_sandbox(ref: str | ImageSpec | dict, workers: int = 1, backend: str = 
                                 image_store=DEFAULTS.store, image_cache=os.path.dirname(layer.root))
             sb = _sandboxes[key] = cfg.build()
         return sb
+
+
+def publish(ref: str | ImageSpec) -> dict[str, str]:
+    """The driver's half of a dispatched domain image: `ref` (a spec YAML or a built file) as a file of the
+    shared store, {digest, file}, which the worker spec carries to every worker (`worker_sandbox`)."""
+    from envs.sandbox import image as img
+
+    if isinstance(ref, str) and ref.endswith((".sqfs", ".tar")):
+        if not os.path.isfile(ref):
+            raise ConfigError(f"image file {ref!r} does not exist (build it from its spec, or name the spec YAML)")
+        file = os.path.abspath(ref)
+    else:
+        spec = ImageSpec.load(ref) if isinstance(ref, str) else ref
+        file = img.build(spec, DEFAULTS.store or image_cache.default_store_dir())
+    return {"digest": os.path.basename(file).split(".")[0], "file": os.path.abspath(file)}
+
+
+def worker_sandbox(name: str, ref: dict, workers: int = 1, backend: str = "bwrap") -> Sandbox:
+    """The worker's half: environment `name`'s image {digest, file} from the worker spec, extracted once into
+    this node's cache (`image_cache.ensure_cached`, under a flock) and mounted by its sandbox. A file that is
+    missing here or is not that digest is refused, naming the fix."""
+    digest, file = ref.get("digest", ""), ref.get("file", "")
+    if not os.path.isfile(file):
+        raise ConfigError(f"worker image of {name!r}: {file!r} is not readable on this node; put envs.image_store "
+                          "on a filesystem every worker node mounts")
+    if not digest or os.path.basename(file).split(".")[0] != digest:
+        raise ConfigError(f"worker image of {name!r}: {file!r} is not image {digest!r} (the store was changed "
+                          "under the run); rebuild it from its spec")
+    layer = image_cache.ensure_cached(file, DEFAULTS.cache or None)  # once per node (flock); then a lookup
+    if _manifest_digest(layer.root) != digest:
+        raise ConfigError(f"worker image of {name!r}: the cached image {layer.root!r} is not {digest!r}; clear "
+                          "envs.image_cache")
+    return image_sandbox(file, workers=workers, backend=backend)
+
+
+def _manifest_digest(root: str) -> str | None:
+    import json
+
+    from envs.sandbox.image import MANIFEST
+
+    with open(os.path.join(root, MANIFEST)) as f:
+        return json.load(f).get("digest")
 
 
 def close_all() -> None:

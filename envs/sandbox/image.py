@@ -17,8 +17,10 @@ their spec string (`name=version` pins the content; a bare name takes what apt/p
 THREAT MODEL: the spec is trusted (the domain's author wrote it, or a parsed Harbor Dockerfile subset), the
 packages are trusted as the site's apt/pip sources are; the build runs package maintainer scripts never
 (`dpkg-deb -x` only unpacks) and pip's build backends of sdists (prefer wheels). The image is mounted
-read-only: a sandboxed program cannot change it for later runs. Not covered: packages are fetched without
-their dependencies (list each one the host lacks); absolute symlinks inside a package are not rewritten.
+read-only: a sandboxed program cannot change it for later runs. Dependencies the base lacks are added by
+apt's resolver (`resolve_apt`); the resolved set depends on the apt sources at build time (pin versions for
+a fixed image). Not covered: absolute symlinks inside a package are not rewritten; a dependency of a local
+.deb (`debs`, `deb_dirs`) is not resolved.
 """
 from __future__ import annotations
 
@@ -67,6 +69,11 @@ class ImageSpec:
     """Local .deb files to unpack (hashed by content)."""
     deb_dirs: list[str] = field(default_factory=lambda: ["/var/cache/apt/archives"])
     """Folders searched for `<name>_<version>_<arch>.deb` before apt-get download (offline builds)."""
+    apt_sources: list[str] = field(default_factory=list)
+    """sources.list lines (e.g. `deb [trusted=yes] file:/srv/repo ./`) used instead of the host's to resolve and
+    fetch the apt packages; [] = the host's apt sources (after its `apt-get update`)."""
+    apt_deps: bool = True
+    """Add every dependency the base lacks (apt's resolver, `apt-get install -s`); False = the listed only."""
     pip: list[str] = field(default_factory=list)
     """Pip requirements installed with `pip install --target` into /usr/local's site folder."""
     pip_find_links: list[str] = field(default_factory=list)
@@ -222,9 +229,67 @@ def default_env(root: str) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": ":".join(libs)} if libs else {}
 
 
+_INST = re.compile(r"^Inst (\S+) (\[[^\]]*\] )?\((\S+) ")
+
+
+def apt_options(spec: ImageSpec, work: str) -> list[str]:
+    """apt-get options for `spec`: [] (the host's sources), or a private apt state over `apt_sources`, updated
+    here (no root: no lock, lists and caches under `work`)."""
+    if not spec.apt_sources:
+        return []
+    state = os.path.join(work, "apt")
+    os.makedirs(os.path.join(state, "lists", "partial"), exist_ok=True)
+    with open(os.path.join(state, "sources.list"), "w") as f:
+        f.write("\n".join(spec.apt_sources) + "\n")
+    opts = ["-o", f"Dir::Etc::SourceList={state}/sources.list", "-o", "Dir::Etc::SourceParts=/nonexistent",
+            "-o", f"Dir::State::Lists={state}/lists", "-o", f"Dir::Cache={state}", "-o", "Dir::Cache::pkgcache=",
+            "-o", "Dir::Cache::srcpkgcache=", "-o", "Debug::NoLocking=1", "-o", "APT::Sandbox::User=" + _me()]
+    try:
+        r = subprocess.run(["apt-get", *opts, "-q", "update"], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ImageBuildError(f"apt_sources {spec.apt_sources}: apt-get update could not run ({e})") from None
+    if r.returncode != 0 or "Failed to fetch" in r.stderr:
+        raise ImageBuildError(f"apt_sources {spec.apt_sources}: apt-get update failed: "
+                              f"{(r.stderr or r.stdout).strip()[-300:]}; check the source lines")
+    return opts
+
+
+def _me() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return "root"
+
+
+def resolve_apt(spec: ImageSpec, opts: list[str]) -> list[str]:
+    """The apt packages of the image: each listed one (`name` or `name=version`), then each dependency that
+    the base does not have installed, as `name=version` (apt's resolver: `apt-get install -s`; upgrades of
+    packages the base has are left to the base). Packages found as local .debs are taken as they are."""
+    asked = [p for p in spec.apt if not _local_deb(spec.deb_dirs, *p.partition("=")[::2])]
+    if not (spec.apt_deps and asked):
+        return list(spec.apt)
+    what = "apt package " + " / ".join(map(repr, asked))
+    try:
+        r = subprocess.run(["apt-get", *opts, "install", "-s", "-q", "--no-install-recommends", *asked],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "LANG": "C"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ImageBuildError(f"{what}: apt's resolver could not run ({e}); put the .debs in a deb_dirs folder or "
+                              "list them under debs") from None
+    if r.returncode != 0:
+        raise ImageBuildError(f"{what}: apt's resolver failed: {r.stderr.strip()[-300:]}; check the names, "
+                              "`apt-get update`, or the spec's apt_sources")
+    names = {p.partition("=")[0] for p in spec.apt}
+    deps = [f"{m[1]}={m[3]}" for m in map(_INST.match, r.stdout.splitlines())
+            if m and not m[2] and m[1] not in names]
+    return list(spec.apt) + deps
+
+
 def _fetch_debs(spec: ImageSpec, dest: str) -> list[str]:
     out = list(spec.debs)
-    for pkg in spec.apt:
+    opts = apt_options(spec, os.path.dirname(dest))
+    for pkg in resolve_apt(spec, opts):
         name, _, version = pkg.partition("=")
         found = _local_deb(spec.deb_dirs, name, version)
         if found:
@@ -232,7 +297,8 @@ def _fetch_debs(spec: ImageSpec, dest: str) -> list[str]:
             continue
         os.makedirs(dest, exist_ok=True)
         try:
-            r = subprocess.run(["apt-get", "download", pkg], cwd=dest, capture_output=True, text=True, timeout=600)
+            r = subprocess.run(["apt-get", *opts, "download", pkg], cwd=dest, capture_output=True, text=True,
+                               timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ImageBuildError(f"apt package {pkg!r}: apt-get download failed ({e}); put its .deb in a deb_dirs "
                                   "folder or list it under debs") from None

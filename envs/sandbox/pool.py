@@ -43,6 +43,11 @@ class SandboxPool(Sandbox):
 
     name = "pool"
 
+    @property
+    def layer(self):
+        """The slots' image (all slots are built by one factory)."""
+        return self.slots[0].layer if self.slots else None
+
     def __init__(self, factory: Callable[[int], Sandbox], workers: int):
         if workers < 1:
             raise ValueError(f"SandboxPool needs workers >= 1, got {workers}")

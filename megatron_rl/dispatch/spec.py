@@ -110,6 +110,13 @@ class WorkerConfig:
     envs.domains.<d>.agent / agent_args; envs.agents); an environment not listed is played turn by turn."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
+    images: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Environment name -> its sandbox image {digest, file}: built once by the driver into the shared store
+    (`MixtureConfig.worker_images`); each node extracts it once into image_cache and mounts it."""
+    image_store: str = ""
+    """Shared-filesystem folder of built images (harbor's per-task images; '' = ~/.cache/megatron-rl/images)."""
+    image_cache: str = ""
+    """Node-local folder images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
 
     def validate(self) -> None:
         bad = {k: v for k, v in self.agents.items() if not set(v) <= {"agent", "agent_args"} or not v.get("agent")}

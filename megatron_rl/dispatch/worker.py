@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_rl.config import ConfigError
-from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
+from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerConfig, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
 from megatron_rl.tokenizer import Tokenizer, from_path
 
@@ -336,6 +336,14 @@ class BatchResult:
     (rollout server unreachable, timed out, 5xx); the dispatcher re-runs them."""
 
 
+def image_sandboxes(w: WorkerConfig, workers: int) -> dict:
+    """Environment name -> the sandbox of its image (`w.images`, extracted once per node); {} without images."""
+    from envs.sandbox import domain_images
+
+    domain_images.configure(w.image_store, w.image_cache)
+    return {name: domain_images.worker_sandbox(name, ref, workers) for name, ref in w.images.items()}
+
+
 class EpisodeRunner:
     """Runs episodes from an iterator on `threads` threads sharing one sandbox (pool) and generator."""
 
@@ -353,8 +361,9 @@ class EpisodeRunner:
         self.tok = from_path(w.tokenizer, w.vocab_size)
         self.generator = build_generator(w.generator, self.tok, w.max_tokens)
         self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
+        self.image_sandboxes = image_sandboxes(w, max(w.sandbox.workers, self.threads))
         self._make_env = lambda name: make_env(
-            name, budget=budget(name), sandbox=self.sandbox,
+            name, budget=budget(name), sandbox=self.image_sandboxes.get(name, self.sandbox),
             token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name),
             **w.agents.get(name, {}))
         self._done = 0

@@ -84,6 +84,26 @@ class Parts:
         self.monitor.close()
 
 
+def worker_config(cfg: RunConfig):
+    """What every dispatched or fleet worker runs with: sandbox, budgets, rewards, agents, tokenizer (the
+    generator's url is set at dispatch); the domains' images are built here, once, into the shared store
+    (`MixtureConfig.worker_images`)."""
+    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
+
+    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    seq = cfg.model.max_seq_length
+    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
+    return WorkerConfig(generator=gen,
+                        sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
+                        max_tokens=seq, vocab_size=cfg.model.vocab_size,
+                        tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
+                        reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()},
+                        agents={d: {"agent": c.agent, "agent_args": c.agent_args}
+                                for d, c in cfg.envs.domains.items() if c.agent},
+                        images=cfg.envs.worker_images(), image_store=cfg.envs.image_store,
+                        image_cache=cfg.envs.image_cache)
+
+
 def make_rollouts(parts: Parts, run_dir: Path):
     """The run's rollouts (`rollouts_for`)."""
     return rollouts_for(parts.cfg, parts.ctx, parts.engine, parts.runner, parts.tok, parts.prompt_fn, run_dir)
@@ -107,22 +127,6 @@ def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: P
                                       server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer)
     return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg),
                             Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length)
-
-
-def worker_config(cfg: RunConfig):
-    """What every dispatched or fleet worker of the run is told: sandbox, budgets, rewards, agents, tokenizer."""
-    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
-
-    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
-    seq = cfg.model.max_seq_length
-    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
-    return WorkerConfig(generator=gen,
-                          sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
-                          max_tokens=seq, vocab_size=cfg.model.vocab_size,
-                          tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
-                          reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()},
-                          agents={d: {"agent": c.agent, "agent_args": c.agent_args}
-                                  for d, c in cfg.envs.domains.items() if c.agent})
 
 
 def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
