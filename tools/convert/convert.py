@@ -122,6 +122,12 @@ def ckpt_dtype(ckpt: Path) -> str:
     return counts.most_common(1)[0][0]
 
 
+def _has_mtp(ckpt: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    return any(k.startswith("mtp.") for k in dist_checkpointing.load_tensors_metadata(str(ckpt)))
+
+
 def source_config(ckpt: Path, fallback: dict) -> dict:
     """The HF config.json the checkpoint was converted from (its META), else `fallback`."""
     meta = ckpt / META
@@ -143,6 +149,7 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
     """Write canonical tensors as HF tensors, in the config's dtype (`dtype`) when it names one."""
     rules = {**arch.global_rules(hf), **_layer_rules_for(arch, hf, tensors)}
     dtype = getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or ""), None)
+    copies = arch.shared_copies(hf)
     for name, t in tensors.items():
         if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
             continue
@@ -151,6 +158,8 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
         keep = name.endswith(_FP32_TENSORS)  # fp32 in Megatron and in the source checkpoints: never rounded
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
             writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) and not keep else part)
+        for hf_name in copies.get(name, ()):  # e.g. DeepSeek-V3's MTP embed_tokens / shared_head.head
+            writer.add(hf_name, (t.to(dtype) if isinstance(dtype, torch.dtype) else t).clone())
 
 
 _FP32_TENSORS = (".router.expert_bias",)
@@ -179,7 +188,7 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
-    if hf.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers were dropped on import: none written
+    if hf.get("num_nextn_predict_layers") and not _has_mtp(ckpt_p):  # converted before MTP was: none written
         hf["num_nextn_predict_layers"] = 0
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
@@ -195,7 +204,8 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         if verify:
             from tools.convert import verify as V
 
-            report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol)
+            copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
+            report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol, copies)
             report["verify"]["config"] = V.check_written_config(
                 tmp / "config.json", {**source_config(ckpt_p, hf), "dtype": hf["dtype"], "torch_dtype": hf["dtype"]})
     return report
