@@ -8,6 +8,7 @@ the feature differ (so a converter ignoring it would fail).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -406,6 +407,7 @@ def hf_mtp_logits(hf: Path, toks: torch.Tensor) -> torch.Tensor:
         return norm(y, own["shared_head.norm.weight"]) @ own["shared_head.head.weight"].T
 
 
+@pytest.mark.slow
 def test_deepseek_v3_mtp_layers_round_trip_bit_exact(tmp_path, capsys):
     """num_nextn_predict_layers=1: imported into Megatron's MTP block and written back, every tensor bitwise
     (the MTP layer's and its embed/head copies too); the main logits stay exact (transformers ignores MTP)."""
@@ -415,7 +417,6 @@ def test_deepseek_v3_mtp_layers_round_trip_bit_exact(tmp_path, capsys):
     assert [k for k in hf_tensors(tmp_path / "hf2") if k.startswith("model.layers.3.")]
 
 
-@pytest.mark.slow
 def test_deepseek_v3_mtp_layer_from_hf_predicts_as_deepseek_defines_it(tmp_path):
     """model.init=hf:DIR with an MTP layer: the trainer's model gets model.mtp_num_layers=1 and its MTP logits
     equal DeepSeek-V3's definition computed with transformers' decoder layer from the HF tensors. A folder whose
@@ -483,3 +484,30 @@ def test_deepseek_v3_bf16_with_the_original_config_keys(tmp_path, capsys):
     bias = [k for k in x if k.endswith("e_score_correction_bias")]
     assert bias and all(y[k].dtype == torch.float32 and torch.equal(y[k], x[k].float()) for k in bias)
     assert all(y[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x if k not in bias)
+
+
+def test_random_models_export_as_the_architecture_that_describes_them():
+    """`megatron-rl export` of a random-weights run writes the first architecture whose config.json reads back
+    to the same model (it wrote Llama for every model: an MoE's export then failed, "lacks tensor
+    decoder.layers.mlp.linear_fc1.weight"); a model no architecture describes is refused up front, by
+    `megatron-rl train`'s config check, naming export.enabled."""
+    from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.models.gpt import ModelConfig, MoEConfig
+    from megatron_rl.run_config import RunConfig
+    from tools.convert.arch import describe
+    from tools.convert.arch.base import ConvertError
+
+    moe = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32)
+    assert describe(ModelConfig())[0].name == "llama"
+    arch, hf = describe(ModelConfig(moe=moe))
+    assert arch.name == "mixtral" and hf["num_local_experts"] == 8 and hf["intermediate_size"] == 32
+    mixed = dataclasses.replace(moe, layer_pattern=[1, 0], router_pre_softmax=True)
+    assert describe(ModelConfig(qk_layernorm=True, moe=mixed))[0].name == "qwen3_moe"
+    with pytest.raises(ConvertError, match="no HF architecture describes this model exactly"):
+        describe(ModelConfig(moe=mixed))
+    base = {"curriculum": {"enabled": False}, "train": {"steps": 0}, "data": {"domain": "countdown"}}
+    model = {"moe": {"num_experts": 8, "topk": 2, "layer_pattern": [1, 0]}}
+    with pytest.raises(ConfigError, match="export.enabled=true, but the run's random model cannot be written"):
+        from_dict(RunConfig, {**base, "model": model}).validate()
+    from_dict(RunConfig, {**base, "model": model, "export": {"enabled": False}}).validate()
+    from_dict(RunConfig, {**base, "model": {"moe": {"num_experts": 8, "topk": 2}}}).validate()

@@ -232,7 +232,6 @@ def _mtp_trainer(policy, coeff: float, impl: str = "fused"):
                                       logprob_impl=impl, mtp_loss_coeff=coeff))
 
 
-@pytest.mark.slow
 def test_mtp_layers_leave_the_main_logits_unchanged(ctx):
     """model.mtp_num_layers=1 builds Megatron's MTP block (eh_proj, norms, an MoE layer like the last); the
     forward's logits are those of the same model without it; under emit_mtp the depth's logits follow."""
