@@ -115,7 +115,8 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         if verify:
             from tools.convert import verify as V
 
-            report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol)
+            copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
+            report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol, copies)
     return report
 
 
