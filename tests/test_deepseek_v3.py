@@ -204,7 +204,7 @@ def test_train_config_with_an_mla_model_it_cannot_serve_is_refused_before_any_ra
 
     argv = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24", "model.mla.qk_head_dim=8",
             "model.mla.qk_pos_emb_head_dim=4", "model.mla.v_head_dim=8", "data.domain=arithmetic",
-            "curriculum.enabled=false", "launch.nproc_per_node=1", "train.steps=0"]
+            "curriculum.enabled=false", "launch.nproc_per_node=1", "train.steps=0", "export.enabled=false"]
     assert C.load(RunConfig, None, argv).model.mla.enabled  # served: accepted
     with pytest.raises(ConfigError, match="local layer spec only"):
         C.load(RunConfig, None, [*argv, "model.transformer_impl=transformer_engine"])

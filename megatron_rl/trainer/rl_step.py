@@ -48,6 +48,13 @@ the training forward with 'everywhere' (else it routes by itself and only compar
 the share of (token, MoE layer) pairs of the first epoch's training forward whose own top-k set differs from
 the engine's (None when the batch has no routes).
 
+Multi-token prediction (a model with `mtp_num_layers` > 0, models/mtp.py): the log-probs and the RL loss use the
+main head only. With `mtp_loss_coeff` > 0 the training forward also returns each MTP depth's output; depth k's
+NLL of labels[t + k] (a model token of the same sample: the policy's own later sampled tokens) is summed, divided
+by the global count of such targets and added, times the coefficient, to the loss. The MTP layers read detached
+trunk states, embedding and output weight, so this trains the MTP layers only (a draft head that keeps up with the
+policy) and leaves the policy gradient exactly the RL loss's. `mtp_loss` in the metrics is its mean NLL.
+
 Critic (PPO with GAE: `critic` config, built by default exactly when advantage.name is 'gae'): a value model
 (`trainer.critic.ValueModel`: the policy's architecture and layout with a scalar head, its own optimizer and
 schedule). Its forward-only values V(s_t) [1, S] are gathered like the KL above into the global batch's
