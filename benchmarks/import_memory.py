@@ -3,10 +3,13 @@ measured in the same run: the same conversion as it was before (tensors read thr
 memory-mapped, into a model built with Megatron's random CPU initialisation), reproduced here by swapping the
 reader and the build back in (`--child mmap_init`).
 
-Each side runs in a fresh child process; its peak RSS (VmHWM) is reset after the imports (/proc/self/clear_refs,
-5) and read at the end, so the figures count the conversion's own memory above the interpreter + torch +
-Megatron-Core (printed as base_mb). The import reads each safetensors tensor with a positioned read (no memory
-map) into a model built without random initialisation, then saves with dist_checkpointing.
+Each side runs in a fresh child process; its peak RSS (VmHWM) is reset after the imports of the modules the
+conversion uses and the start of its (one-rank) process group (/proc/self/clear_refs, 5) and read at the end, so
+the figures count the conversion's own memory above the interpreter + torch + Megatron-Core (printed as base_mb).
+The import reads each safetensors tensor with a positioned read (no memory
+map) into a model built without random initialisation, then saves with dist_checkpointing, the views among the
+saved tensors (fc1's GLU halves) cloned one parameter at a time, that parameter's memory released
+(`convert.releasing_state_dict`; Megatron's writer would clone them all at once).
 
     .venv/bin/python benchmarks/import_memory.py [--hf models/SmolLM2-135M-Instruct]
 
@@ -65,8 +68,15 @@ def _previous_path() -> None:
 
 
 def _child(side: str, hf: str, out: str) -> None:
-    from tools.convert.convert import hf_to_mcore  # imports before the reset: the base
+    # imports and the process group before the reset: the base (code, not the conversion's memory)
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
+    from tools.convert import runtime
+    from tools.convert.convert import hf_to_mcore
+
+    runtime.start()
     if side == "mmap_init":
         _previous_path()
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS

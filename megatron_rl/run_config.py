@@ -191,6 +191,20 @@ class RunConfig:
                               f"run's tokenizer has none; use an HF model folder with a chat template "
                               f"(model.init: hf:DIR) or drop the agent")
 
+    def _check_export(self) -> None:
+        """The end-of-run HF export of a random model needs an HF architecture that describes it."""
+        if not self.export.enabled or self.model.init:
+            return
+        from tools.convert.arch import describe
+        from tools.convert.arch.base import ConvertError
+
+        try:
+            describe(self.model, {"layernorm_epsilon": self.model.norm_epsilon, "kv_channels": self.model.head_dim})
+        except ConvertError as e:
+            raise ConfigError(f"export.enabled=true, but the run's random model cannot be written as an HF folder: "
+                              f"{e}; set export.enabled=false or give the model a shape an HF architecture has "
+                              f"(e.g. every layer MoE: Mixtral)") from None
+
     def _check_routing_replay(self) -> None:
         """rl.trainer.routing_replay needs routes recorded by the in-process engine of an MoE policy."""
         mode = self.rl.trainer.routing_replay
@@ -239,6 +253,7 @@ class RunConfig:
             raise ConfigError(f"episodes.server=separate sends the whole model from rank 0's engine and needs "
                               f"parallel.tp=1 (got tp={self.parallel.tp}); use episodes.server=colocated")
         self._check_routing_replay()
+        self._check_export()
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")

@@ -8,6 +8,7 @@ the feature differ (so a converter ignoring it would fail).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -352,29 +353,101 @@ def test_kimi_k2_variant(tmp_path, capsys):
     assert json.loads((tmp_path / "hf3" / "config.json").read_text())["model_type"] == "deepseek_v3"
 
 
-def _add_mtp_layer(hf: Path, layer: int) -> None:
-    """DeepSeek-V3's multi-token-prediction module: tensors of layer `layer` = num_hidden_layers."""
+def add_mtp_layer(hf: Path, seed: int = 1) -> Path:
+    """DeepSeek-V3's multi-token-prediction module as its checkpoints store it (transformers writes none): layer
+    n = num_hidden_layers holds enorm, hnorm, eh_proj, shared_head.norm, a full decoder layer (here layer n-1's
+    tensors, perturbed) and copies of embed_tokens and lm_head; config.json says num_nextn_predict_layers: 1."""
     from safetensors.torch import save_file
 
-    names = [f"model.layers.{layer}.{n}" for n in ("eh_proj.weight", "enorm.weight", "self_attn.kv_b_proj.weight")]
-    save_file({n: torch.randn(4, 4) for n in names}, str(hf / "mtp.safetensors"))
-    index = json.loads((hf / "model.safetensors.index.json").read_text())
-    index["weight_map"].update(dict.fromkeys(names, "mtp.safetensors"))
-    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def test_deepseek_v3_mtp_layers_are_dropped_on_import(tmp_path, capsys):
-    hf = make_hf_model("deepseek_v3", tmp_path / "hf")
-    _add_mtp_layer(hf, 3)
-    err = run_err(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "x")], capsys)
-    assert "unexpected tensor 'model.layers.3." in err  # without num_nextn_predict_layers: not ours to drop
     cfg = json.loads((hf / "config.json").read_text())
+    n, h, src = cfg["num_hidden_layers"], cfg["hidden_size"], hf_tensors(hf)
+    g = torch.Generator().manual_seed(seed)
+    new = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v + 0.05 * torch.randn(v.shape, generator=g)
+           for k, v in src.items() if k.startswith(f"model.layers.{n - 1}.")}
+    p = f"model.layers.{n}."
+    new.update({p + k: 1 + 0.1 * torch.randn(h, generator=g) for k in ("enorm.weight", "hnorm.weight",
+                                                                         "shared_head.norm.weight")})
+    new[p + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    new[p + "embed_tokens.weight"] = src["model.embed_tokens.weight"].clone()
+    new[p + "shared_head.head.weight"] = src["lm_head.weight"].clone()
+    save_file(new, str(hf / "mtp.safetensors"))
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(new, "mtp.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     (hf / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    rep = run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc"), "--verify"], capsys)
-    assert rep["verify"]["max_abs_logit_diff"] <= TOL
-    rep = run_ok(["mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out", str(tmp_path / "hf2"), "--verify"], capsys)
-    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
-    assert not [k for k in hf_tensors(tmp_path / "hf2") if k.startswith("model.layers.3.")]  # the export has none
+    return hf
+
+
+def hf_mtp_logits(hf: Path, toks: torch.Tensor) -> torch.Tensor:
+    """Depth-1 MTP logits [1, s-1, V] computed the way DeepSeek-V3 defines them, from the HF tensors with
+    transformers' own decoder layer: lm_head(norm(layer(eh_proj([enorm(emb(x_t+1)); hnorm(h_t)]))))."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from tools.convert.verify import load_hf
+
+    model = load_hf(hf)[0].eval()
+    n, t, s = model.config.num_hidden_layers, hf_tensors(hf), toks.shape[1]
+    p = f"model.layers.{n}."
+
+    def norm(x, w):  # DeepSeek's RMSNorm
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps))
+
+    layer = DeepseekV3DecoderLayer(model.config, layer_idx=n).eval()
+    own = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
+    missing, _ = layer.load_state_dict(own, strict=False)
+    assert missing == [], missing
+    with torch.no_grad():
+        h = model.model(toks).last_hidden_state[:, :-1]  # [1, s-1, H] after the final norm
+        e = model.model.embed_tokens(toks[:, 1:])  # [1, s-1, H]: the next token's embedding
+        x = torch.cat([norm(e, own["enorm.weight"]), norm(h, own["hnorm.weight"])], -1) @ own["eh_proj.weight"].T
+        pos = torch.arange(s - 1)[None]
+        mask = torch.full((s - 1, s - 1), float("-inf")).triu(1)[None, None]  # [1, 1, s-1, s-1] causal
+        y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        return norm(y, own["shared_head.norm.weight"]) @ own["shared_head.head.weight"].T
+
+
+@pytest.mark.slow
+def test_deepseek_v3_mtp_layers_round_trip_bit_exact(tmp_path, capsys):
+    """num_nextn_predict_layers=1: imported into Megatron's MTP block and written back, every tensor bitwise
+    (the MTP layer's and its embed/head copies too); the main logits stay exact (transformers ignores MTP)."""
+    hf = add_mtp_layer(make_hf_model("deepseek_v3", tmp_path / "hf"))
+    _, cfg = convert_both_ways(hf, tmp_path, capsys)
+    assert cfg["num_nextn_predict_layers"] == 1
+    assert [k for k in hf_tensors(tmp_path / "hf2") if k.startswith("model.layers.3.")]
+
+
+def test_deepseek_v3_mtp_layer_from_hf_predicts_as_deepseek_defines_it(tmp_path):
+    """model.init=hf:DIR with an MTP layer: the trainer's model gets model.mtp_num_layers=1 and its MTP logits
+    equal DeepSeek-V3's definition computed with transformers' decoder layer from the HF tensors. A folder whose
+    config.json declares MTP but holds no MTP tensors (saved by transformers) loads without them."""
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.models.gpt import ModelConfig, build_gpt
+    from megatron_rl.models.mtp import emit_mtp, split
+    from megatron_rl.models.source import initializer
+    from tools.convert.runtime import start
+
+    ctx = start()
+    plain = make_hf_model("deepseek_v3", tmp_path / "plain")
+    (plain / "config.json").write_text(json.dumps({**json.loads((plain / "config.json").read_text()),
+                                                   "num_nextn_predict_layers": 1}))
+    assert ModelConfig(init=f"hf:{plain}", max_seq_length=64).validate() is None
+    cfg = ModelConfig(init=f"hf:{plain}", max_seq_length=64)
+    cfg.validate()
+    assert cfg.mtp_num_layers == 0
+    hf = add_mtp_layer(make_hf_model("deepseek_v3", tmp_path / "hf"))
+    cfg = ModelConfig(init=f"hf:{hf}", max_seq_length=64)
+    cfg.validate()
+    assert cfg.mtp_num_layers == 1
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = build_gpt(cfg, ctx.parallel, ctx.pgs).eval()
+    initializer(cfg)(model)
+    toks = torch.randint(cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), emit_mtp(model):
+        _, (depth,) = split(model(toks, torch.arange(24)[None], None), 24, 1)  # [1, 24, V]
+    ref = hf_mtp_logits(hf, toks)
+    assert ref.std() > 0.1 and (depth[:, :-1] - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("change, words", [
@@ -411,3 +484,30 @@ def test_deepseek_v3_bf16_with_the_original_config_keys(tmp_path, capsys):
     bias = [k for k in x if k.endswith("e_score_correction_bias")]
     assert bias and all(y[k].dtype == torch.float32 and torch.equal(y[k], x[k].float()) for k in bias)
     assert all(y[k].dtype == torch.bfloat16 and torch.equal(x[k], y[k]) for k in x if k not in bias)
+
+
+def test_random_models_export_as_the_architecture_that_describes_them():
+    """`megatron-rl export` of a random-weights run writes the first architecture whose config.json reads back
+    to the same model (it wrote Llama for every model: an MoE's export then failed, "lacks tensor
+    decoder.layers.mlp.linear_fc1.weight"); a model no architecture describes is refused up front, by
+    `megatron-rl train`'s config check, naming export.enabled."""
+    from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.models.gpt import ModelConfig, MoEConfig
+    from megatron_rl.run_config import RunConfig
+    from tools.convert.arch import describe
+    from tools.convert.arch.base import ConvertError
+
+    moe = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32)
+    assert describe(ModelConfig())[0].name == "llama"
+    arch, hf = describe(ModelConfig(moe=moe))
+    assert arch.name == "mixtral" and hf["num_local_experts"] == 8 and hf["intermediate_size"] == 32
+    mixed = dataclasses.replace(moe, layer_pattern=[1, 0], router_pre_softmax=True)
+    assert describe(ModelConfig(qk_layernorm=True, moe=mixed))[0].name == "qwen3_moe"
+    with pytest.raises(ConvertError, match="no HF architecture describes this model exactly"):
+        describe(ModelConfig(moe=mixed))
+    base = {"curriculum": {"enabled": False}, "train": {"steps": 0}, "data": {"domain": "countdown"}}
+    model = {"moe": {"num_experts": 8, "topk": 2, "layer_pattern": [1, 0]}}
+    with pytest.raises(ConfigError, match="export.enabled=true, but the run's random model cannot be written"):
+        from_dict(RunConfig, {**base, "model": model}).validate()
+    from_dict(RunConfig, {**base, "model": model, "export": {"enabled": False}}).validate()
+    from_dict(RunConfig, {**base, "model": {"moe": {"num_experts": 8, "topk": 2}}}).validate()

@@ -204,7 +204,73 @@ def test_train_config_with_an_mla_model_it_cannot_serve_is_refused_before_any_ra
 
     argv = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=24", "model.mla.qk_head_dim=8",
             "model.mla.qk_pos_emb_head_dim=4", "model.mla.v_head_dim=8", "data.domain=arithmetic",
-            "curriculum.enabled=false", "launch.nproc_per_node=1", "train.steps=0"]
+            "curriculum.enabled=false", "launch.nproc_per_node=1", "train.steps=0", "export.enabled=false"]
     assert C.load(RunConfig, None, argv).model.mla.enabled  # served: accepted
     with pytest.raises(ConfigError, match="local layer spec only"):
         C.load(RunConfig, None, [*argv, "model.transformer_impl=transformer_engine"])
+
+
+# ------------------------------------------------------------------------------ multi-token prediction
+def _mtp_policy(ctx):
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.trainer.policy import OptimConfig, Policy
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return Policy(dataclasses.replace(tiny_dsv3(), mtp_num_layers=1),
+                  OptimConfig(lr=1e-2, distributed_optimizer=False), ctx, total_steps=8,
+                  init=lambda m: init_weights_by_name(m, 1234))
+
+
+def _mtp_trainer(policy, coeff: float, impl: str = "fused"):
+    from megatron_rl.rl.config import LossConfig
+    from megatron_rl.trainer.packing import PackingConfig
+    from megatron_rl.trainer.rl_step import RLConfig, RLTrainer
+
+    return RLTrainer(policy, RLConfig(loss=LossConfig(name="grpo"), packing=PackingConfig(max_tokens=48),
+                                      logprob_impl=impl, mtp_loss_coeff=coeff))
+
+
+def test_mtp_layers_leave_the_main_logits_unchanged(ctx):
+    """model.mtp_num_layers=1 builds Megatron's MTP block (eh_proj, norms, an MoE layer like the last); the
+    forward's logits are those of the same model without it; under emit_mtp the depth's logits follow."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    from megatron_rl.models.mtp import emit_mtp, split
+
+    plain, model = build(tiny_dsv3(), ctx), build(dataclasses.replace(tiny_dsv3(), mtp_num_layers=1), ctx)
+    assert isinstance(model.mtp, MultiTokenPredictionBlock) and len(model.mtp.layers) == 1
+    assert hasattr(model.mtp.layers[0].transformer_layer.mlp, "router")  # DeepSeek-V3's MTP layer is MoE
+    torch.testing.assert_close(logits(model, ctx), logits(plain, ctx), rtol=0, atol=0)
+    toks = torch.randint(128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), emit_mtp(model):
+        main, (depth,) = split(model(toks, torch.arange(40)[None], None), 40, 1)  # each [1, 40, V]
+    torch.testing.assert_close(main, plain(toks, torch.arange(40)[None], None), rtol=0, atol=0)
+    assert (depth - main).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["fused", "logits"])
+def test_mtp_loss_trains_the_mtp_layers_only(impl, ctx):
+    """rl.trainer.mtp_loss_coeff > 0: the MTP layers get gradients; every other gradient equals the coeff=0 run
+    (the MTP loss reads detached trunk states: the policy gradient is the RL loss's alone)."""
+    from tests.test_trainer import make_batch
+
+    policy = _mtp_policy(ctx)
+    grads = {c: _mtp_trainer(policy, c, impl).compute_gradients(make_batch())[1] for c in (0.0, 0.5)}
+    mtp = [n for n in grads[0.5] if ".mtp." in n or n.startswith("mtp.")]
+    assert mtp and all(grads[0.0][n].abs().max() == 0 for n in mtp)
+    assert sum(grads[0.5][n].abs().max() > 0 for n in mtp) >= len(mtp) - 8  # (experts no token chose: none)
+    for n, g in grads[0.5].items():
+        if n not in mtp:
+            torch.testing.assert_close(g, grads[0.0][n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.slow
+def test_mtp_loss_is_logged_and_falls_over_rl_steps(ctx):
+    from tests.test_trainer import make_batch
+
+    trainer = _mtp_trainer(_mtp_policy(ctx), 1.0)
+    losses = [trainer.step(make_batch())["mtp_loss"] for _ in range(4)]
+    assert losses[0] > 1.0 and losses[-1] < losses[0] - 0.05, losses
+    assert "mtp_loss" not in _mtp_trainer(_mtp_policy(ctx), 0.0).step(make_batch())

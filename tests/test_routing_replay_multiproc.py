@@ -6,7 +6,7 @@ nothing in generation): routing_replay=off and =everywhere. bf16 rounding flips 
 choices against the fp32 trainer's; a flipped expert changes the whole token's hidden state, so those tokens
 dominate the train/rollout mismatch. A sharper random model (model.init_std=0.3) makes the log-probs
 sensitive enough to see it in one step of 8 short samples. Measured here: mismatch_kl 0.0203 (off) vs 0.0040
-(everywhere), routing_mismatch_frac 0.0047.
+(everywhere), routing_mismatch_frac 0.0047. Each run ends by exporting the policy as an HF (Mixtral) folder.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ EXE = str(Path(sys.executable).parent / "megatron-rl")
 
 def _start(out: Path, mode: str) -> subprocess.Popen:
     args = [EXE, "train", "configs/moe_replay_cpu.yaml", f"output_dir={out}", "rl.steps=1", "model.init_std=0.3",
-            f"rl.trainer.routing_replay={mode}"]
+            f"rl.trainer.routing_replay={mode}", "export.verify=true"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -58,6 +58,11 @@ def test_train_routing_replay_records_stores_and_lowers_the_mismatch(tmp_path):
     assert on["routing_mismatch_frac"] > 0 and off.get("routing_mismatch_frac") is None
     # ... and replaying the engine's choice removes most of the mismatch that caused
     assert off["mismatch_kl"] > 1e-3 and on["mismatch_kl"] < 0.5 * off["mismatch_kl"], (off, on)
+    # the random MoE policy is exported as the architecture that describes it (every layer MoE: Mixtral), and
+    # export.verify compared its transformers logits with the policy's (it used to fail: a Llama config)
+    for run in runs.values():
+        (folder,) = (run / "export").glob("hf-step-*")
+        assert json.loads((folder / "config.json").read_text())["model_type"] == "mixtral"
 
 
 @pytest.mark.slow

@@ -72,6 +72,7 @@ def test_world2_kl_in_reward_matches_one_process():
 def test_world2_deepseek_v3_layouts_match_one_process():
     """DeepSeek-V3 in miniature (MLA with YaRN, first layer dense, sigmoid router with expert bias, grouped
     top-k, routed scaling, shared expert) at TP=2 + SP, EP=2 and PP=2, and its attention alone at TP=2 without
-    SP (the shared RoPE key's gradient summed over TP ranks): three GRPO steps equal to the one-process run."""
-    names = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla"]
+    SP (the shared RoPE key's gradient summed over TP ranks), and with an MTP layer and its loss at TP=2 + SP: three
+    GRPO steps equal to the one-process run (the MTP weights and mtp_loss included)."""
+    names = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla", "tp2_sp_mtp"]
     _check_layouts(torchrun(SCRIPT, 2, ["--layouts", ",".join(names)], timeout=500), names)

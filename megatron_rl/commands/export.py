@@ -2,9 +2,10 @@
 
 Reads the run's checkpoint (the latest, or RL step N) and writes safetensors, config.json (the architecture
 of the run's model: the model.init checkpoint's own config.json with the policy's dtype; or, for a model made
-from random weights, a Llama config of its shape), the tokenizer files of the run's tokenizer and a
-generation_config.json whose eos ids are the tokenizer's stop ids. Only the policy's weights are read (the
-optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
+from random weights, the first architecture whose config.json describes it exactly: Llama for a plain dense one,
+Mixtral for an MoE with every layer MoE, ...; `tools.convert.arch.describe`), the tokenizer files of the run's
+tokenizer and a generation_config.json whose eos ids are the tokenizer's stop ids. Only the policy's weights are
+read (the optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
 (default: <run>/export/hf-step-N). `--verify` loads it with transformers' `from_pretrained` and checks that
 every tensor is accounted for and that its logits equal the Megatron policy's on the checkpoint.
 """
@@ -60,13 +61,12 @@ def default_out(run_dir: Path, ckpt: Path) -> Path:
 def hf_config_of(cfg) -> tuple[dict, str]:
     """(config.json of the exported folder, tokenizer folder or '') for a run config."""
     from megatron_rl.models import source
-    from tools.convert.arch import by_name
+    from tools.convert.arch import describe
 
     if cfg.model.init:
         hf = dict(source.hf_config(cfg.model.init))
-    else:
-        hf = by_name("llama").hf_config(cfg.model, {"layernorm_epsilon": cfg.model.norm_epsilon,
-                                                     "kv_channels": cfg.model.head_dim})
+    else:  # the first architecture that describes the random model exactly (Llama for a plain dense one)
+        hf = describe(cfg.model, {"layernorm_epsilon": cfg.model.norm_epsilon, "kv_channels": cfg.model.head_dim})[1]
     hf.pop("torch_dtype", None)
     hf["dtype"] = hf["torch_dtype"] = _DTYPE[cfg.model.params_dtype]
     return hf, cfg.tokenizer.resolved_path(cfg.model)
@@ -115,7 +115,8 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         if verify:
             from tools.convert import verify as V
 
-            report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol)
+            copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
+            report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol, copies)
     return report
 
 

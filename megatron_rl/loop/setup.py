@@ -272,7 +272,7 @@ class Clock:
 
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
               "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac", "value_loss",
-              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm")
+              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss")
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:

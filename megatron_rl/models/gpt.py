@@ -238,6 +238,8 @@ class ModelConfig:
     """Mixture-of-experts settings."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-latent attention (DeepSeek-V3, Kimi-K2); off unless mla.kv_lora_rank > 0."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction depth (DeepSeek-V3's num_nextn_predict_layers: 1); 0: none (models/mtp.py)."""
 
     def validate(self) -> None:
         if self.init:
@@ -260,12 +262,18 @@ class ModelConfig:
         if self.fp8 != "none" and self.transformer_impl != "transformer_engine":
             raise ConfigError("model.fp8 needs model.transformer_impl=transformer_engine (FP8 runs through TE)")
         self.mla.check_model(self)
+        if self.mtp_num_layers < 0:
+            raise ConfigError(f"model.mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                              num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
         if self.mla.enabled:
             _check_mla_parallel(self.mla, parallel)
+        if self.mtp_num_layers and (parallel.pp > 1 or parallel.cp > 1):
+            raise ConfigError(f"model.mtp_num_layers={self.mtp_num_layers} with parallel.pp={parallel.pp}, "
+                              f"cp={parallel.cp}: the multi-token-prediction layers are supported at pp=1 and cp=1 "
+                              f"only (they need the embedding on the last stage, and whole samples)")
 
     def check_training(self, parallel: ParallelConfig) -> None:
         """Layouts Megatron-Core trains only with extra settings (serving them is fine)."""
@@ -310,6 +318,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: di
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         window_size=(cfg.sliding_window - 1, 0) if cfg.sliding_window else None,
         window_attn_skip_freq=list(cfg.sliding_window_layers) if cfg.sliding_window_layers is not None else None,
+        mtp_num_layers=cfg.mtp_num_layers or None,
     )
     if moe.num_experts:
         kw.update(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
@@ -458,14 +467,18 @@ def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_proce
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_rl.models.mtp import mtp_block_spec, mtp_model_class
+
     cfg.check_parallel(parallel)
     tcfg = transformer_config(cfg, parallel, config_overrides)
     pp_rank = None
     if cfg.moe.layer_pattern is not None:  # the block spec slices this stage's layers
         pp_rank = pgs.pp.rank() if getattr(pgs, "pp", None) is not None else \
             parallel_state.get_pipeline_model_parallel_rank()
-    model = GPTModel(
-        config=tcfg, transformer_layer_spec=layer_spec(cfg, parallel.cp, tcfg, vp_stage=vp_stage, pp_rank=pp_rank),
+    spec = layer_spec(cfg, parallel.cp, tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
+    mtp = mtp_block_spec(tcfg, spec, cfg.transformer_impl == "transformer_engine", vp_stage) if post_process else None
+    model = (mtp_model_class() if mtp is not None else GPTModel)(
+        config=tcfg, transformer_layer_spec=spec, mtp_block_spec=mtp,
         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_length, pre_process=pre_process,
         post_process=post_process, parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
         rotary_base=cfg.rotary_base, pg_collection=pgs, vp_stage=vp_stage, **rope_kwargs(cfg))

@@ -29,7 +29,7 @@ KINDS = ("hf", "mcore")
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
                "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
                "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
-               "position_embedding", "moe", "mla")
+               "position_embedding", "moe", "mla", "mtp_num_layers")
 META = "megatron_rl_convert.json"
 
 
@@ -53,7 +53,13 @@ def hf_config(init: str) -> dict:
         f = folder / "config.json"
         if not f.is_file():
             raise ConfigError(f"model.init={init!r}: {f} not found; an HF model folder needs config.json")
-        return json.loads(f.read_text())
+        from tools.convert.arch.base import ConvertError
+        from tools.convert.hf_io import HFReader
+
+        try:
+            return HFReader(folder).config  # as its weights have it (DeepSeek-V3 MTP layers saved or not)
+        except ConvertError:
+            return json.loads(f.read_text())  # no weights: _check_tensors names the problem
     f = folder / META
     if not (folder / "metadata.json").is_file() or not f.is_file():
         raise ConfigError(f"model.init={init!r}: {folder} is not a `megatron-rl convert hf-to-mcore` checkpoint "

@@ -15,6 +15,7 @@ import torch
 from megatron_rl.config import ConfigError
 from megatron_rl.distributed import DistContext
 from megatron_rl.models.gpt import ModelConfig, build_gpt, transformer_config
+from megatron_rl.models.mtp import emit_mtp
 from megatron_rl.trainer.output_head import HeadOutput, emit_hidden, install_hidden_head
 
 
@@ -256,7 +257,7 @@ def _forward_step(loss_fn: LossFn, transformer_impl: str, hidden: bool, tp_group
     replays = _replaying(model, batch, tp_group)  # MoE routing replay of the engine's experts (or a comparison)
     # output: [b, s, V/tp] logits on the last stage ([b, s, h] final hidden states with `hidden`), hidden
     # states [s, b, h] on the other stages
-    with emit_hidden(model, hidden) as head:
+    with emit_hidden(model, hidden) as head, emit_mtp(model, bool(batch.get("emit_mtp"))):
         output = model(batch["tokens"], batch["position_ids"], mask, packed_seq_params=packed)
     clear(replays)  # the backward does not route again (no activation recompute here)
     weight = head.weight_used if head is not None else None

@@ -48,6 +48,13 @@ the training forward with 'everywhere' (else it routes by itself and only compar
 the share of (token, MoE layer) pairs of the first epoch's training forward whose own top-k set differs from
 the engine's (None when the batch has no routes).
 
+Multi-token prediction (a model with `mtp_num_layers` > 0, models/mtp.py): the log-probs and the RL loss use the
+main head only. With `mtp_loss_coeff` > 0 the training forward also returns each MTP depth's output; depth k's
+NLL of labels[t + k] (a model token of the same sample: the policy's own later sampled tokens) is summed, divided
+by the global count of such targets and added, times the coefficient, to the loss. The MTP layers read detached
+trunk states, embedding and output weight, so this trains the MTP layers only (a draft head that keeps up with the
+policy) and leaves the policy gradient exactly the RL loss's. `mtp_loss` in the metrics is its mean NLL.
+
 Critic (PPO with GAE: `critic` config, built by default exactly when advantage.name is 'gae'): a value model
 (`trainer.critic.ValueModel`: the policy's architecture and layout with a scalar head, its own optimizer and
 schedule). Its forward-only values V(s_t) [1, S] are gathered like the KL above into the global batch's
@@ -69,6 +76,7 @@ import torch
 
 from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
+from megatron_rl.models import mtp
 from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
 from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
@@ -116,6 +124,10 @@ class RLConfig:
     """MoE routing replay (R3) of the experts the rollout engine chose (recorded when this is not off, stored
     in the shards): off; logprobs: the forward-only log-prob passes (recomputed old log-probs, the reference)
     replay them; everywhere: the training forward (loss and gradients) too. Needs an MoE model."""
+    mtp_loss_coeff: float = 0.1
+    """Weight of the multi-token-prediction loss (a model with model.mtp_num_layers > 0): the MTP layers' NLL of
+    the policy's own sampled tokens, trained on detached trunk states (the policy gradient is unchanged); 0: the
+    MTP layers are not run in training and keep their weights."""
 
     def _validate_critic(self) -> None:
         if self.advantage.name == "gae" and not self.critic.active("gae"):
@@ -144,6 +156,8 @@ class RLConfig:
             raise ConfigError(f"rl.logprob_chunk_size must be >= 0, got {self.logprob_chunk_size}")
         if self.epochs < 1:
             raise ConfigError(f"rl.epochs must be >= 1, got {self.epochs}")
+        if not self.mtp_loss_coeff >= 0:
+            raise ConfigError(f"rl.trainer.mtp_loss_coeff must be >= 0, got {self.mtp_loss_coeff}")
         if self.epochs > 1 and self.old_logprobs != "recompute":
             raise ConfigError("rl.epochs > 1 needs rl.old_logprobs='recompute' (the ratio must be taken against "
                               "the policy before the first update, not the rollout engine)")
@@ -200,6 +214,12 @@ class RLTrainer:
         self.reference = reference if reference is not None or not cfg.reference else policy.frozen_copy()
         self.critic = ValueModel(policy, cfg.critic, policy.scheduler.lr_decay_steps) \
             if cfg.critic.active(cfg.advantage.name) else None
+        self.mtp = policy.cfg.mtp_num_layers if cfg.mtp_loss_coeff > 0 else 0
+        """MTP depths trained by the auxiliary loss (0: none)."""
+        if policy.cfg.mtp_num_layers and not self.mtp and policy.optim_cfg.weight_decay > 0:
+            raise ConfigError(f"rl.trainer.mtp_loss_coeff=0 leaves the model's {policy.cfg.mtp_num_layers} MTP "
+                              f"layer(s) untrained, but rl.optim.weight_decay={policy.optim_cfg.weight_decay} would "
+                              f"still shrink them; set rl.trainer.mtp_loss_coeff > 0 or weight_decay=0")
 
     # ------------------------------------------------------------------------------------ the step
     def step(self, cols) -> dict:
@@ -253,8 +273,10 @@ class RLTrainer:
         for chunk in self.policy.chunks:
             chunk.zero_grad_buffer()
         _mark(mbs, "replay" if self.cfg.routing_replay == "everywhere" else "compare")
-        raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale),
+        z_mtp = self._mark_mtp(mbs, True)
+        raw = self.policy.forward_backward(mbs, self._loss_fn(z, len(mbs) * self.policy.grad_scale, z_mtp),
                                            self.cfg.packing.max_tokens, output=self.output)
+        self._mark_mtp(mbs, False)
         grads = {n: p.main_grad.detach().clone() for n, p in self.policy.named_parameters()
                  if hasattr(p, "main_grad")}  # not the weight buffers (expert bias)
         return self._reduce(raw)["loss"], grads
@@ -356,12 +378,16 @@ class RLTrainer:
         scale = len(mbs) * self.policy.grad_scale
         _mark(mbs, "replay" if self.cfg.routing_replay == "everywhere" else "compare")
         self._routing_counts()  # reset: count this pass only
-        raw = self.policy.train_step(mbs, self._loss_fn(z, scale), self.cfg.packing.max_tokens, output=self.output,
-                                     advance_schedule=False)
+        z_mtp = self._mark_mtp(mbs, True)
+        raw = self.policy.train_step(mbs, self._loss_fn(z, scale, z_mtp), self.cfg.packing.max_tokens,
+                                     output=self.output, advance_schedule=False)
+        self._mark_mtp(mbs, False)
         differ, compared = self._routing_counts().tolist()
         m = self._reduce(raw)
         tokens = max(m.pop("tokens"), 1.0)
         means = {k: m[f"{k}_sum"] / tokens for k in MEAN_METRICS if f"{k}_sum" in m}
+        if "mtp_nll_sum" in m:
+            means["mtp_loss"] = m["mtp_nll_sum"] / max(m["mtp_tokens"], 1.0)
         return {"loss": m["loss"], "tokens": tokens, **means, "grad_norm": raw.get("grad_norm"),
                 "update_ok": raw.get("update_ok"), "lr": self.policy.optimizer.param_groups[0]["lr"],
                 "routing_mismatch_frac": differ / compared if compared else None}
@@ -393,16 +419,47 @@ class RLTrainer:
                                              self.cfg.logprob_chunk_size or None)  # each [1, S]
         return lp.reshape(-1), ent.reshape(-1)
 
-    def _loss_fn(self, z: float, scale: float):
+    def _loss_fn(self, z: float, scale: float, z_mtp: float = 0.0):
         def loss_fn(output: torch.Tensor, batch: dict):
+            mtp_terms = {}
+            if batch.get("emit_mtp"):  # the main head's output, then each MTP depth's (models/mtp.py)
+                output, depths = mtp.split(output, batch["labels"].shape[-1], self.mtp)
+                mtp_terms = self._mtp_nll(depths, batch)
             lp, ent = self._logprobs(output, batch)  # each [T]
             out = self.loss(_loss_inputs(batch, lp, ent if self.cfg.loss.entropy_coef > 0 else ent.detach(), z))
             n = out.metrics["num_tokens"]
             sums = {f"{k}_sum": out.metrics[k] * n for k in MEAN_METRICS if k in out.metrics}
             sums["mismatch_kl_sum"] = mismatch_kl(batch["behaviour_logprobs"].reshape(-1), lp.detach(),
                                                   batch["loss_mask"].reshape(-1)).sum()
-            return out.loss * scale, {"loss": out.loss.detach(), "tokens": n, **sums}
+            loss = out.loss
+            if mtp_terms:
+                loss = loss + self.cfg.mtp_loss_coeff * mtp_terms["mtp_nll_sum"] / max(z_mtp, 1.0)
+                sums.update({k: v.detach() for k, v in mtp_terms.items()})
+            return loss * scale, {"loss": out.loss.detach(), "tokens": n, **sums}
         return loss_fn
+
+    def _mtp_nll(self, depths: list, batch: dict) -> dict:
+        """Summed NLL of each MTP depth's targets (the policy's own later sampled tokens; mtp.targets) and their
+        count, under the run's temperature like every log-prob of the trainer."""
+        nll, count = 0.0, 0.0
+        for k, part in enumerate(depths, 1):
+            tgt, mask = mtp.targets(batch["labels"], batch["loss_mask"], batch["sample_index"], k)  # each [1, S]
+            lp, _ = self._logprobs(part, {"labels": tgt})  # [T]
+            nll, count = nll - (lp * mask.reshape(-1)).sum(), count + mask.sum()
+        return {"mtp_nll_sum": nll, "mtp_tokens": count}
+
+    def _mark_mtp(self, mbs: list[dict], on: bool) -> float:
+        """Have the next passes return the MTP depths too (`on`, when the MTP loss is trained) or not; returns
+        the MTP targets of the global batch (the loss's normaliser; summed over data- x context-parallel ranks)."""
+        for mb in mbs:
+            mb["emit_mtp"] = bool(on and self.mtp)
+        if not (on and self.mtp):
+            return 0.0
+        n = sum(float(mtp.targets(mb["labels"], mb["loss_mask"], mb["sample_index"], k)[1].sum())
+                for mb in mbs for k in range(1, self.mtp + 1))
+        t = torch.tensor([n], dtype=torch.float64, device=self._device())
+        torch.distributed.all_reduce(t, group=self.policy.ctx.pgs.dp_cp)
+        return float(t.item())
 
     def _store_logprobs(self, model, mbs: list[dict], key: str) -> None:
         """Forward-only pass of `model`; the last stage stores log-probs [1, S] into each micro-batch."""
@@ -424,7 +481,7 @@ class RLTrainer:
     def _reduce(self, raw: dict) -> dict:
         """Summed loss metrics of the last pipeline stage, summed over data- x context-parallel ranks, on every
         rank."""
-        keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS))
+        keys = ("loss", "tokens", *(f"{k}_sum" for k in MEAN_METRICS), "mtp_nll_sum", "mtp_tokens")
         t = torch.tensor([float(raw.get(k, 0.0)) for k in keys], dtype=torch.float64, device=self._device())  # [K]
         present = torch.tensor([float(k in raw) for k in keys], dtype=torch.float64, device=self._device())  # [K]
         pgs = self.policy.ctx.pgs

@@ -38,6 +38,8 @@ LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe: bool or "dsv3"/"
     "ep2_dsv3": (dict(ep=2), 2, "dsv3", False),
     "pp2_dsv3": (dict(pp=2), 2, "dsv3", False),
     "tp2_mla": (dict(tp=2), 2, "mla", False),  # no SP: the shared RoPE key's gradient summed over TP ranks
+    "tp2_sp_mtp": (dict(tp=2, sequence_parallel=True), 2, "mtp", False),  # + one MTP layer and its loss
+    "ep2_mtp": (dict(ep=2), 2, "mtp", False),
 }
 
 
@@ -71,8 +73,10 @@ def init_model(model) -> None:
 def model_config(layers: int, moe: bool | str):
     from megatron_rl.models.gpt import ModelConfig, MoEConfig
 
-    if moe in ("dsv3", "mla"):  # "mla": DeepSeek-V3's attention with dense MLPs
+    if moe in ("dsv3", "mla", "mtp"):  # "mla": DeepSeek-V3's attention with dense MLPs; "mtp": + an MTP layer
         cfg = dsv3_config(layers)
+        if moe == "mtp":
+            return dataclasses.replace(cfg, mtp_num_layers=1)
         return cfg if moe == "dsv3" else dataclasses.replace(cfg, moe=MoEConfig())
     return ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                        vocab_size=VOCAB, max_seq_length=64,
@@ -200,7 +204,7 @@ def reference(layers: int, moe: bool, ctx, impl: str = "fused") -> dict:
 
 def compare(result: dict, ref: dict) -> dict:
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(result["metrics"], ref["metrics"]))
-    keys = ("clip_fraction", "ref_kl", "entropy_mean", "tokens", "samples")
+    keys = ("clip_fraction", "ref_kl", "entropy_mean", "tokens", "samples", "mtp_loss")
     metric_diff = max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for a, b in zip(result["metrics"], ref["metrics"])
                       for k in keys)
     missing = sorted(set(ref["weights"]) ^ set(result["weights"]))

@@ -52,6 +52,30 @@ def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool
     return casts
 
 
+def releasing_state_dict(model) -> dict:
+    """`model.sharded_state_dict()` for a save after which the model is not used: Megatron's writer clones every
+    tensor that is a view (the two GLU halves of each fused fc1 weight, ShardedTensorFactory chunks) and holds all
+    the clones until the end (~0.35x SmolLM2's size on top of the model); here each such tensor is cloned first,
+    one parameter at a time, and that parameter's memory released, so the save needs one tensor more."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    owners = {t.untyped_storage().data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    views: dict[int, list] = {}
+    for sh in nested_values(sd):
+        if isinstance(sh, ShardedTensor) and sh.data.untyped_storage().nbytes() != sh.data.numel() * \
+                sh.data.element_size():
+            views.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
+    for ptr, shards in views.items():
+        for sh in shards:
+            sh.data = sh.data.clone()
+        if ptr in owners:
+            owners[ptr].data = owners[ptr].data.new_empty(0)  # the model is not used after the save
+    return sd
+
+
 def _order(name: str):
     layer = layout.layer_of(name)
     return (-1 if name.startswith("embedding") else 1e9 if layer is None else layer, name)
@@ -81,7 +105,8 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
     report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0())
     reader.close()
     with runtime.atomic_dir(out) as tmp:
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        dist_checkpointing.save(releasing_state_dict(model), str(tmp))
+        del model
         if runtime.is_rank0():
             write_meta(tmp, arch, reader.config, Path(hf_dir))
         runtime.barrier()
@@ -122,6 +147,12 @@ def ckpt_dtype(ckpt: Path) -> str:
     return counts.most_common(1)[0][0]
 
 
+def _has_mtp(ckpt: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    return any(k.startswith("mtp.") for k in dist_checkpointing.load_tensors_metadata(str(ckpt)))
+
+
 def source_config(ckpt: Path, fallback: dict) -> dict:
     """The HF config.json the checkpoint was converted from (its META), else `fallback`."""
     meta = ckpt / META
@@ -143,6 +174,7 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
     """Write canonical tensors as HF tensors, in the config's dtype (`dtype`) when it names one."""
     rules = {**arch.global_rules(hf), **_layer_rules_for(arch, hf, tensors)}
     dtype = getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or ""), None)
+    copies = arch.shared_copies(hf)
     for name, t in tensors.items():
         if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
             continue
@@ -151,6 +183,8 @@ def emit_hf(tensors: dict, arch, hf: dict, writer: HFWriter) -> None:
         keep = name.endswith(_FP32_TENSORS)  # fp32 in Megatron and in the source checkpoints: never rounded
         for hf_name, part in zip(rules[name].hf, to_hf(rules[name], t, hf)):
             writer.add(hf_name, part.to(dtype) if isinstance(dtype, torch.dtype) and not keep else part)
+        for hf_name in copies.get(name, ()):  # e.g. DeepSeek-V3's MTP embed_tokens / shared_head.head
+            writer.add(hf_name, (t.to(dtype) if isinstance(dtype, torch.dtype) else t).clone())
 
 
 _FP32_TENSORS = (".router.expert_bias",)
@@ -179,7 +213,7 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         raise ConvertError(f"{ckpt} is not a dist_checkpointing checkpoint (no metadata.json)")
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantized
-    if hf.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP layers were dropped on import: none written
+    if hf.get("num_nextn_predict_layers") and not _has_mtp(ckpt_p):  # converted before MTP was: none written
         hf["num_nextn_predict_layers"] = 0
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
@@ -195,7 +229,8 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         if verify:
             from tools.convert import verify as V
 
-            report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol)
+            copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
+            report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol, copies)
             report["verify"]["config"] = V.check_written_config(
                 tmp / "config.json", {**source_config(ckpt_p, hf), "dtype": hf["dtype"], "torch_dtype": hf["dtype"]})
     return report

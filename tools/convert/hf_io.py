@@ -38,6 +38,9 @@ class HFReader:
         self.config = read_config(self.path)
         self._open: dict[str, SafetensorsFile] = {}
         self.weight_map = self._weight_map()
+        from tools.convert.arch.deepseek_v3 import drop_absent_mtp
+
+        self.config = drop_absent_mtp(self.config, self.weight_map)  # (a DeepSeek-V3 saved by transformers)
 
     def _weight_map(self) -> dict[str, str]:
         if (self.path / INDEX).is_file():

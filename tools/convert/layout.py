@@ -133,7 +133,7 @@ def ckpt_entries(model, pattern: list[int] | None = None) -> list[CkptEntry]:
             layer, _ = _axes(key, sh)
             template = _EXPERT.sub(".local_experts.{e}.", _LAYER.sub("decoder.layers.{l}.", key))
             ck = _LAYER.sub("decoder.layers.{l}.", sh.key) if _LAYER.match(sh.key) else sh.key
-            entries[template] = CkptEntry(template if layer is not None else key, ck, sh.prepend_axis_num,
+            entries[template] = CkptEntry(template, ck, sh.prepend_axis_num,
                                           tuple(sh.global_shape[sh.prepend_axis_num:]))
             if layer is not None and stand_pattern is not None:
                 kinds.setdefault(template, set()).add(stand_pattern[layer])

@@ -132,26 +132,38 @@ def load_hf_dequantized(path: Path):
     ref = AutoModelForCausalLM.from_config(reference_config(hf), torch_dtype=torch.float32,
                                            attn_implementation="eager")
     state = {n: reader.get(n) for n in reader.weight_map if not n.endswith("_scale_inv")}
-    missing, unexpected = ref.load_state_dict(state, strict=False)
+    missing, unexpected = ref.load_state_dict({k: v for k, v in state.items() if k not in beyond_layers(hf, state)},
+                                              strict=False)
     missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
     if missing or unexpected:
         raise ConvertError(f"verify: dequantized reference missing {missing[:3]}, unexpected {unexpected[:3]}")
     return ref
 
 
-def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: float | None) -> dict:
-    """The written folder loads with transformers with no missing/unexpected/mismatched tensors."""
+def beyond_layers(hf: dict, names) -> set[str]:
+    """Names of tensors of layers >= num_hidden_layers (DeepSeek-V3's MTP layers, which transformers ignores)."""
+    n = hf["num_hidden_layers"]
+    return {x for x in names if x.startswith("model.layers.") and x.split(".")[2].isdigit()
+            and int(x.split(".")[2]) >= n}
+
+
+def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: float | None,
+                     copies: frozenset = frozenset()) -> dict:
+    """The written folder loads with transformers with no missing/unexpected/mismatched tensors (but the MTP
+    layers', which it ignores); it holds exactly the table's tensors and `copies`."""
     from safetensors import safe_open
 
     from tools.convert.hf_io import HFReader
 
     model, info = load_hf(out)
+    unexpected = info.get("unexpected_keys") or []
+    info["unexpected_keys"] = sorted(set(unexpected) - beyond_layers(read_config(out), unexpected))
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
         {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {})
     if problems:
         raise ConvertError(f"verify: transformers loads {out} with problems: {problems}")
     reader = HFReader(out)
-    expected = {n for r in rules.values() for n in r.hf}
+    expected = {n for r in rules.values() for n in r.hf} | set(copies)
     written = set(reader.weight_map)
     if written != expected:
         raise ConvertError(f"verify: written tensors differ from the table: missing "
@@ -184,7 +196,8 @@ def hf_reference(ckpt: Path, model, arch, hf: dict):
                 state.update(zip(rules[name].hf, to_hf(rules[name], t, hf)))
     ref = AutoModelForCausalLM.from_config(reference_config(hf), torch_dtype=torch.float32,
                                            attn_implementation="eager")
-    missing, unexpected = ref.load_state_dict(state, strict=False)
+    missing, unexpected = ref.load_state_dict({k: v for k, v in state.items() if k not in beyond_layers(hf, state)},
+                                              strict=False)
     missing = [m for m in missing if not (hf.get("tie_word_embeddings") and m == "lm_head.weight")]
     if missing or unexpected:
         raise ConvertError(f"verify: reference model missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -251,7 +251,7 @@ class Arch:
     def _mlp_rules(self, hf: dict, layer: int) -> dict[str, Rule]:
         p, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
         pattern = self.moe_pattern(hf)
-        if not self.moe or (pattern is not None and not pattern[layer]):
+        if not self.moe or (pattern is not None and layer < len(pattern) and not pattern[layer]):
             return {p + "linear_fc1.weight": Rule("glu", (h + "gate_proj.weight", h + "up_proj.weight")),
                     p + "linear_fc2.weight": Rule("copy", (h + "down_proj.weight",))}
         m = self.moe
@@ -271,6 +271,10 @@ class Arch:
     def expected_shape(self, name: str, hf: dict) -> tuple[int, ...] | None:
         """Shape of an HF tensor this architecture names itself (None: the generic table's, checks.py)."""
         return None
+
+    def shared_copies(self, hf: dict) -> dict[str, list[str]]:
+        """Canonical tensor -> further HF names holding a copy of it (written on export, not read on import)."""
+        return {}
 
     def ignorable(self, hf: dict, name: str) -> bool:
         """HF tensors that carry no information of their own (tied lm_head copy, RoPE buffers)."""

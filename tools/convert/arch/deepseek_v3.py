@@ -10,8 +10,13 @@ grouped top-k (n_group / topk_group; group score = sum of the top-2 scores, whic
 equals when k = 2 * topk_group), weights renormalised and scaled by routed_scaling_factor; shared experts of
 n_shared_experts * moe_intermediate_size; the first first_k_dense_replace layers dense (intermediate_size).
 Kimi-K2 ships the same architecture under model_type `kimi_k2` (one group, 384 experts, YaRN x32).
-Multi-token-prediction layers (num_nextn_predict_layers, stored as layers >= num_hidden_layers) are dropped
-on import, as transformers' DeepseekV3 does; an export has none.
+Multi-token prediction (num_nextn_predict_layers = D, stored as layers n .. n + D - 1 for n = num_hidden_layers)
+maps onto Megatron's MTP block (models/mtp.py): enorm, hnorm, eh_proj -> mtp.layers.i.{enorm, hnorm, eh_proj},
+shared_head.norm -> mtp.layers.i.final_layernorm, the decoder layer's tensors -> mtp.layers.i.transformer_layer.*
+(the same table as a decoder layer). Its embed_tokens and shared_head.head are copies of the model's embedding
+and output layer (shared in Megatron): not read on import, written back on export. transformers' DeepseekV3
+ignores the MTP layers. A folder whose config.json declares MTP layers but holds none of their tensors (a model
+saved by transformers) converts without them (`drop_absent_mtp`).
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ class DeepseekV3Arch(Arch):
             mla=MLAConfig(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank"),
                           qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
                           v_head_dim=hf["v_head_dim"]),
-            moe=self._moe_config(hf))
+            moe=self._moe_config(hf), mtp_num_layers=hf.get("num_nextn_predict_layers") or 0)
         try:
             cfg.validate()
             cfg.moe.validate()
@@ -117,7 +122,8 @@ class DeepseekV3Arch(Arch):
                 "num_experts_per_tok": moe.topk, "moe_intermediate_size": moe.ffn_hidden_size,
                 "n_shared_experts": shared // moe.ffn_hidden_size, "n_group": moe.router_num_groups or 1,
                 "topk_group": moe.router_group_topk or 1, "routed_scaling_factor": moe.routed_scaling_factor or 1.0,
-                "norm_topk_prob": True, "first_k_dense_replace": first, "num_nextn_predict_layers": 0}
+                "norm_topk_prob": True, "first_k_dense_replace": first,
+                "num_nextn_predict_layers": cfg.mtp_num_layers}
 
     def layer_rules(self, hf: dict, layer: int) -> dict[str, Rule]:
         p, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
@@ -136,7 +142,7 @@ class DeepseekV3Arch(Arch):
             rules[a + "linear_q_proj.weight"] = Rule("copy", (s + "q_proj.weight",))
         rules.update(self._mlp_rules(hf, layer))
         pattern = self.moe_pattern(hf)
-        if pattern is None or pattern[layer]:
+        if pattern is None or layer >= len(pattern) or pattern[layer]:  # (the MTP layers: like the last, MoE)
             rules[p + "mlp.router.expert_bias"] = Rule("copy", (h + "mlp.gate.e_score_correction_bias",))
         return rules
 
@@ -147,15 +153,46 @@ class DeepseekV3Arch(Arch):
         table = {"q_a_proj.weight": (q, h), "q_a_layernorm.weight": (q,), "q_b_proj.weight": (heads * (nope + rope), q),
                  "q_proj.weight": (heads * (nope + rope), h), "kv_a_proj_with_mqa.weight": (kv + rope, h),
                  "kv_a_layernorm.weight": (kv,), "kv_b_proj.weight": (heads * (nope + v), kv),
-                 "o_proj.weight": (h, heads * v), "e_score_correction_bias": (hf["n_routed_experts"],)}
+                 "o_proj.weight": (h, heads * v), "e_score_correction_bias": (hf["n_routed_experts"],),
+                 "eh_proj.weight": (h, 2 * h)}
         return next((shp for suffix, shp in table.items() if name.endswith("." + suffix)), None)
 
+    def global_rules(self, hf: dict) -> dict[str, Rule]:
+        """Also the multi-token-prediction layers (Megatron's `mtp.layers.i.*`, outside the decoder's layers)."""
+        rules = super().global_rules(hf)
+        n = hf["num_hidden_layers"]
+        for i in range(hf.get("num_nextn_predict_layers") or 0):
+            p, h = f"mtp.layers.{i}.", f"model.layers.{n + i}."
+            rules.update({p + "enorm.weight": Rule("copy", (h + "enorm.weight",)),
+                          p + "hnorm.weight": Rule("copy", (h + "hnorm.weight",)),
+                          p + "eh_proj.weight": Rule("copy", (h + "eh_proj.weight",)),
+                          p + "final_layernorm.weight": Rule("copy", (h + "shared_head.norm.weight",))})
+            own = f"decoder.layers.{n + i}."
+            rules.update({p + "transformer_layer." + k.removeprefix(own): r
+                          for k, r in self.layer_rules(hf, n + i).items()})
+        return rules
+
+    def shared_copies(self, hf: dict) -> dict[str, list[str]]:
+        """Each MTP layer's embed_tokens and shared_head.head: copies of the embedding and the output layer."""
+        n, out = hf["num_hidden_layers"], {}
+        head = "embedding.word_embeddings.weight" if hf.get("tie_word_embeddings") else "output_layer.weight"
+        for i in range(hf.get("num_nextn_predict_layers") or 0):
+            out.setdefault("embedding.word_embeddings.weight", []).append(f"model.layers.{n + i}.embed_tokens.weight")
+            out.setdefault(head, []).append(f"model.layers.{n + i}.shared_head.head.weight")
+        return out
+
     def ignorable(self, hf: dict, name: str) -> bool:
-        """Also the multi-token-prediction layers (model.layers.N.* for N >= num_hidden_layers)."""
-        parts = name.split(".")
-        mtp = (hf.get("num_nextn_predict_layers") or 0) > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"] \
-            and parts[2].isdigit() and int(parts[2]) >= hf["num_hidden_layers"]
-        return mtp or super().ignorable(hf, name)
+        """Also the MTP layers' copies of the embedding and the output layer (the model's own are read)."""
+        return name in {c for names in self.shared_copies(hf).values() for c in names} or \
+            super().ignorable(hf, name)
+
+
+def drop_absent_mtp(hf: dict, names) -> dict:
+    """The config as the weights have it: num_nextn_predict_layers 0 when no tensor of an MTP layer exists."""
+    n, d = hf.get("num_hidden_layers"), hf.get("num_nextn_predict_layers") or 0
+    if not d or any(x.startswith(f"model.layers.{n + i}.") for x in names for i in range(d)):
+        return hf
+    return {**hf, "num_nextn_predict_layers": 0}
 
 
 ARCH = DeepseekV3Arch(
