@@ -376,11 +376,10 @@ class RolloutServerProcess:
             self.client.update_weights(version, str(path), "continue")
 
     def _save(self, named_parameters) -> Path:
-        import torch
+        from megatron_rl.rollout.weight_file import write_weights
 
-        path, tmp = self.dir / "weights.pt", self.dir / "weights.pt.tmp"
-        torch.save({name: p.detach().cpu() for name, p in named_parameters}, tmp)  # no clone: ~0.7 s/GB here
-        os.replace(tmp, path)
+        path = self.dir / "weights.bin"
+        write_weights(path, named_parameters)  # raw bytes, read by the server into its engine's parameters
         return path
 
     def _start(self, weights: Path, version: int) -> None:

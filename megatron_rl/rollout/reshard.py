@@ -112,27 +112,33 @@ class WeightSync:
             src = dist.get_global_rank(self.peers, i)
             sub = [m for m in meta if owner[m[0]] == i]
             big = [m for m in sub if _nbytes(m) >= self.direct_bytes]
-            for name, shape, dtype in big:
-                yield name, self._direct_one(name, shape, dtype, mine if i == me else None, dest, src)
+            yield from self._direct_many(big, mine if i == me else None, dest, src)
             yield from broadcast_known([m for m in sub if _nbytes(m) < self.direct_bytes], mine if i == me else None,
                                        src, self.peers, self.bucket_bytes, self.scratch, device=self.device)
 
-    def _direct_one(self, name: str, shape: tuple, dtype: str, mine: dict | None, dest: dict, src: int) -> Tensor:
-        """One tensor broadcast from `src`: the source sends its own (and copies it into `dest`); a receiver
-        receives into `dest[name]` when it fits (else a new tensor, which the engine's load then rejects)."""
-        target = dest.get(name)
-        fits = target is not None and tuple(target.shape) == shape and str(target.dtype) == dtype and \
-            target.is_contiguous()
-        if mine is not None:
-            t = mine[name].detach().contiguous()
-            dist.broadcast(t, src=src, group=self.peers)
-            if fits:
+    def _direct_many(self, big: list, mine: dict | None, dest: dict, src: int) -> Iterator[tuple[str, Tensor]]:
+        """`big`'s tensors broadcast from `src` one collective each, all in flight at once: a receiver receives
+        into `dest[name]` when it fits (else a new tensor, which the engine's load then rejects by shape); the
+        source sends its own and, while they go, copies them into its `dest` (its own engine)."""
+        works, out = [], []
+        for name, shape, dtype in big:
+            target = dest.get(name)
+            fits = target is not None and tuple(target.shape) == shape and str(target.dtype) == dtype and \
+                target.is_contiguous()
+            if mine is not None:
+                t = mine[name].detach().contiguous()
+                out.append((name, t, target if fits else None))
+            else:
+                t = target if fits else torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+                out.append((name, t, None))
+            works.append(dist.broadcast(t, src=src, group=self.peers, async_op=True))
+        for _, t, target in out:  # the source's local copies overlap its sends
+            if target is not None:
                 target.copy_(t)
-                return target
-            return t
-        buf = target if fits else torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
-        dist.broadcast(buf, src=src, group=self.peers)
-        return buf
+        for w in works:
+            w.wait()
+        for name, t, target in out:
+            yield name, t if target is None else target
 
 
 def _nbytes(meta: tuple) -> int:
