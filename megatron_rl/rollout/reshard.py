@@ -15,6 +15,7 @@ checks that every one of its parameters was written (by name and shape) and rais
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -29,10 +30,6 @@ from megatron_rl.rollout.weights import DTYPES, broadcast_known, metadata
 def check_engine_layout(parallel: ParallelConfig, model_cfg) -> None:
     """Refuse (ConfigError, before any rank starts) a trainer layout whose weights the sync cannot reshard."""
     moe = model_cfg.moe
-    if moe.num_experts and parallel.etp is not None and parallel.etp != parallel.tp:
-        raise ConfigError(f"parallel.etp={parallel.etp} differs from parallel.tp={parallel.tp}: the rollout engine "
-                          f"slices experts over its TP group (etp = tp), so the trainer's expert shards would not "
-                          f"match the engine's; set parallel.etp=null")
     if moe.num_experts and moe.grouped_gemm and parallel.ep > 1:
         raise ConfigError(f"model.moe.grouped_gemm with parallel.ep={parallel.ep}: the weight sync numbers the "
                           f"experts of SequentialMLP (local_experts.N) globally, not grouped-GEMM weights; set "
@@ -49,12 +46,18 @@ def _direct(parallel: ParallelConfig) -> bool:
     return parallel.pp == 1 and parallel.ep == 1
 
 
+def _same_experts(parallel: ParallelConfig) -> bool:
+    """The trainer slices experts as the engine does (etp = tp); else rollout/expert_reshard.py reshards them."""
+    return parallel.expert_tp == parallel.tp
+
+
 def engine_layout(ctx) -> tuple[ParallelConfig, object]:
     """(the engine's ParallelConfig, its ProcessGroupCollection); collective over the world when the trainer has
-    PP, CP or EP > 1 (the engine then gets single-rank pipeline/context/expert groups and a `dp` group of
-    the ranks sharing its TP rank, over which the sync gathers)."""
+    PP, CP or EP > 1 or etp != tp (the engine then gets single-rank pipeline/context/expert groups, its TP
+    group as the expert-TP group, and a `dp` group of the ranks sharing its TP rank, over which the sync
+    gathers)."""
     par = ctx.parallel
-    if _direct(par) and par.cp == 1:
+    if _direct(par) and par.cp == 1 and _same_experts(par):
         return engine_parallel(par), ctx.pgs
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -85,15 +88,28 @@ class WeightSync:
         """Flat bucket buffers reused by every sync (rollout/weights.py `broadcast_known`)."""
         self.device = ctx.device
         """Where received tensors land (the backend's device: NCCL needs the rank's GPU)."""
+        self.ctx = ctx
+        self.reshard_experts = not _same_experts(ctx.parallel)
+        """The trainer's etp != tp: the routed experts go through rollout/expert_reshard.py."""
+        self.experts = None
+        """Its ExpertReshard (built at the first sync: it needs the engine model's gated-unit flag)."""
 
     def __call__(self, engine, version: int, named: Iterable[tuple[str, Tensor]]) -> int:
         """Load `named` (every rank's own) into `engine` as `version`; returns the tensors written."""
-        if self.direct:
-            tensors = named
-        else:
-            model = engine.model
-            tensors = self.gather(named, {**dict(model.named_buffers()), **dict(model.named_parameters())})
-        return engine.update_weights(version, tensors, policy="continue", complete=True)
+        model = engine.model
+        dest = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        experts: Iterable = ()
+        if self.reshard_experts:
+            if self.experts is None:
+                from megatron_rl.rollout.expert_reshard import ExpertReshard
+
+                tp = self.ctx.pgs.tp
+                self.experts = ExpertReshard(self.ctx, tp.rank(), tp.size(), model.config.gated_linear_unit,
+                                             self.bucket_bytes)
+            mine, named = self.experts.split(named)
+            experts = self.experts.exchange(mine, dest)
+        rest = named if self.direct else self.gather(named, dest)
+        return engine.update_weights(version, itertools.chain(experts, rest), policy="continue", complete=True)
 
     def gather(self, named: Iterable[tuple[str, Tensor]], dest: dict[str, Tensor] | None = None
                ) -> Iterator[tuple[str, Tensor]]:
