@@ -57,7 +57,10 @@ class DispatchRollouts(Rollouts):
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, episodes_cfg, worker_cfg, run_dir: Path,
                  tp_group, server: RolloutServerProcess | None = None, max_tokens: int = 1 << 30):
         super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens)
-        self.episodes_cfg, self.worker_cfg, self.run_dir, self.tp_group = episodes_cfg, worker_cfg, run_dir, tp_group
+        self.episodes_cfg, self.worker_cfg, self.run_dir = episodes_cfg, worker_cfg, run_dir
+        self.serve_group = tp_group
+        """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
+        eval are driven from rank 0 over the world; with it at TP=1 and 2+ ranks, rank 1 never got them)."""
         self.server = server
         """The separate rollout server (rank 0; None when colocated or on other ranks)."""
         self.separate = episodes_cfg.server == "separate"
@@ -134,7 +137,7 @@ class DispatchRollouts(Rollouts):
             shard_dir = self.run_dir / "rl_episodes" / batch_name(groups)
             box = {}
             work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
-            serve_while(self.engine, self.tp_group, work, self._hosts())
+            serve_while(self.engine, self.serve_group, work, self._hosts())
             results = [box if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(results, src=0)
         episodes: dict[str, dict] = {}

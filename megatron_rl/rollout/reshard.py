@@ -9,9 +9,12 @@ Every rank's engine holds the whole model (every layer, every expert) sliced ove
 as a serving stack does; pipeline, context and expert parallelism are the trainer's alone. The sync
 gathers, for each TP rank t, the tensors of every rank with TP rank t (pipeline stages, virtual chunks,
 expert-parallel ranks) under their global names (trainer/global_names.py): each tensor is broadcast by
-its first owner over the group of ranks with TP rank t, bucketed. When the trainer has PP = EP = 1 every
-rank already holds every tensor of its TP slice and the sync is a local copy. Either way the engine
-checks that every one of its parameters was written (by name and shape) and raises naming the missing.
+its first owner over the group of ranks with TP rank t: small ones in flat buckets, large ones (>=
+`direct_bytes`) on their own straight into the engine's tensor, all in flight at once while the source
+copies its own into its engine. When the trainer has PP = EP = 1 every rank already holds every tensor of
+its TP slice and the sync is a local copy. Routed experts sliced over an expert-TP group other than the TP
+group (etp != tp) are resharded by rollout/expert_reshard.py. Either way the engine checks that every one
+of its parameters was written (by name and shape) and raises naming the missing.
 """
 from __future__ import annotations
 
