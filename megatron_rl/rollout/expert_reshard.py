@@ -24,15 +24,16 @@ from torch import Tensor
 from megatron_rl.rollout.weights import broadcast_known, metadata
 
 
-def is_expert_sharded(t: Tensor) -> bool:
-    """A routed expert's tensor sliced over the expert-TP group (Megatron marks expert parameters
-    `allreduce=False`; `tensor_model_parallel` marks the sliced ones)."""
-    return getattr(t, "allreduce", True) is False and bool(getattr(t, "tensor_model_parallel", False))
+def is_expert_sharded(name: str, t: Tensor) -> bool:
+    """A routed expert's tensor sliced over the expert-TP group: under a MoE layer's `experts` (not its
+    `shared_experts`, sliced over TP) and marked `tensor_model_parallel` (Megatron's `allreduce=False` mark of
+    expert parameters is only set at EP > 1)."""
+    return ".mlp.experts." in name and bool(getattr(t, "tensor_model_parallel", False))
 
 
 def _gated(name: str, glu: bool) -> bool:
     """The first projection of a gated (swiglu) expert: its rows are [gate; up], each sliced on its own."""
-    return glu and ".experts." in name and ".linear_fc1." in name
+    return glu and ".mlp.experts." in name and ".linear_fc1." in name
 
 
 def unshard(shards: list[Tensor], dim: int, gated: bool) -> Tensor:
@@ -66,7 +67,7 @@ class ExpertReshard:
         """(the routed experts' sliced tensors, everything else), both as (name, tensor) lists."""
         experts, rest = [], []
         for name, t in named:
-            (experts if is_expert_sharded(t) else rest).append((name, t))
+            (experts if is_expert_sharded(name, t) else rest).append((name, t))
         return experts, rest
 
     def exchange(self, experts: list[tuple[str, Tensor]], engine_params: dict[str, Tensor]

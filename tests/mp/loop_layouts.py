@@ -31,6 +31,7 @@ CASES = [  # (name, model, parallel); each name's model reference is the first c
     ("ref_moe", MOE, {}),
     ("ep2_moe_separate", MOE, {"ep": 2}),
     ("tp2_ep2_etp1_moe", MOE, {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}),
+    ("tp2_etp4_moe", MOE, {"tp": 2, "etp": 4, "sequence_parallel": True}),
 ]
 
 
