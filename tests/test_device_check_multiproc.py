@@ -34,8 +34,8 @@ def test_main_job_tp2_under_the_device_check(tmp_path):
     assert (tmp_path / "demo" / "checkpoints" / "latest").read_text().strip() == "step-000002"
 
 
-DISPATCHED = ("train.steps=2", "train.eval_every=2", "data.train_tasks=16", "data.heldout_tasks=8", "eval.k=2",
-              "eval.every=0", "eval.tasks=4", "rl.prompts_per_step=2", "rl.group_size=4", "monitor.tensorboard=false",
+DISPATCHED = ("train.steps=0", "data.train_tasks=16", "data.heldout_tasks=4", "eval.k=1",
+              "eval.every=0", "eval.tasks=2", "rl.prompts_per_step=2", "rl.group_size=4", "monitor.tensorboard=false",
               "rl.steps=2", "rl.dynamic_sampling=false", "export.enabled=false", "episodes.runner=dispatch",
               "episodes.dispatch.executor=local", "episodes.dispatch.episodes_per_task=8", "episodes.worker_threads=2")
 
