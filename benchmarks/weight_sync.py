@@ -2,19 +2,22 @@
 
 Launches itself under torchrun (gloo, CPU) with a trainer at `--pp` pipeline stages (2 ranks by default),
 builds the loop's engine and weight sync (`loop.setup.build_engine`: the TP-only engine and the sync that
-gathers the stages into it) and times, after one untimed warm-up each:
+gathers the stages into it) and times it against a plain copy of the same bytes by the same route, in the
+same run, as `--repeats` pairs run back to back after one untimed warm-up each (a shared machine's load hits
+both alike; the ratio is the median of the pairs'):
   in_process  `sync(engine, version, policy.global_named_tensors())` on every rank (the gather over the
-              ranks sharing a TP rank, bucketed broadcasts, and the engine's load with its completeness check);
-              baselines in the same run: `memcpy` (one `copy_` of a flat buffer of the same bytes) and
-              `broadcast` (the same bytes as flat buffers broadcast over the same group from each stage, no
-              names, no load: the transport's floor);
+              ranks sharing a TP rank, the broadcasts, and the engine's load with its completeness check);
+              plain: each stage's bytes as one flat buffer broadcast over the same ranks, plus the stage's copy
+              of its own share into an engine-sized buffer (no names, no buckets, no load); `memcpy_s_per_gb`
+              (one in-process `copy_` of the engine's bytes) is reported too, as the memory's floor;
   separate    rank 0 pushes the engine's weights to a rollout server process (`loop.dispatched.
-              RolloutServerProcess`: save next to the server, POST /update_weights, the server loads them);
-              baseline: writing the same bytes to a file in the same folder and reading them back.
-Ratios are baseline_s / measured_s (1.0: as fast as the baseline; target >= 0.5). Best of `--repeats`.
-Prints one JSON object (rank 0).
+              RolloutServerProcess`: the weight file written next to the server (rollout/weight_file.py), POST
+              /update_weights, the server reads it into its engine's parameters); plain: the same bytes written
+              to a file in the same folder and read back into a buffer.
+Ratios are plain_s / measured_s (1.0: as fast as the plain copy; target >= 0.5); times are the best of the
+repeats. Prints one JSON object (rank 0).
 
-    .venv/bin/python benchmarks/weight_sync.py [--pp 2] [--hidden 768 --layers 8 --vocab 32000] [--repeats 3]
+    .venv/bin/python benchmarks/weight_sync.py [--pp 2] [--hidden 768 --layers 8 --vocab 32000] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -31,14 +34,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def _paired(fn, base, repeats: int) -> tuple[float, float, float]:
+    """(best fn s, best base s, median of the per-pair ratios base/fn): one untimed warm-up each, then `repeats`
+    pairs run back to back, so that a shared machine's load hits both alike."""
+    fn(), base()
+    pairs = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        pairs.append((_timed(fn), _timed(base)))
+    ratios = sorted(b / f for f, b in pairs)
+    return min(f for f, _ in pairs), min(b for _, b in pairs), ratios[len(ratios) // 2]
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _config(args, run_dir: str):
@@ -78,22 +88,13 @@ def worker(args) -> None:
         sync(engine, next(version), policy.global_named_tensors())
         dist.barrier()
 
-    sync_s = _best(in_process, args.repeats)
+    plain = _plain_route(policy, dist)
+    sync_s, plain_s, ratio = _paired(in_process, plain, args.repeats)
     src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-    memcpy_s = _best(lambda: dst.copy_(src), args.repeats)
-    mine = sum(p.numel() for _, p in policy.global_named_tensors())  # floats this stage owns
-    sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, mine)
-    flats = [torch.empty(n) for n in sizes]
-
-    def broadcast():
-        for r, flat in enumerate(flats):
-            dist.broadcast(flat, src=r)
-
-    bcast_s = _best(broadcast, args.repeats)
-    out = {"pp": args.pp, "engine_gb": gb, "in_process": {
-        "s_per_gb": sync_s / gb, "memcpy_s_per_gb": memcpy_s / gb, "broadcast_s_per_gb": bcast_s / gb,
-        "ratio_vs_memcpy": memcpy_s / sync_s, "ratio_vs_broadcast": bcast_s / sync_s}}
+    memcpy_s = min(_timed(lambda: dst.copy_(src)) for _ in range(args.repeats + 1))
+    out = {"pp": args.pp, "engine_gb": gb, "repeats": args.repeats, "in_process": {
+        "s_per_gb": sync_s / gb, "plain_s_per_gb": plain_s / gb, "memcpy_s_per_gb": memcpy_s / gb,
+        "ratio_vs_plain": ratio, "ratio_vs_memcpy": memcpy_s / sync_s}}
     if ctx.rank == 0 and not args.no_server:
         out["separate"] = _separate(cfg, engine, engine_weights, RolloutServerProcess, run_dir, nbytes, args)
     dist.barrier()
@@ -103,26 +104,49 @@ def worker(args) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _plain_route(policy, dist):
+    """The plain copy of the sync's bytes by its route: each stage's bytes as one flat buffer, broadcast from it
+    over the same ranks, and copied by the stage itself into an engine-sized buffer (its own share), no names,
+    no buckets, no load."""
+    import torch
+
+    mine = sum(p.numel() for _, p in policy.global_named_tensors())  # floats this stage owns
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, mine)
+    flats = [torch.randn(n) if r == dist.get_rank() else torch.empty(n) for r, n in enumerate(sizes)]
+    own = torch.empty(mine)
+
+    def plain():
+        for r, flat in enumerate(flats):
+            dist.broadcast(flat, src=r)
+        own.copy_(flats[dist.get_rank()])
+        dist.barrier()
+    return plain
+
+
 def _separate(cfg, engine, engine_weights, server_cls, run_dir: str, nbytes: int, args) -> dict:
-    import numpy as np
+    import torch
 
     server = server_cls(Path(run_dir), cfg.model, cfg.engine, 1, ("127.0.0.1", "127.0.0.1"),
                         tokenizer_cfg=cfg.tokenizer)
     version = iter(range(1, 10**6))
+    server.push(next(version), engine_weights(engine))  # starts the server process (not timed)
+    data, back, path = torch.randn(nbytes // 4), torch.empty(nbytes // 4), Path(run_dir) / "plain.bin"
+
+    def file_copy():  # the plain copy by the push's route: the same bytes written to a file there and read back
+        with open(path, "wb") as f:
+            f.write(data.numpy())
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(back.numpy()).cast("B"))
+
     try:
-        push_s = _best(lambda: server.push(next(version), engine_weights(engine)), args.repeats)
+        push_s, copy_s, ratio = _paired(lambda: server.push(next(version), engine_weights(engine)), file_copy,
+                                        args.repeats)
     finally:
         server.close()
-    data, path = np.random.rand(nbytes // 8), Path(run_dir) / "plain.bin"
-
-    def file_copy():
-        data.tofile(path)
-        np.fromfile(path)
-
-    copy_s = _best(file_copy, args.repeats)
     path.unlink()
     gb = nbytes / 1e9
-    return {"s_per_gb": push_s / gb, "file_copy_s_per_gb": copy_s / gb, "ratio_vs_file_copy": copy_s / push_s}
+    return {"s_per_gb": push_s / gb, "file_copy_s_per_gb": copy_s / gb, "ratio_vs_file_copy": ratio}
 
 
 def main() -> int:
@@ -133,7 +157,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-server", action="store_true", help="skip the separate rollout server")
     p.add_argument("--dir", default=None, help="scratch folder (default: the system's temp dir)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -45,6 +45,28 @@ def test_host_tensor_into_a_collective_raises_naming_the_call_site(checked):
     assert flag.agreed(None, ctx.device) == "signal SIGTERM"
 
 
+def test_threads_started_under_the_check_map_and_tag_device_tensors(checked):
+    """A dispatched loop's engine serves from a thread: torch-function modes are per thread, so without the
+    check's thread hook a `device=ctx.device` tensor there hit torch.cuda ("Torch not compiled with CUDA")."""
+    import threading
+
+    from megatron_rl.compat.device_check import on_device
+
+    ctx, out = checked, {}
+
+    def work():
+        try:
+            dev = torch.arange(4, device=ctx.device)
+            out["tagged"], out["host"] = on_device(dev * 2), on_device(torch.ones(2))
+        except Exception as e:  # noqa: BLE001 - reported below
+            out["error"] = repr(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert out == {"tagged": True, "host": False}
+
+
 def test_device_tags_follow_placement_and_ops(checked):
     from megatron_rl.compat.device_check import on_device
 

@@ -1,7 +1,8 @@
 """Rollouts for every trainer layout: the loop's engine is TP-only and its weight sync reshards PP, VPP and EP
-(and TP x PP) into it. Greedy rollouts equal the one-copy loop's (TP=1, PP=EP=1: every rank holds the
-whole model), the sync writes every engine parameter (and refuses a sync that misses one, naming it), and
-with a separate rollout server at EP=2 the push carries every expert (tests/mp/loop_layouts.py)."""
+(and TP x PP, and experts at etp != tp) into it. Greedy rollouts equal the one-copy loop's (TP=1, PP=EP=1:
+every rank holds the whole model), the sync writes every engine parameter (and refuses a sync that misses
+one, naming it), and with a separate rollout server at EP=2 the push carries every expert
+(tests/mp/loop_layouts.py)."""
 from __future__ import annotations
 
 import pytest
@@ -57,15 +58,13 @@ def _cfg(**parallel):
 def test_layouts_the_sync_cannot_reshard_are_refused_before_any_rank_starts():
     from megatron_rl.rollout.reshard import check_engine_layout
 
-    cfg = _cfg(tp=2, ep=2, etp=1, sequence_parallel=True)
-    with pytest.raises(ConfigError, match=r"parallel.etp=1 differs from parallel.tp=2.*set parallel.etp=null"):
-        check_engine_layout(cfg.parallel, cfg.model)
     cfg = _cfg(ep=2)
     cfg.model.moe.grouped_gemm = True
     with pytest.raises(ConfigError, match=r"model.moe.grouped_gemm with parallel.ep=2"):
         cfg.validate()
-    ok = _cfg(tp=2, ep=2, sequence_parallel=True)
-    check_engine_layout(ok.parallel, ok.model)  # etp = tp and SequentialMLP experts: served
+    for ok in (_cfg(tp=2, ep=2, sequence_parallel=True), _cfg(tp=2, ep=2, etp=1, sequence_parallel=True)):
+        check_engine_layout(ok.parallel, ok.model)  # SequentialMLP experts at etp = tp, and resharded at etp != tp
+        ok.validate()
 
 
 def test_a_separate_server_needs_tp1_only():

@@ -141,6 +141,32 @@ def test_update_weights_endpoint(server, pgs, tmp_path):
     assert err.value.status == 400
 
 
+def test_update_weights_from_a_weight_file_reads_into_the_engines_parameters(pgs, tmp_path):
+    """What `RolloutServerProcess.push` sends (a weight file, rollout/weight_file.py): the server reads it into
+    its engine's own parameters and generates as the new model; one missing parameter is refused, named."""
+    from megatron_rl.rollout.weight_file import write_weights
+
+    engine = RolloutEngine(_model(pgs, 3), EngineConfig(num_blocks=64, block_size=16), pgs.tp, pgs.cp)
+    srv = ServerThread(engine).start()
+    client = RolloutClient(srv.url, timeout=60, retries=1, backoff=0.1, token=srv.token)
+    new = _model(pgs, 5)
+    named = [(k, v.detach()) for k, v in new.state_dict().items() if not k.endswith("_extra_state")]
+    write_weights(tmp_path / "w.bin", named)
+    params = dict(engine.model.named_parameters())
+    ptrs = {n: p.data_ptr() for n, p in params.items()}
+    assert client.update_weights(1, str(tmp_path / "w.bin"))["policy_version"] == 1
+    assert {n: p.data_ptr() for n, p in params.items()} == ptrs
+    assert all(torch.equal(params[n], t) for n, t in named if n in params)
+    out = client.complete([257, 40, 41], max_tokens=4, temperature=0)
+    ref = RolloutEngine(new, EngineConfig(num_blocks=16)).generate(
+        [[257, 40, 41]], SamplingParams(temperature=0, max_new_tokens=4))
+    assert out["choices"][0]["token_ids"] == ref[0].samples[0].token_ids
+    write_weights(tmp_path / "w.bin", [(n, t) for n, t in named if n != "decoder.final_layernorm.weight"])
+    with pytest.raises(RolloutError, match=r"unwritten.*decoder.final_layernorm.weight"):
+        client.update_weights(2, str(tmp_path / "w.bin"))
+    srv.stop()
+
+
 def test_mutating_endpoints_need_the_job_token(server, tmp_path, monkeypatch):
     """Anyone on the cluster network could replace the policy through /update_weights: without the job's
     token (missing or wrong) it answers 401 and the weights stay; read-only and generation endpoints stay open."""

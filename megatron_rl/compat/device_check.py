@@ -11,7 +11,9 @@ it), `init_distributed` simulates NCCL's placement rule on CPU:
   (custom autograd Functions' outputs too); parameters count as device tensors (Megatron builds them on the
   current device); `.cpu()` / `.to("cpu")` results are host tensors;
 - `torch.distributed`'s tensor collectives check their tensors: an untagged one raises `DeviceCheckError`
-  naming the collective, the tensor and the call site (file:line, function), and the fix.
+  naming the collective, the tensor and the call site (file:line, function), and the fix;
+- threads started after that (the rollout server's engine thread of a dispatched loop, episode threads) run
+  under the same modes: torch-function modes are per thread.
 
 An idiom it cannot follow: `device=t.device` reads the CPU here even when `t` is tagged; write
 `device=ctx.device`, or write device data into it (an in-place op or `x[i] = v` with a tagged `v` tags `x`).
@@ -29,6 +31,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +207,23 @@ def _tag_function_outputs():
     return orig
 
 
+def _modes_in_new_threads() -> Callable:
+    """Threads started from now on run under this thread's torch-function modes (`compat.cpu`'s CUDA mapping
+    and the tag mode are per thread: the rollout server's engine thread would see neither, and fail on its
+    first `device=ctx.device` tensor); returns the original `Thread._bootstrap_inner`."""
+    modes = list(torch.overrides._get_current_function_mode_stack())  # bottom first
+    orig = threading.Thread._bootstrap_inner
+
+    def bootstrap(self):
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(m)
+            orig(self)
+
+    threading.Thread._bootstrap_inner = bootstrap
+    return orig
+
+
 def install() -> bool:
     """Install the check if MEGATRON_RL_DEVICE_CHECK asks for it (call after `compat.cpu.apply()`, so the tag
     mode sees CUDA placements before they are mapped); returns whether it is on. Idempotent."""
@@ -213,7 +233,7 @@ def install() -> bool:
         return False
     mode = DeviceTagMode()
     mode.__enter__()
-    undo = [("Function.apply", _tag_function_outputs())]
+    undo = [("Function.apply", _tag_function_outputs()), ("Thread._bootstrap_inner", _modes_in_new_threads())]
     for name in CHECKED:
         orig = getattr(dist, name, None)
         if orig is not None:
@@ -233,6 +253,8 @@ def uninstall() -> None:
     for name, orig in _state["undo"]:
         if name == "Function.apply":
             torch.autograd.Function.apply = orig
+        elif name == "Thread._bootstrap_inner":
+            threading.Thread._bootstrap_inner = orig
         else:
             setattr(dist, name, orig)
     mode.__exit__(None, None, None)

@@ -58,7 +58,10 @@ class DispatchRollouts(Rollouts):
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, episodes_cfg, worker_cfg, run_dir: Path,
                  tp_group, server: RolloutServerProcess | None = None, max_tokens: int = 1 << 30):
         super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens)
-        self.episodes_cfg, self.worker_cfg, self.run_dir, self.tp_group = episodes_cfg, worker_cfg, run_dir, tp_group
+        self.episodes_cfg, self.worker_cfg, self.run_dir = episodes_cfg, worker_cfg, run_dir
+        self.serve_group = tp_group
+        """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
+        eval are driven from rank 0 over the world; with it at TP=1 and 2+ ranks, rank 1 never got them)."""
         self.server = server
         """The separate rollout server (rank 0; None when colocated or on other ranks)."""
         self.separate = episodes_cfg.server == "separate"
@@ -166,7 +169,7 @@ class DispatchRollouts(Rollouts):
         calls it); rank 0's result, None on the others."""
         box = {}
         work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
-        serve_while(self.engine, self.tp_group, work, self._hosts())
+        serve_while(self.engine, self.serve_group, work, self._hosts())
         return box if dist.get_rank() == 0 else None
 
     def _results(self, results: list, count: bool) -> dict[str, dict]:
@@ -437,11 +440,10 @@ class RolloutServerProcess:
             self.client.update_weights(version, str(path), "continue")
 
     def _save(self, named_parameters) -> Path:
-        import torch
+        from megatron_rl.rollout.weight_file import write_weights
 
-        path, tmp = self.dir / "weights.pt", self.dir / "weights.pt.tmp"
-        torch.save({name: p.detach().cpu() for name, p in named_parameters}, tmp)  # no clone: ~0.7 s/GB here
-        os.replace(tmp, path)
+        path = self.dir / "weights.bin"
+        write_weights(path, named_parameters)  # raw bytes, read by the server into its engine's parameters
         return path
 
     def _start(self, weights: Path, version: int) -> None:

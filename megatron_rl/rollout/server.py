@@ -91,13 +91,11 @@ class EngineLoop:
         return rid, fut
 
     async def update_weights(self, version: int, path: str, policy: str | None) -> int:
-        """Load a torch.save'd state dict (trainer parameter names) into the engine; returns the tensor count.
-        Every engine parameter must be in it (the engine raises naming the missing ones). Memory-mapped: the
-        tensors are copied from the file's pages straight into the engine's."""
-        import torch
-
-        state = await asyncio.to_thread(torch.load, path, map_location="cpu", weights_only=True, mmap=True)
-        return await asyncio.to_thread(self.engine.update_weights, version, state.items(), policy, True)
+        """Load a weight file (rollout/weight_file.py: read straight into the engine's parameters, under its
+        lock) or a torch.save'd state dict (memory-mapped), trainer parameter names, into the engine; returns
+        the tensor count. Every engine parameter must be in it (the engine raises naming the missing ones)."""
+        return await asyncio.to_thread(lambda: self.engine.update_weights(version, weights_in(path, self.engine),
+                                                                          policy, True))
 
     def abort(self, rid: str) -> None:
         with self.engine.lock:
@@ -438,8 +436,6 @@ class ServerThread:
 def main(argv: list[str] | None = None) -> int:
     """Serve a policy: ModelConfig/EngineConfig from --config (a JSON/YAML file with `model` and `engine`
     sections, e.g. a run's config.yaml) or the defaults; random weights unless --weights."""
-    import torch
-
     from megatron_rl.distributed import init_distributed
     from megatron_rl.parallel import ParallelConfig
 
@@ -448,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (see --port-file)")
     p.add_argument("--port-file", help="write the bound port here once listening (atomically)")
     p.add_argument("--config", help="JSON/YAML with `model` and `engine` sections (other sections are ignored)")
-    p.add_argument("--weights", help="torch.save'd state dict with the trainer's parameter names")
+    p.add_argument("--weights", help="weight file (rollout/weight_file.py) or torch.save'd state dict, trainer names")
     p.add_argument("--version", type=int, default=0, help="policy version of --weights")
     p.add_argument("--vocab-size", type=int, default=384, help="without --config: the default model's vocabulary")
     args = p.parse_args(argv)
@@ -456,11 +452,23 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg, engine_cfg, tok = _server_configs(args.config, args.vocab_size)
     ctx = init_distributed(ParallelConfig(), source="single")
     engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs, valid_vocab=tok.vocab_size)
-    if args.weights:
-        state = torch.load(args.weights, map_location="cpu", weights_only=True, mmap=True)
-        engine.update_weights(args.version, state.items(), complete=True)  # every parameter, or it names the missing
+    if args.weights:  # every parameter, or it names the missing
+        engine.update_weights(args.version, weights_in(args.weights, engine), complete=True)
     asyncio.run(_serve_forever(create_app(engine, tok), args.host, args.port, args.port_file))
     return 0
+
+
+def weights_in(path: str, engine):
+    """(name, tensor) of the weights at `path`: a weight file read into the engine's own tensors, or a
+    torch.save'd state dict, memory-mapped."""
+    import torch
+
+    from megatron_rl.rollout.weight_file import is_weight_file, read_weights_into
+
+    if is_weight_file(path):
+        model = engine.model
+        return read_weights_into(path, {**dict(model.named_buffers()), **dict(model.named_parameters())})
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
 
 
 def _server_configs(path: str | None, vocab_size: int):

@@ -30,6 +30,8 @@ CASES = [  # (name, model, parallel); each name's model reference is the first c
     ("pp2_untied", dict(DENSE, tie_embeddings=False), {"pp": 2}),
     ("ref_moe", MOE, {}),
     ("ep2_moe_separate", MOE, {"ep": 2}),
+    ("tp2_ep2_etp1_moe", MOE, {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}),
+    ("tp2_etp4_moe", MOE, {"tp": 2, "etp": 4, "sequence_parallel": True}),
 ]
 
 
