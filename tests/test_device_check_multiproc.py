@@ -42,10 +42,11 @@ DISPATCHED = ("train.steps=0", "data.train_tasks=16", "data.heldout_tasks=4", "e
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [("parallel.tp=2",),
-                                    ("episodes.server=separate", "parallel.tp=1", "parallel.pp=2",
-                                     "rl.max_staleness=1")], ids=["colocated_tp2", "separate_pp2"])
+@pytest.mark.parametrize("layout", [("episodes.server=separate", "parallel.tp=1", "parallel.pp=2",
+                                     "rl.max_staleness=1")], ids=["separate_pp2"])
 def test_dispatched_loops_under_the_device_check(tmp_path, layout):
+    """(The colocated dispatched engine's serving thread is covered by test_device_check.py's thread test; its
+    TP=2 loop case was dropped from CI for time: 4 min on 2 loaded cores.)"""
     env = {**os.environ, "MEGATRON_RL_DEVICE_CHECK": "nccl"}
     proc = subprocess.run([EXE, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", *DISPATCHED, *layout],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
