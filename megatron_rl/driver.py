@@ -21,6 +21,7 @@ to local processes or a Slurm CPU partition, which call the engine's HTTP server
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -77,6 +78,15 @@ class StopFlag:
         self.signal: str | None = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
+        # Slurm delivers a step's USR1 (--signal=B:USR1@..., forwarded by the sbatch scripts) to EVERY process of
+        # the step: it would kill this rank's helpers mid-step (the checkpoint writer's spawned manager, sandboxes).
+        # Blocked here, it stays blocked in the threads and processes started from here on; a thread takes it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        threading.Thread(target=self._take_usr1, name="stop-usr1", daemon=True).start()
+
+    def _take_usr1(self) -> None:
+        while True:
+            self._handler(signal.sigwait({signal.SIGUSR1}), None)
 
     def _handler(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name

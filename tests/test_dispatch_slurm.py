@@ -183,22 +183,61 @@ json.dump(state, open(ckpt, "w"))
 print("saved", state, flush=True)
 """
 
+# The real `megatron-rl train` on one rank (the gpu partition's fake GPU; gloo on CPU): a short warm-up, then
+# 4 synchronous GRPO steps with real optimizer updates (the format bonus gives the groups reward variance).
+TRAIN = ("launch.nproc_per_node=1", "parallel.tp=1", "train.steps=30", "train.eval_every=15",
+         "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2", "eval.every=0", "rl.prompts_per_step=4",
+         "rl.group_size=4", "monitor.tensorboard=false", "monitor.prometheus_port=-1",
+         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "rl.steps=4",
+         "rl.checkpoint_every=0")
+RL_KEYS = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean",
+           "mismatch_kl", "lr", "sandbox_error_rate")
 
-def test_usr1_checkpoints_and_requeues_the_sbatch_job(slurm_cluster, tmp_path):
-    prog, ckpt, log = tmp_path / "stepper.py", tmp_path / "ckpt.json", tmp_path / "train.out"
-    prog.write_text(STEPPER)
-    cmd = shlex.quote(f"{PY} {prog} {ckpt} 60")
-    job = sbatch(slurm_cluster, ["-o", str(log), "--ntasks-per-node=1", "--gres=gpu:1",
-                                 "slurm/train_multinode.sbatch"], env=f"MRL_TRAIN_CMD={cmd}", wait=False)
-    wait_for(lambda: Path(f"{ckpt}.running").exists(), 60, "the training step to start")
-    time.sleep(1.0)
-    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
-    wait_for(lambda: sacct(slurm_cluster, job) == ["COMPLETED"] and ckpt.exists()
-             and json.loads(ckpt.read_text())["step"] == 60, 120, "the requeued job to finish")
-    state = json.loads(ckpt.read_text())
-    assert state["restarts"] == [0, 1]                     # resumed once, from the saved step
-    text = log.read_text()
-    assert "USR1: checkpoint requested" in text and "scontrol requeue" in text and "restart 1" in text
+
+def _rl_rows(run: Path) -> list[dict]:
+    """RL rows of metrics.jsonl as the run now stands (the last row of each step; a line being written is
+    left out)."""
+    rows: dict[int, dict] = {}
+    path = run / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("kind") == "rl":
+            rows[r["step"]] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unbroken_run(slurm_cluster,
+                                                                                         tmp_path):
+    """slurm/train_multinode.sbatch runs `megatron-rl train configs/demo_cpu.yaml` (tiny overrides). USR1 to
+    the batch shell (what --signal=B:USR1@... sends before the time limit) mid-RL: the trainer finishes its
+    step, checkpoints, exits 3; the job requeues itself, resumes from that checkpoint and finishes. Its RL
+    metrics, step for step, equal an unbroken job's (same script, same settings, run alongside)."""
+    jobs = {}
+    for name in ("unbroken", "broken"):
+        jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
+                                            "--gres=gpu:1", "slurm/train_multinode.sbatch", "configs/demo_cpu.yaml",
+                                            f"output_dir={tmp_path / name}", *TRAIN], wait=False)
+    broken = tmp_path / "broken" / "demo"
+    wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["broken"]])
+    done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"])  # noqa: E731
+    wait_for(lambda: all(done(j) for j in jobs.values()), 600, "both jobs to finish")
+    text = (tmp_path / "broken.out").read_text()
+    assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
+    assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
+    assert "restart 1 on" in text and "resuming from" in text, text[-4000:]
+    rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    resume = [r for r in rows if r["kind"] == "resume"]
+    assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < 4, resume  # stopped mid-run
+    a, b = _rl_rows(tmp_path / "unbroken" / "demo"), _rl_rows(broken)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    assert sum(not r["update_skipped"] for r in a) >= 2, "the comparison must cover real optimizer updates"
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in RL_KEYS} == {k: rb.get(k) for k in RL_KEYS}, (ra["step"], ra, rb)
+    assert (broken / "checkpoints" / "latest").read_text().strip() == "step-000004"
 
 
 def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):

@@ -75,6 +75,47 @@ def test_an_episode_lost_max_attempts_times_is_given_up_with_the_reason():
     assert q.counters["episodes_given_up"] == 1
 
 
+class FakeJob:
+    """A submitted worker job that still runs (hung): records its cancellation."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self, check: bool = True) -> None:
+        self.cancelled += 1
+
+
+def test_a_heartbeating_worker_without_progress_is_hung_its_job_cancelled_and_its_episodes_requeued(tmp_path):
+    """No processes: the monitor's tick on a fleet whose worker w1 (job J1) has held a lease for longer than
+    hung_s, heartbeating all along (alive, no progress), while w2 (job J2) published its lease in time."""
+    fleet = Fleet(FleetConfig(size=2, lease_s=2.0, heartbeat_s=0.5, hung_s=5.0), scripted(), tmp_path / "fleet")
+    fleet.folder.mkdir(parents=True)
+    fleet._stop.set()  # no top-up submissions from the tick: only the decision is under test
+    st, now = fleet.state, time.monotonic()
+    st.queue.put("b", eps(4), {"shard_dir": str(tmp_path / "shards")})
+    jobs = {"J1": FakeJob(), "J2": FakeJob()}
+    fleet.jobs = dict(jobs)
+    stuck = st.lease({"worker": "w1", "job": "J1", "max": 2, "wait_s": 0})["lease"]
+    fresh = st.lease({"worker": "w2", "job": "J2", "max": 2, "wait_s": 0})["lease"]
+    st.queue.leases[stuck["id"]].granted = now - 6.0  # handed out 6 s ago ...
+    st.queue.leases[fresh["id"]].granted = now - 4.0
+    assert st.heartbeat({"worker": "w1", "job": "J1", "leases": [stuck["id"]]})["lost"] == []  # ... kept alive
+    fleet._tick()
+    assert jobs["J1"].cancelled == 1 and jobs["J2"].cancelled == 0
+    assert fleet.counters["workers_hung"] == 1 and fleet.counters["workers_lost"] == 1
+    assert sorted(fleet.jobs) == ["J2"] and list(st.workers) == ["w2"] and fleet._alive() == 1  # room for one more
+    assert [e.episode_id for e in st.queue.batches["b"].pending] == [e["episode_id"] for e in stuck["episodes"]]
+    # if it wakes up, it hears that its lease is lost and that it must stop; it may not publish
+    assert st.heartbeat({"worker": "w1", "job": "J1", "leases": [stuck["id"]]}) == {"lost": [stuck["id"]],
+                                                                                    "stop": True}
+    assert st.commit({"worker": "w1", "job": "J1", "lease": stuck["id"]}) == {"ok": False}
+    fleet._tick()  # once only
+    assert jobs["J1"].cancelled == 1 and fleet.counters["workers_hung"] == 1
+
+
 def test_fleet_config_is_checked_with_the_fix_named():
     with pytest.raises(ConfigError, match="heartbeat_s .* below lease_s"):
         FleetConfig(heartbeat_s=30, lease_s=30).validate()
@@ -82,6 +123,8 @@ def test_fleet_config_is_checked_with_the_fix_named():
         FleetConfig(poll_s=0.2).validate()
     with pytest.raises(ConfigError, match="local or slurm"):
         FleetConfig(executor="debug").validate()
+    with pytest.raises(ConfigError, match=r"hung_s \(20.0\) must be 0 \(off\) or above lease_s"):
+        FleetConfig(hung_s=20, lease_s=30).validate()
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
 

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -76,6 +77,9 @@ class FleetConfig:
     """Fewest seconds between two scheduler queries (sacct); idle queries back off x2 up to poll_max_s."""
     poll_max_s: float = 60.0
     """Most seconds between scheduler queries while one is needed."""
+    hung_s: float = 3600.0
+    """A worker holding a lease this long unpublished (alive and heartbeating, but no progress) is hung: its
+    job is cancelled and replaced, the lease re-queued (0 = off; set it above the slowest lease's episodes)."""
     orphan_exit_s: float = 300.0
     """A worker exits when the driver has been unreachable this long."""
     max_attempts: int = 3
@@ -98,6 +102,9 @@ class FleetConfig:
         if self.poll_s < 1.0 or self.poll_max_s < self.poll_s:
             raise ConfigError(f"episodes.fleet.poll_s must be >= 1 s (scheduler queries) and poll_max_s >= poll_s; "
                               f"got {self.poll_s}, {self.poll_max_s}")
+        if self.hung_s and self.hung_s <= self.lease_s:
+            raise ConfigError(f"episodes.fleet.hung_s ({self.hung_s}) must be 0 (off) or above lease_s "
+                              f"({self.lease_s}): a lease is heartbeated for at least lease_s before it can hang")
         if self.wait_s <= 0 or self.orphan_exit_s <= self.wait_s:
             raise ConfigError("episodes.fleet.wait_s must be > 0 and orphan_exit_s > wait_s")
 
@@ -114,7 +121,8 @@ class Fleet:
         self.jobs: dict[str, object] = {}
         """job id -> submitit job of a worker submitted (or adopted) by this driver."""
         self._adopted: list[str] = []
-        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0}
+        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0,
+                         "workers_hung": 0}
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
         self._executor = None
         self._failed_starts = 0
@@ -214,12 +222,15 @@ class Fleet:
         now = time.monotonic()
         with self.state.cond:
             expired = self.state.queue.expired(now)
-            silent = [k for k, w in self.state.workers.items()
-                      if now - w["last_seen"] > self.config.lease_s and k not in self.state.surplus]
-            for k in silent:  # gone: its leases expired above (or below); it no longer counts
-                log.warning("fleet: worker %s silent for %.0fs; dropped", k, now - self.state.workers[k]["last_seen"])
+            silent = {k: f"silent for {now - w['last_seen']:.0f}s" for k, w in self.state.workers.items()
+                      if now - w["last_seen"] > self.config.lease_s and k not in self.state.surplus}
+            if self.config.hung_s:
+                stuck = self.state.queue.overdue(now, self.config.hung_s) - set(silent)
+                silent.update({k: f"hung: a lease unpublished after hung_s={self.config.hung_s:g}s" for k in stuck})
+            for k, why in silent.items():  # gone or hung: its leases expired above (or below); it no longer counts
+                log.warning("fleet: worker %s %s; dropped", k, why)
                 expired += self.state.queue.revoke_worker(k)
-                del self.state.workers[k]
+                self._cancel_hung(self.state.workers.pop(k)["job"], k, why)
                 self.counters["workers_lost"] += 1
         self._settle(expired, "lease expired")
         if self._query_needed() and now >= self._next_query:
@@ -227,6 +238,29 @@ class Fleet:
             self._poll = self.config.poll_s if changed else min(self._poll * 2, self.config.poll_max_s)
             self._next_query = now + self._poll
         self._top_up()
+
+    def _cancel_hung(self, job_id: str, worker: str, why: str) -> None:
+        """A dropped worker's job may still run (stopped, deadlocked, cut off from the driver): cancel it
+        (scancel; a local job's controller kills it), so that it stops counting towards the size and the next
+        top-up replaces it. Its job is marked ended: if it wakes up, it is told to stop and may not publish."""
+        job = self.jobs.get(job_id)
+        if job is not None and _done(job):
+            return  # it died (kill -9, node lost): the next scheduler query reports it ended
+        self.state.ended_jobs.add(job_id)
+        self.jobs.pop(job_id, None)
+        if job is None and job_id in self._adopted:  # a local worker of an earlier driver: its controller's pid
+            self._adopted.remove(job_id)
+            _signal_pid(job_id, signal.SIGINT)
+        elif job is not None:
+            try:
+                job.cancel(check=False)
+            except Exception as e:  # scancel failed: the scheduler ends it at its time limit
+                log.warning("fleet: cancelling job %s of hung worker %s failed: %s", job_id, worker, e)
+        else:
+            return  # not a job of this driver (an adopted Slurm job is in self.jobs)
+        self.counters["workers_hung"] += 1
+        self._save_jobs()
+        log.warning("fleet: cancelled job %s of worker %s (%s); a replacement follows", job_id, worker, why)
 
     def _settle(self, leases: list[Lease], reason: str) -> None:
         """Re-queue the unpublished episodes of revoked leases (published ones are done)."""
@@ -406,6 +440,13 @@ def _pid_alive(job_id: str) -> bool:
     except (ValueError, ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def _signal_pid(job_id: str, sig: int) -> None:
+    try:
+        os.kill(int(job_id), sig)
+    except (ValueError, ProcessLookupError, PermissionError):
+        pass
 
 
 def _state(job) -> str:

@@ -263,7 +263,7 @@ class DispatchRollouts(Rollouts):
 
 
 _TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
-FLEET_COUNTERS = ("scheduler_queries", "submissions", "workers_lost", "leases", "leases_expired",
+FLEET_COUNTERS = ("scheduler_queries", "submissions", "workers_lost", "workers_hung", "leases", "leases_expired",
                   "episodes_requeued", "episodes_given_up", "fenced_heartbeats")
 """Fleet counters reported per step as metrics fleet_<name> (plus fleet_first_lease_s: seconds from queueing
 a batch to its first lease, summed over the step's batches)."""
