@@ -123,7 +123,7 @@ def test_fleet_config_is_checked_with_the_fix_named():
         FleetConfig(poll_s=0.2).validate()
     with pytest.raises(ConfigError, match="local or slurm"):
         FleetConfig(executor="debug").validate()
-    with pytest.raises(ConfigError, match=r"hung_s \(20.0\) must be 0 \(off\) or above lease_s"):
+    with pytest.raises(ConfigError, match=r"hung_s \(20\) must be 0 \(off\) or above lease_s"):
         FleetConfig(hung_s=20, lease_s=30).validate()
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
@@ -190,6 +190,32 @@ def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tm
     finally:
         fleet.close()
     assert all(j.done() for j in fleet.jobs.values())  # every worker gone after close
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_cancelled_and_replaced_and_nothing_is_lost_or_duplicated(tmp_path):
+    """SIGSTOP of the worker holding a lease (alive, no heartbeat, no progress): lease_s later it is dropped,
+    its job cancelled (the local controller kills it) and a replacement submitted; every episode once."""
+    import threading
+
+    fleet = Fleet(FleetConfig(size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15), tmp_path / "fleet").start()
+    try:
+        batch = episodes_from_tasks(TASKS[:24], prefix="h")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
+        t.start()
+        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 30, "a lease")
+        pid = busy[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # hung: the process lives on, its heartbeats stop
+        t.join(90)
+        assert not t.is_alive() and out["given_up"] == {}
+        assert published_counts(tmp_path / "b0") == {e.episode_id: 1 for e in batch}  # all 24, each once
+        assert fleet.counters["workers_hung"] == 1 and fleet.counters["workers_lost"] >= 1
+        assert fleet.counters["submissions"] == 2 and fleet.counters["workers_submitted"] == 3  # one replacement
+        assert busy[0]["job"] not in fleet.jobs and busy[0]["job"] in fleet.state.ended_jobs
+        wait_for(lambda: not _alive(pid), 20, "the stopped worker to be killed")
+    finally:
+        fleet.close()
 
 
 def _driver(out: Path, steps: int) -> subprocess.Popen:
