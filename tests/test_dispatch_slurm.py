@@ -258,27 +258,44 @@ def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cl
     assert text.count("USR1: checkpoint requested") == len(state["restarts"]) - 1, text
 
 
-def test_rl_hetjob_sbatch(slurm_cluster, tmp_path):
-    eps = episodes_from_tasks(TASKS[:8])
-    spec = WorkerSpec(episodes=eps, shard_dir=str(tmp_path / "shards"), worker=worker(delay_s=0.2)).dump(
-        tmp_path / "spec.json")
-    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", str(spec),
-                           str(tmp_path / "out")])
-    trainer = json.loads((tmp_path / "out" / "trainer.out").read_text().splitlines()[0])
-    assert trainer["source"] == "slurm" and trainer["master_addr"] == "gpunode"
-    workers = json.loads((tmp_path / "out" / "workers.json").read_text())
-    assert workers["ranks"] == 2 and sorted(workers["finished"]) == sorted(e.episode_id for e in eps)
+def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_component_1(slurm_cluster, tmp_path):
+    """slurm/rl_hetjob.sbatch: the real `megatron-rl train` on the gpu component, its rollout fleet (2 workers,
+    started once by the script) on the cpu component; every episode trained once, nothing submitted."""
+    from megatron_rl.data.shards import read_shard
+
+    out = tmp_path / "het"
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", "configs/demo_cpu.yaml",
+                           str(out), *[o for o in TRAIN if not o.startswith("rl.steps")], "rl.steps=2",
+                           "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1"], timeout=600)
+    text = (out / "trainer.out").read_text() + (out / "workers.out").read_text()
+    run = out / "demo"
+    rl = _rl_rows(run)
+    assert [r["step"] for r in rl] == [0, 1], text[-4000:]
+    for r in rl:
+        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0
+        assert r["fleet_submissions"] == 0 and r["fleet_leases"] >= 4  # the script started the workers
+        assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
+    eps = [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
+    assert len(eps) == sum(r["episodes_dispatched"] for r in rl) == len({t.episode_id for t in eps})
+    workers = [json.loads(line) for line in (out / "workers.out").read_text().splitlines() if line.startswith("{")]
+    assert len(workers) == 2 and all(w["reason"] == "run over" and w["partition"] == "cpu" for w in workers), text
+    assert sum(w["episodes"] for w in workers) == len(eps) and all(w["episodes"] > 0 for w in workers), workers
 
 
-def test_rl_submitit_sbatch(slurm_cluster, tmp_path):
+def test_rl_submitit_sbatch_runs_every_step_through_one_fleet_submission(slurm_cluster, tmp_path):
+    from tests.test_fleet import published_counts
+
     out = tmp_path / "fleet"
-    sbatch(slurm_cluster, ["-o", str(tmp_path / "drv.out"), "slurm/rl_submitit.sbatch", str(out), "--num", "16",
-                           "--episodes-per-task", "4", "--wrong-fraction", "0.9", "--time-min", "5"])
-    report = json.loads((out / "report.json").read_text())
-    assert len(report["finished"]) == 16 and not report["missing"] and report["duplicates"] == 0
-    assert report["rounds"][0]["tasks"] == 4
-    ids, _ = consume_all(out / "shards")
-    assert len(ids) == 16
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "drv.out"), "slurm/rl_submitit.sbatch", str(out), "--steps", "3",
+                           "--per-step", "8", "--size", "2", "--episodes-per-lease", "4", "--wrong-fraction", "0.9",
+                           "--threads", "1", "--time-min", "5", "--mem-gb", "0.5", "--poll-s", "1",
+                           "--heartbeat-s", "1", "--lease-s", "10", "--wait-s", "2"])
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["given_up"] == 0 for r in rows), rows
+    assert rows[-1]["submissions"] == 1 and rows[-1]["workers_submitted"] == 2  # one array for the whole run
+    assert max(r["first_lease_s"] for r in rows[1:]) < 1.0  # warm workers took the later steps' episodes
+    counts = published_counts(out / "shards")
+    assert len(counts) == 24 and set(counts.values()) == {1}, counts  # every episode exactly once
 
 
 def test_eval_array_sbatch(slurm_cluster, tmp_path):

@@ -121,7 +121,7 @@ def test_fleet_config_is_checked_with_the_fix_named():
         FleetConfig(heartbeat_s=30, lease_s=30).validate()
     with pytest.raises(ConfigError, match="poll_s must be >= 1 s"):
         FleetConfig(poll_s=0.2).validate()
-    with pytest.raises(ConfigError, match="local or slurm"):
+    with pytest.raises(ConfigError, match="local, slurm or external"):
         FleetConfig(executor="debug").validate()
     with pytest.raises(ConfigError, match=r"hung_s \(20\) must be 0 \(off\) or above lease_s"):
         FleetConfig(hung_s=20, lease_s=30).validate()

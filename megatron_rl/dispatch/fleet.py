@@ -46,7 +46,8 @@ class FleetConfig:
     """Size, resources and timing of a persistent rollout fleet (`episodes.fleet`)."""
 
     executor: str = "local"
-    """submitit executor of the workers: local (processes on this machine) or slurm (one job array)."""
+    """How workers start: local (submitit processes here), slurm (one submitit job array), or external (started
+    by the job script, e.g. the CPU component of slurm/rl_hetjob.sbatch; none are submitted or replaced)."""
     size: int = 2
     """Workers wanted; a file `<folder>/size` holding a number overrides it while the run goes on."""
     folder: str = ""
@@ -92,8 +93,8 @@ class FleetConfig:
     """Address workers use to reach the queue ('' = 127.0.0.1 for local, this host's name for slurm)."""
 
     def validate(self) -> None:
-        if self.executor not in ("local", "slurm"):
-            raise ConfigError(f"episodes.fleet.executor must be local or slurm, got {self.executor!r}")
+        if self.executor not in ("local", "slurm", "external"):
+            raise ConfigError(f"episodes.fleet.executor must be local, slurm or external, got {self.executor!r}")
         if self.size < 1 or self.episodes_per_lease < 1 or self.cpus_per_task < 1 or self.max_attempts < 1:
             raise ConfigError("episodes.fleet.size, episodes_per_lease, cpus_per_task, max_attempts must be >= 1")
         if not 0 < self.heartbeat_s < self.lease_s:
@@ -356,7 +357,7 @@ class Fleet:
         return len(active) + len(waiting) + len(adopted)
 
     def _top_up(self) -> None:
-        if self._stop.is_set() or self.broken:
+        if self._stop.is_set() or self.broken or self.config.executor == "external":
             return
         with self.state.cond:
             size = self.state.size
@@ -418,7 +419,7 @@ class Fleet:
         log.info("fleet: adopted %d workers of an earlier driver", len(ids))
 
     def _hosts(self) -> tuple[str, str]:
-        if self.config.executor != "slurm":
+        if self.config.executor == "local":
             return "127.0.0.1", self.config.serve_host or "127.0.0.1"
         from megatron_rl.dispatch.net import node_address
 

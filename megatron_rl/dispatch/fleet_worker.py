@@ -229,3 +229,40 @@ class FleetWorkerTask:
 
     def __setstate__(self, state):
         self.__init__()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_rl.dispatch.fleet_worker FLEET_FOLDER`: one worker started by a job script (fleet
+    executor `external`, e.g. the CPU component of slurm/rl_hetjob.sbatch). It waits for the driver's
+    queue.json, works until told to stop, and prints one JSON line: worker, reason, counts, Slurm partition, job."""
+    import argparse
+    import signal
+    import sys
+
+    from megatron_rl.slurm_env import SlurmEnv
+
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.dispatch.fleet_worker", description=main.__doc__)
+    p.add_argument("folder", help="the fleet folder (episodes.fleet.folder of the run)")
+    p.add_argument("--start-timeout-s", type=float, default=3600.0,
+                   help="give up when the driver has not published its queue (queue.json) within this long")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The batch script forwards USR1 (time limit) to every step: the driver checkpoints and tells its workers
+    # to stop; a worker killed by the signal would lose its lease's work instead.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    folder, end = Path(args.folder), time.monotonic() + args.start_timeout_s
+    while not all((folder / n).is_file() for n in ("queue.json", "worker.json")):
+        if time.monotonic() > end:
+            print(f"fleet worker: no queue.json and worker.json in {folder} after {args.start_timeout_s:.0f}s: is "
+                  "the driver running with episodes.fleet.folder set to this folder?", file=sys.stderr)
+            return 2
+        time.sleep(1.0)
+    out = FleetWorker(folder).run()
+    senv = SlurmEnv.from_environ()
+    print(json.dumps({**out, "partition": senv.partition if senv else None, "job": senv.job_id if senv else None,
+                      "het_job": senv.het_job_id if senv else None}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

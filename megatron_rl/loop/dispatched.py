@@ -273,7 +273,7 @@ def server_hosts(episodes_cfg) -> tuple[str, str]:
     """(bind address, address the workers use) of the rollout server: under Slurm the node's own address (the
     one its name resolves to), never 0.0.0.0 unless the name resolves to loopback only."""
     executor = episodes_cfg.fleet.executor if episodes_cfg.runner == "fleet" else episodes_cfg.dispatch.executor
-    slurm = executor == "slurm"
+    slurm = executor in ("slurm", "external")  # workers on other nodes
     public = episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1")
     return (node_address(public) if slurm else "127.0.0.1", public)
 
