@@ -4,7 +4,10 @@ mpi4py work sharing under `srun --mpi=pmix`, and every sbatch script in slurm/ r
 Time limits: Slurm's own warning signal fires on a coarse timer, so most tests send the same signal the
 time limit would (`scancel --signal=USR2` for submitit tasks, `scancel --signal=USR1 --batch` for the sbatch
 scripts' trap) instead of waiting for it; everything after the signal (checkpoint, requeue, resume, finish)
-is the real path. One test waits for slurmctld's own timer on a 1-minute limit."""
+is the real path: the real `megatron-rl train` under train_multinode.sbatch (checkpoint, requeue, resume equal
+to an unbroken run) and under rl_hetjob.sbatch (trainer + persistent fleet). One test waits for slurmctld's
+own timer on a 1-minute limit; it drives a toy stepper under the same script and trap, since a real run's
+start-up (~20 s here) would leave little of each 10-40 s window."""
 from __future__ import annotations
 
 import json

@@ -16,6 +16,12 @@ whose worker's job ended (scheduler), is revoked: the shards are checked and wha
 the queue; the old holder's next heartbeat hears "lost" and it publishes nothing of it (fencing). A copy
 published anyway in the race is dropped by episode id when read (first copy wins) and counted.
 
+Hung workers: one silent for `lease_s` (stopped, deadlocked, cut off), or holding a lease unpublished for
+`hung_s` while its heartbeats go on (an episode that never ends), is dropped, its leases re-queued, and its
+job cancelled (scancel; a local job's controller kills it), so that the next top-up replaces it; if it wakes
+up, it is told to stop and may not publish. Workers of executor `external` (started by the job script) are
+dropped the same way but neither cancelled nor replaced.
+
 Scheduler: one submission per fleet (a job array of `size` workers); a replacement array only when workers
 were lost or the fleet grew. Job states are queried (one sacct for all) only while some submitted worker has
 not joined or some joined worker went silent, at most every `poll_s`, backing off x2 to `poll_max_s`.
