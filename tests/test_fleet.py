@@ -116,6 +116,31 @@ def test_a_heartbeating_worker_without_progress_is_hung_its_job_cancelled_and_it
     assert jobs["J1"].cancelled == 1 and fleet.counters["workers_hung"] == 1
 
 
+def test_a_silent_worker_is_dropped_after_lease_s_and_cancelled_after_silent_s_unless_it_returns(tmp_path):
+    fleet = Fleet(FleetConfig(size=3, lease_s=2.0, heartbeat_s=0.5, silent_s=6.0), scripted(), tmp_path / "fleet")
+    fleet.folder.mkdir(parents=True)
+    fleet._stop.set()  # no top-up submissions from the tick: only the decision is under test
+    st, now = fleet.state, time.monotonic()
+    st.queue.put("b", eps(2), {"shard_dir": str(tmp_path / "shards")})
+    jobs = {j: FakeJob() for j in ("J1", "J2", "J3")}
+    fleet.jobs = dict(jobs)
+    lease = st.lease({"worker": "w1", "job": "J1", "max": 2, "wait_s": 0})["lease"]
+    for w, j in (("w2", "J2"), ("w3", "J3")):
+        st.heartbeat({"worker": w, "job": j, "leases": []})
+    for w in ("w1", "w2"):
+        st.workers[w]["last_seen"] = now - 3.0  # silent for longer than lease_s
+    fleet._tick()
+    assert sorted(st.workers) == ["w3"] and fleet.counters["workers_lost"] == 2  # dropped ...
+    assert len(st.queue.batches["b"].pending) == 2 and not any(j.cancelled for j in jobs.values())  # not cancelled
+    assert fleet._alive() == 3  # their jobs still count: a requeued worker may come back
+    st.heartbeat({"worker": "w2", "job": "J2", "leases": []})  # w2 is back (a requeue, a network blip)
+    fleet._dropped["w1"] = ("J1", now - 7.0)  # w1 still silent after silent_s
+    fleet._tick()
+    assert jobs["J1"].cancelled == 1 and jobs["J2"].cancelled == 0 and fleet.counters["workers_hung"] == 1
+    assert sorted(fleet.jobs) == ["J2", "J3"] and fleet._alive() == 2 and not fleet._dropped  # room for one more
+    assert st.commit({"worker": "w1", "job": "J1", "lease": lease["id"]}) == {"ok": False}  # fenced if it wakes
+
+
 def test_fleet_config_is_checked_with_the_fix_named():
     with pytest.raises(ConfigError, match="heartbeat_s .* below lease_s"):
         FleetConfig(heartbeat_s=30, lease_s=30).validate()
@@ -125,6 +150,8 @@ def test_fleet_config_is_checked_with_the_fix_named():
         FleetConfig(executor="debug").validate()
     with pytest.raises(ConfigError, match=r"hung_s \(20\) must be 0 \(off\) or above lease_s"):
         FleetConfig(hung_s=20, lease_s=30).validate()
+    with pytest.raises(ConfigError, match=r"silent_s \(10\) must be >= lease_s \(30\)"):
+        FleetConfig(silent_s=10, lease_s=30).validate()
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
 
@@ -194,11 +221,13 @@ def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tm
 
 @pytest.mark.slow
 def test_a_stopped_worker_is_cancelled_and_replaced_and_nothing_is_lost_or_duplicated(tmp_path):
-    """SIGSTOP of the worker holding a lease (alive, no heartbeat, no progress): lease_s later it is dropped,
-    its job cancelled (the local controller kills it) and a replacement submitted; every episode once."""
+    """SIGSTOP of the worker holding a lease (alive, no heartbeat, no progress): lease_s later it is dropped and
+    its lease re-queued, silent_s later its job is cancelled (the local controller kills it) and a replacement
+    submitted; every episode once."""
     import threading
 
-    fleet = Fleet(FleetConfig(size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15), tmp_path / "fleet").start()
+    cfg = FleetConfig(size=2, episodes_per_lease=4, silent_s=5.0, **FAST)
+    fleet = Fleet(cfg, scripted(delay_s=0.15), tmp_path / "fleet").start()
     try:
         batch = episodes_from_tasks(TASKS[:24], prefix="h")
         out: dict = {}
@@ -214,6 +243,8 @@ def test_a_stopped_worker_is_cancelled_and_replaced_and_nothing_is_lost_or_dupli
         assert fleet.counters["submissions"] == 2 and fleet.counters["workers_submitted"] == 3  # one replacement
         assert busy[0]["job"] not in fleet.jobs and busy[0]["job"] in fleet.state.ended_jobs
         wait_for(lambda: not _alive(pid), 20, "the stopped worker to be killed")
+        logs = [p.read_text() for p in (tmp_path / "fleet" / "submitit").rglob("*_log.err")]
+        assert len(logs) == 3 and all("episode runner ready" in t for t in logs)  # built before the first lease
     finally:
         fleet.close()
 

@@ -16,11 +16,11 @@ whose worker's job ended (scheduler), is revoked: the shards are checked and wha
 the queue; the old holder's next heartbeat hears "lost" and it publishes nothing of it (fencing). A copy
 published anyway in the race is dropped by episode id when read (first copy wins) and counted.
 
-Hung workers: one silent for `lease_s` (stopped, deadlocked, cut off), or holding a lease unpublished for
-`hung_s` while its heartbeats go on (an episode that never ends), is dropped, its leases re-queued, and its
-job cancelled (scancel; a local job's controller kills it), so that the next top-up replaces it; if it wakes
-up, it is told to stop and may not publish. Workers of executor `external` (started by the job script) are
-dropped the same way but neither cancelled nor replaced.
+Hung workers: one silent for `lease_s` is dropped and its leases re-queued; still silent after `silent_s`
+(stopped, deadlocked, cut off), or holding a lease unpublished for `hung_s` while its heartbeats go on (an
+episode that never ends), its job is cancelled (scancel; a local job's controller kills it) so that the next
+top-up replaces it; if it wakes up, it is told to stop and may not publish. Workers of executor `external`
+(started by the job script) are dropped the same way but neither cancelled nor replaced.
 
 Scheduler: one submission per fleet (a job array of `size` workers); a replacement array only when workers
 were lost or the fleet grew. Job states are queried (one sacct for all) only while some submitted worker has
@@ -84,6 +84,10 @@ class FleetConfig:
     """Fewest seconds between two scheduler queries (sacct); idle queries back off x2 up to poll_max_s."""
     poll_max_s: float = 60.0
     """Most seconds between scheduler queries while one is needed."""
+    silent_s: float = 120.0
+    """A worker silent this long (dropped after lease_s, its leases re-queued) whose job still runs -- stopped,
+    deadlocked, cut off from the driver -- has its job cancelled and replaced; a requeued worker that rejoins
+    sooner is kept."""
     hung_s: float = 3600.0
     """A worker holding a lease this long unpublished (alive and heartbeating, but no progress) is hung: its
     job is cancelled and replaced, the lease re-queued (0 = off; set it above the slowest lease's episodes)."""
@@ -109,6 +113,9 @@ class FleetConfig:
         if self.poll_s < 1.0 or self.poll_max_s < self.poll_s:
             raise ConfigError(f"episodes.fleet.poll_s must be >= 1 s (scheduler queries) and poll_max_s >= poll_s; "
                               f"got {self.poll_s}, {self.poll_max_s}")
+        if self.silent_s < self.lease_s:
+            raise ConfigError(f"episodes.fleet.silent_s ({self.silent_s}) must be >= lease_s ({self.lease_s}): a "
+                              "worker is dropped after lease_s of silence, and cancelled only later")
         if self.hung_s and self.hung_s <= self.lease_s:
             raise ConfigError(f"episodes.fleet.hung_s ({self.hung_s}) must be 0 (off) or above lease_s "
                               f"({self.lease_s}): a lease is heartbeated for at least lease_s before it can hang")
@@ -133,6 +140,8 @@ class Fleet:
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
         self._executor = None
         self._failed_starts = 0
+        self._dropped: dict[str, tuple[str, float]] = {}
+        """Worker dropped for silence -> (its job, when last heard): cancelled after silent_s unless it returns."""
         self.broken = ""
         """Why the fleet gave up (workers that die before joining, `size` times in a row); run_batch raises it."""
         self.httpd = None
@@ -229,16 +238,24 @@ class Fleet:
         now = time.monotonic()
         with self.state.cond:
             expired = self.state.queue.expired(now)
-            silent = {k: f"silent for {now - w['last_seen']:.0f}s" for k, w in self.state.workers.items()
-                      if now - w["last_seen"] > self.config.lease_s and k not in self.state.surplus}
-            if self.config.hung_s:
-                stuck = self.state.queue.overdue(now, self.config.hung_s) - set(silent)
-                silent.update({k: f"hung: a lease unpublished after hung_s={self.config.hung_s:g}s" for k in stuck})
-            for k, why in silent.items():  # gone or hung: its leases expired above (or below); it no longer counts
-                log.warning("fleet: worker %s %s; dropped", k, why)
+            silent = [k for k, w in self.state.workers.items()
+                      if now - w["last_seen"] > self.config.lease_s and k not in self.state.surplus]
+            stuck = self.state.queue.overdue(now, self.config.hung_s) - set(silent) if self.config.hung_s else set()
+            for k in [*silent, *stuck]:  # gone or hung: its leases expired above (or below); it no longer counts
+                w = self.state.workers.pop(k)
+                log.warning("fleet: worker %s %s; dropped", k, f"silent for {now - w['last_seen']:.0f}s"
+                            if k in silent else f"hung: a lease unpublished after hung_s={self.config.hung_s:g}s")
                 expired += self.state.queue.revoke_worker(k)
-                self._cancel_hung(self.state.workers.pop(k)["job"], k, why)
                 self.counters["workers_lost"] += 1
+                self._dropped[k] = (w["job"], w["last_seen"])
+                if k in stuck:  # heartbeating, so alive: stuck
+                    self._cancel_hung(w["job"], k, "no progress")
+            for k in [k for k in self._dropped if k in self.state.workers]:
+                del self._dropped[k]  # it talked again (a requeued worker back, a network blip over)
+            for k, (job, seen) in list(self._dropped.items()):
+                if now - seen > self.config.silent_s:  # still silent: stopped, deadlocked or cut off
+                    del self._dropped[k]
+                    self._cancel_hung(job, k, f"silent for {now - seen:.0f}s")
         self._settle(expired, "lease expired")
         if self._query_needed() and now >= self._next_query:
             changed = self._query()

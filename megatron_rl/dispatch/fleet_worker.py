@@ -81,6 +81,7 @@ class FleetWorker:
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> dict:
         threading.Thread(target=self._heartbeats, name="fleet-heartbeat", daemon=True).start()
+        self._warm_up()
         reason = "stopped"
         try:
             while not self.stopping.is_set():
@@ -100,6 +101,20 @@ class FleetWorker:
                 self.runner.close()
         log.info("fleet worker %s exits (%s): %s", self.id, reason, self.stats)
         return {"worker": self.id, "reason": reason, **self.stats}
+
+    def _warm_up(self) -> None:
+        """Build the episode runner (tokenizer, sandbox pool, threads) before the first lease, while the driver
+        still sets up its step 0, instead of inside that step's rollout time. A failure here is retried at the
+        first lease (and reported there, against its episodes)."""
+        t0 = time.monotonic()
+        try:
+            self._runner(self._spec({"episodes": [], "shard_dir": str(self.folder), "batch": "warm-up", "attempt": 0,
+                                     "url": self.cfg.generator.url}))
+        except Exception:
+            log.exception("fleet worker %s: building the episode runner failed; retried at the first lease", self.id)
+            self.runner = None
+            return
+        log.info("fleet worker %s: episode runner ready in %.2fs", self.id, time.monotonic() - t0)
 
     def _heartbeats(self) -> None:
         while not self.stopping.wait(float(self.queue.get("heartbeat_s", 5.0))):
