@@ -141,7 +141,7 @@ class Fleet:
         self._executor = None
         self._failed_starts = 0
         self._dropped: dict[str, tuple[str, float]] = {}
-        """Worker dropped for silence -> (its job, when last heard): cancelled after silent_s unless it returns."""
+        """Worker dropped for silence -> (its job, when last heard, pid): cancelled after silent_s unless it returns."""
         self.broken = ""
         """Why the fleet gave up (workers that die before joining, `size` times in a row); run_batch raises it."""
         self.httpd = None
@@ -247,15 +247,15 @@ class Fleet:
                             if k in silent else f"hung: a lease unpublished after hung_s={self.config.hung_s:g}s")
                 expired += self.state.queue.revoke_worker(k)
                 self.counters["workers_lost"] += 1
-                self._dropped[k] = (w["job"], w["last_seen"])
+                self._dropped[k] = (w["job"], w["last_seen"], w.get("pid", 0))
                 if k in stuck:  # heartbeating, so alive: stuck
-                    self._cancel_hung(w["job"], k, "no progress")
+                    self._cancel_hung(w["job"], k, "no progress", w.get("pid", 0))
             for k in [k for k in self._dropped if k in self.state.workers]:
                 del self._dropped[k]  # it talked again (a requeued worker back, a network blip over)
-            for k, (job, seen) in list(self._dropped.items()):
+            for k, (job, seen, pid) in list(self._dropped.items()):
                 if now - seen > self.config.silent_s:  # still silent: stopped, deadlocked or cut off
                     del self._dropped[k]
-                    self._cancel_hung(job, k, f"silent for {now - seen:.0f}s")
+                    self._cancel_hung(job, k, f"silent for {now - seen:.0f}s", pid)
         self._settle(expired, "lease expired")
         if self._query_needed() and now >= self._next_query:
             changed = self._query()
@@ -263,7 +263,7 @@ class Fleet:
             self._next_query = now + self._poll
         self._top_up()
 
-    def _cancel_hung(self, job_id: str, worker: str, why: str) -> None:
+    def _cancel_hung(self, job_id: str, worker: str, why: str, pid: int = 0) -> None:
         """A dropped worker's job may still run (stopped, deadlocked, cut off from the driver): cancel it
         (scancel; a local job's controller kills it), so that it stops counting towards the size and the next
         top-up replaces it. Its job is marked ended: if it wakes up, it is told to stop and may not publish."""
@@ -282,6 +282,10 @@ class Fleet:
                 log.warning("fleet: cancelling job %s of hung worker %s failed: %s", job_id, worker, e)
         else:
             return  # not a job of this driver (an adopted Slurm job is in self.jobs)
+        if self.config.executor == "local" and pid:
+            # submitit cancels a local job with SIGINT to its controller, which a driver started in the background
+            # (`cmd &` in a script: SIGINT ignored, inherited) never acts on: kill the worker itself (this host)
+            _signal_pid(str(pid), signal.SIGKILL)
         self.counters["workers_hung"] += 1
         self._save_jobs()
         log.warning("fleet: cancelled job %s of worker %s (%s); a replacement follows", job_id, worker, why)

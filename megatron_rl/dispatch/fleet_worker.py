@@ -12,6 +12,7 @@ Checkpointable) it publishes what is finished, reports it (the rest goes back to
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -66,7 +67,8 @@ class FleetWorker:
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
                     return json.loads(r.read())
-            except (urllib.error.URLError, OSError, ValueError) as e:
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+                # HTTPException: e.g. IncompleteRead, the driver died while answering (a kill -9, a requeue)
                 now = time.monotonic()
                 first_fail = first_fail or now
                 if now - first_fail > float(q.get("orphan_exit_s", 300)):
