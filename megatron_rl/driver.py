@@ -21,12 +21,14 @@ to local processes or a Slurm CPU partition, which call the engine's HTTP server
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 
 import torch
 
 from megatron_rl.loop import state as S
 from megatron_rl.run_config import RunConfig
+from megatron_rl.slurm_env import SlurmEnv
 
 
 def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag | None = None) -> int:
@@ -77,6 +79,18 @@ class StopFlag:
         self.signal: str | None = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
+        senv = SlurmEnv.from_environ()
+        if senv is not None and senv.in_step:
+            # Slurm delivers a step's USR1 (--signal=B:USR1@..., forwarded by the sbatch scripts) to EVERY process
+            # of the step: it would kill this rank's helpers mid-step (the checkpoint writer's spawned manager,
+            # sandboxes). Blocked here, it stays blocked in the threads and processes started from here on (they
+            # never see it); a thread of its own takes it for the flag.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+            threading.Thread(target=self._take_usr1, name="stop-usr1", daemon=True).start()
+
+    def _take_usr1(self) -> None:
+        while True:
+            self._handler(signal.sigwait({signal.SIGUSR1}), None)
 
     def _handler(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name

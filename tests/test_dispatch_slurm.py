@@ -4,7 +4,10 @@ mpi4py work sharing under `srun --mpi=pmix`, and every sbatch script in slurm/ r
 Time limits: Slurm's own warning signal fires on a coarse timer, so most tests send the same signal the
 time limit would (`scancel --signal=USR2` for submitit tasks, `scancel --signal=USR1 --batch` for the sbatch
 scripts' trap) instead of waiting for it; everything after the signal (checkpoint, requeue, resume, finish)
-is the real path. One test waits for slurmctld's own timer on a 1-minute limit."""
+is the real path: the real `megatron-rl train` under train_multinode.sbatch (checkpoint, requeue, resume equal
+to an unbroken run) and under rl_hetjob.sbatch (trainer + persistent fleet). One test waits for slurmctld's
+own timer on a 1-minute limit; it drives a toy stepper under the same script and trap, since a real run's
+start-up (~20 s here) would leave little of each 10-40 s window."""
 from __future__ import annotations
 
 import json
@@ -183,22 +186,61 @@ json.dump(state, open(ckpt, "w"))
 print("saved", state, flush=True)
 """
 
+# The real `megatron-rl train` on one rank (the gpu partition's fake GPU; gloo on CPU): a short warm-up, then
+# 4 synchronous GRPO steps with real optimizer updates (the format bonus gives the groups reward variance).
+TRAIN = ("launch.nproc_per_node=1", "parallel.tp=1", "train.steps=30", "train.eval_every=15",
+         "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2", "eval.every=0", "rl.prompts_per_step=4",
+         "rl.group_size=4", "monitor.tensorboard=false", "monitor.prometheus_port=-1",
+         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "rl.steps=4",
+         "rl.checkpoint_every=0")
+RL_KEYS = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean",
+           "mismatch_kl", "lr", "sandbox_error_rate")
 
-def test_usr1_checkpoints_and_requeues_the_sbatch_job(slurm_cluster, tmp_path):
-    prog, ckpt, log = tmp_path / "stepper.py", tmp_path / "ckpt.json", tmp_path / "train.out"
-    prog.write_text(STEPPER)
-    cmd = shlex.quote(f"{PY} {prog} {ckpt} 60")
-    job = sbatch(slurm_cluster, ["-o", str(log), "--ntasks-per-node=1", "--gres=gpu:1",
-                                 "slurm/train_multinode.sbatch"], env=f"MRL_TRAIN_CMD={cmd}", wait=False)
-    wait_for(lambda: Path(f"{ckpt}.running").exists(), 60, "the training step to start")
-    time.sleep(1.0)
-    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
-    wait_for(lambda: sacct(slurm_cluster, job) == ["COMPLETED"] and ckpt.exists()
-             and json.loads(ckpt.read_text())["step"] == 60, 120, "the requeued job to finish")
-    state = json.loads(ckpt.read_text())
-    assert state["restarts"] == [0, 1]                     # resumed once, from the saved step
-    text = log.read_text()
-    assert "USR1: checkpoint requested" in text and "scontrol requeue" in text and "restart 1" in text
+
+def _rl_rows(run: Path) -> list[dict]:
+    """RL rows of metrics.jsonl as the run now stands (the last row of each step; a line being written is
+    left out)."""
+    rows: dict[int, dict] = {}
+    path = run / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("kind") == "rl":
+            rows[r["step"]] = r
+    return [rows[k] for k in sorted(rows)]
+
+
+def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unbroken_run(slurm_cluster,
+                                                                                         tmp_path):
+    """slurm/train_multinode.sbatch runs `megatron-rl train configs/demo_cpu.yaml` (tiny overrides). USR1 to
+    the batch shell (what --signal=B:USR1@... sends before the time limit) mid-RL: the trainer finishes its
+    step, checkpoints, exits 3; the job requeues itself, resumes from that checkpoint and finishes. Its RL
+    metrics, step for step, equal an unbroken job's (same script, same settings, run alongside)."""
+    jobs = {}
+    for name in ("unbroken", "broken"):
+        jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
+                                            "--gres=gpu:1", "slurm/train_multinode.sbatch", "configs/demo_cpu.yaml",
+                                            f"output_dir={tmp_path / name}", *TRAIN], wait=False)
+    broken = tmp_path / "broken" / "demo"
+    wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["broken"]])
+    done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"])  # noqa: E731
+    wait_for(lambda: all(done(j) for j in jobs.values()), 600, "both jobs to finish")
+    text = (tmp_path / "broken.out").read_text()
+    assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
+    assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
+    assert "restart 1 on" in text and "resuming from" in text, text[-4000:]
+    rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    resume = [r for r in rows if r["kind"] == "resume"]
+    assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < 4, resume  # stopped mid-run
+    a, b = _rl_rows(tmp_path / "unbroken" / "demo"), _rl_rows(broken)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    assert sum(not r["update_skipped"] for r in a) >= 2, "the comparison must cover real optimizer updates"
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in RL_KEYS} == {k: rb.get(k) for k in RL_KEYS}, (ra["step"], ra, rb)
+    assert (broken / "checkpoints" / "latest").read_text().strip() == "step-000004"
 
 
 def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path):
@@ -219,27 +261,44 @@ def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cl
     assert text.count("USR1: checkpoint requested") == len(state["restarts"]) - 1, text
 
 
-def test_rl_hetjob_sbatch(slurm_cluster, tmp_path):
-    eps = episodes_from_tasks(TASKS[:8])
-    spec = WorkerSpec(episodes=eps, shard_dir=str(tmp_path / "shards"), worker=worker(delay_s=0.2)).dump(
-        tmp_path / "spec.json")
-    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", str(spec),
-                           str(tmp_path / "out")])
-    trainer = json.loads((tmp_path / "out" / "trainer.out").read_text().splitlines()[0])
-    assert trainer["source"] == "slurm" and trainer["master_addr"] == "gpunode"
-    workers = json.loads((tmp_path / "out" / "workers.json").read_text())
-    assert workers["ranks"] == 2 and sorted(workers["finished"]) == sorted(e.episode_id for e in eps)
+def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_component_1(slurm_cluster, tmp_path):
+    """slurm/rl_hetjob.sbatch: the real `megatron-rl train` on the gpu component, its rollout fleet (2 workers,
+    started once by the script) on the cpu component; every episode trained once, nothing submitted."""
+    from megatron_rl.data.shards import read_shard
+
+    out = tmp_path / "het"
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", "configs/demo_cpu.yaml",
+                           str(out), *[o for o in TRAIN if not o.startswith("rl.steps")], "rl.steps=2",
+                           "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1"], timeout=600)
+    text = (out / "trainer.out").read_text() + (out / "workers.out").read_text()
+    run = out / "demo"
+    rl = _rl_rows(run)
+    assert [r["step"] for r in rl] == [0, 1], text[-4000:]
+    for r in rl:
+        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0
+        assert r["fleet_submissions"] == 0 and r["fleet_leases"] >= 4  # the script started the workers
+        assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
+    eps = [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
+    assert len(eps) == sum(r["episodes_dispatched"] for r in rl) == len({t.episode_id for t in eps})
+    workers = [json.loads(line) for line in (out / "workers.out").read_text().splitlines() if line.startswith("{")]
+    assert len(workers) == 2 and all(w["reason"] == "run over" and w["partition"] == "cpu" for w in workers), text
+    assert sum(w["episodes"] for w in workers) == len(eps) and all(w["episodes"] > 0 for w in workers), workers
 
 
-def test_rl_submitit_sbatch(slurm_cluster, tmp_path):
+def test_rl_submitit_sbatch_runs_every_step_through_one_fleet_submission(slurm_cluster, tmp_path):
+    from tests.test_fleet import published_counts
+
     out = tmp_path / "fleet"
-    sbatch(slurm_cluster, ["-o", str(tmp_path / "drv.out"), "slurm/rl_submitit.sbatch", str(out), "--num", "16",
-                           "--episodes-per-task", "4", "--wrong-fraction", "0.9", "--time-min", "5"])
-    report = json.loads((out / "report.json").read_text())
-    assert len(report["finished"]) == 16 and not report["missing"] and report["duplicates"] == 0
-    assert report["rounds"][0]["tasks"] == 4
-    ids, _ = consume_all(out / "shards")
-    assert len(ids) == 16
+    sbatch(slurm_cluster, ["-o", str(tmp_path / "drv.out"), "slurm/rl_submitit.sbatch", str(out), "--steps", "3",
+                           "--per-step", "8", "--size", "2", "--episodes-per-lease", "4", "--wrong-fraction", "0.9",
+                           "--threads", "1", "--time-min", "5", "--mem-gb", "0.5", "--poll-s", "1",
+                           "--heartbeat-s", "1", "--lease-s", "10", "--wait-s", "2"])
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["given_up"] == 0 for r in rows), rows
+    assert rows[-1]["submissions"] == 1 and rows[-1]["workers_submitted"] == 2  # one array for the whole run
+    assert max(r["first_lease_s"] for r in rows[1:]) < 1.0  # warm workers took the later steps' episodes
+    counts = published_counts(out / "shards")
+    assert len(counts) == 24 and set(counts.values()) == {1}, counts  # every episode exactly once
 
 
 def test_eval_array_sbatch(slurm_cluster, tmp_path):

@@ -75,13 +75,83 @@ def test_an_episode_lost_max_attempts_times_is_given_up_with_the_reason():
     assert q.counters["episodes_given_up"] == 1
 
 
+class FakeJob:
+    """A submitted worker job that still runs (hung): records its cancellation."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self, check: bool = True) -> None:
+        self.cancelled += 1
+
+
+def test_a_heartbeating_worker_without_progress_is_hung_its_job_cancelled_and_its_episodes_requeued(tmp_path):
+    """No processes: the monitor's tick on a fleet whose worker w1 (job J1) has held a lease for longer than
+    hung_s, heartbeating all along (alive, no progress), while w2 (job J2) published its lease in time."""
+    fleet = Fleet(FleetConfig(size=2, lease_s=2.0, heartbeat_s=0.5, hung_s=5.0), scripted(), tmp_path / "fleet")
+    fleet.folder.mkdir(parents=True)
+    fleet._stop.set()  # no top-up submissions from the tick: only the decision is under test
+    st, now = fleet.state, time.monotonic()
+    st.queue.put("b", eps(4), {"shard_dir": str(tmp_path / "shards")})
+    jobs = {"J1": FakeJob(), "J2": FakeJob()}
+    fleet.jobs = dict(jobs)
+    stuck = st.lease({"worker": "w1", "job": "J1", "max": 2, "wait_s": 0})["lease"]
+    fresh = st.lease({"worker": "w2", "job": "J2", "max": 2, "wait_s": 0})["lease"]
+    st.queue.leases[stuck["id"]].granted = now - 6.0  # handed out 6 s ago ...
+    st.queue.leases[fresh["id"]].granted = now - 4.0
+    assert st.heartbeat({"worker": "w1", "job": "J1", "leases": [stuck["id"]]})["lost"] == []  # ... kept alive
+    fleet._tick()
+    assert jobs["J1"].cancelled == 1 and jobs["J2"].cancelled == 0
+    assert fleet.counters["workers_hung"] == 1 and fleet.counters["workers_lost"] == 1
+    assert sorted(fleet.jobs) == ["J2"] and list(st.workers) == ["w2"] and fleet._alive() == 1  # room for one more
+    assert [e.episode_id for e in st.queue.batches["b"].pending] == [e["episode_id"] for e in stuck["episodes"]]
+    # if it wakes up, it hears that its lease is lost and that it must stop; it may not publish
+    assert st.heartbeat({"worker": "w1", "job": "J1", "leases": [stuck["id"]]}) == {"lost": [stuck["id"]],
+                                                                                    "stop": True}
+    assert st.commit({"worker": "w1", "job": "J1", "lease": stuck["id"]}) == {"ok": False}
+    fleet._tick()  # once only
+    assert jobs["J1"].cancelled == 1 and fleet.counters["workers_hung"] == 1
+
+
+def test_a_silent_worker_is_dropped_after_lease_s_and_cancelled_after_silent_s_unless_it_returns(tmp_path):
+    fleet = Fleet(FleetConfig(size=3, lease_s=2.0, heartbeat_s=0.5, silent_s=6.0), scripted(), tmp_path / "fleet")
+    fleet.folder.mkdir(parents=True)
+    fleet._stop.set()  # no top-up submissions from the tick: only the decision is under test
+    st, now = fleet.state, time.monotonic()
+    st.queue.put("b", eps(2), {"shard_dir": str(tmp_path / "shards")})
+    jobs = {j: FakeJob() for j in ("J1", "J2", "J3")}
+    fleet.jobs = dict(jobs)
+    lease = st.lease({"worker": "w1", "job": "J1", "max": 2, "wait_s": 0})["lease"]
+    for w, j in (("w2", "J2"), ("w3", "J3")):
+        st.heartbeat({"worker": w, "job": j, "leases": []})
+    for w in ("w1", "w2"):
+        st.workers[w]["last_seen"] = now - 3.0  # silent for longer than lease_s
+    fleet._tick()
+    assert sorted(st.workers) == ["w3"] and fleet.counters["workers_lost"] == 2  # dropped ...
+    assert len(st.queue.batches["b"].pending) == 2 and not any(j.cancelled for j in jobs.values())  # not cancelled
+    assert fleet._alive() == 3  # their jobs still count: a requeued worker may come back
+    st.heartbeat({"worker": "w2", "job": "J2", "leases": []})  # w2 is back (a requeue, a network blip)
+    fleet._dropped["w1"] = ("J1", now - 7.0, 0)  # w1 still silent after silent_s
+    fleet._tick()
+    assert jobs["J1"].cancelled == 1 and jobs["J2"].cancelled == 0 and fleet.counters["workers_hung"] == 1
+    assert sorted(fleet.jobs) == ["J2", "J3"] and fleet._alive() == 2 and not fleet._dropped  # room for one more
+    assert st.commit({"worker": "w1", "job": "J1", "lease": lease["id"]}) == {"ok": False}  # fenced if it wakes
+
+
 def test_fleet_config_is_checked_with_the_fix_named():
     with pytest.raises(ConfigError, match="heartbeat_s .* below lease_s"):
         FleetConfig(heartbeat_s=30, lease_s=30).validate()
     with pytest.raises(ConfigError, match="poll_s must be >= 1 s"):
         FleetConfig(poll_s=0.2).validate()
-    with pytest.raises(ConfigError, match="local or slurm"):
+    with pytest.raises(ConfigError, match="local, slurm or external"):
         FleetConfig(executor="debug").validate()
+    with pytest.raises(ConfigError, match=r"hung_s \(20\) must be 0 \(off\) or above lease_s"):
+        FleetConfig(hung_s=20, lease_s=30).validate()
+    with pytest.raises(ConfigError, match=r"silent_s \(10\) must be >= lease_s \(30\)"):
+        FleetConfig(silent_s=10, lease_s=30).validate()
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
 
@@ -137,7 +207,9 @@ def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tm
         counts = published_counts(tmp_path / "b0")
         assert counts == {e.episode_id: 1 for e in batch}  # all 24, each once
         assert fleet.state.queue.counters["leases_expired"] >= 1 and fleet.counters["workers_lost"] >= 1
-        assert fleet.counters["workers_submitted"] == 3 and fleet.counters["submissions"] == 2  # one replacement
+        # one replacement, once the scheduler query sees the job ended (it may come after the batch, under load)
+        wait_for(lambda: fleet.counters["workers_submitted"] == 3, 30, "the replacement")
+        assert fleet.counters["submissions"] == 2
         # the fleet shrinks while the run goes on: one worker is told to stop, the next batch runs on the other
         (tmp_path / "fleet" / "size").write_text("1\n")
         wait_for(lambda: len(fleet.state.surplus) == 1, 20, "a surplus worker")
@@ -147,6 +219,38 @@ def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tm
     finally:
         fleet.close()
     assert all(j.done() for j in fleet.jobs.values())  # every worker gone after close
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_cancelled_and_replaced_and_nothing_is_lost_or_duplicated(tmp_path):
+    """SIGSTOP of the worker holding a lease (alive, no heartbeat, no progress): lease_s later it is dropped and
+    its lease re-queued, silent_s later its job is cancelled (the local controller kills it) and a replacement
+    submitted; every episode once."""
+    import threading
+
+    cfg = FleetConfig(size=2, episodes_per_lease=4, silent_s=5.0, **FAST)
+    fleet = Fleet(cfg, scripted(delay_s=0.15), tmp_path / "fleet").start()
+    try:
+        batch = episodes_from_tasks(TASKS[:24], prefix="h")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
+        t.start()
+        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 30, "a lease")
+        pid = busy[0]["pid"]
+        os.kill(pid, signal.SIGSTOP)  # hung: the process lives on, its heartbeats stop
+        t.join(90)
+        assert not t.is_alive() and out["given_up"] == {}
+        assert published_counts(tmp_path / "b0") == {e.episode_id: 1 for e in batch}  # all 24, each once
+        # silent_s after its last word (the batch may be done by then, under load): cancelled, one replacement
+        wait_for(lambda: fleet.counters["workers_submitted"] == 3, 30, "the replacement")
+        assert fleet.counters["workers_hung"] == 1 and fleet.counters["workers_lost"] >= 1
+        assert fleet.counters["submissions"] == 2
+        assert busy[0]["job"] not in fleet.jobs and busy[0]["job"] in fleet.state.ended_jobs
+        wait_for(lambda: not _alive(pid), 20, "the stopped worker to be killed")
+        logs = (tmp_path / "fleet" / "submitit").rglob("*_log.err")
+        assert sum("episode runner ready" in p.read_text() for p in logs) >= 2  # built before the first lease
+    finally:
+        fleet.close()
 
 
 def _driver(out: Path, steps: int) -> subprocess.Popen:

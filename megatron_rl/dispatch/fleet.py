@@ -16,6 +16,12 @@ whose worker's job ended (scheduler), is revoked: the shards are checked and wha
 the queue; the old holder's next heartbeat hears "lost" and it publishes nothing of it (fencing). A copy
 published anyway in the race is dropped by episode id when read (first copy wins) and counted.
 
+Hung workers: one silent for `lease_s` is dropped and its leases re-queued; still silent after `silent_s`
+(stopped, deadlocked, cut off), or holding a lease unpublished for `hung_s` while its heartbeats go on (an
+episode that never ends), its job is cancelled (scancel; a local job's controller kills it) so that the next
+top-up replaces it; if it wakes up, it is told to stop and may not publish. Workers of executor `external`
+(started by the job script) are dropped the same way but neither cancelled nor replaced.
+
 Scheduler: one submission per fleet (a job array of `size` workers); a replacement array only when workers
 were lost or the fleet grew. Job states are queried (one sacct for all) only while some submitted worker has
 not joined or some joined worker went silent, at most every `poll_s`, backing off x2 to `poll_max_s`.
@@ -26,6 +32,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -45,7 +52,8 @@ class FleetConfig:
     """Size, resources and timing of a persistent rollout fleet (`episodes.fleet`)."""
 
     executor: str = "local"
-    """submitit executor of the workers: local (processes on this machine) or slurm (one job array)."""
+    """How workers start: local (submitit processes here), slurm (one submitit job array), or external (started
+    by the job script, e.g. the CPU component of slurm/rl_hetjob.sbatch; none are submitted or replaced)."""
     size: int = 2
     """Workers wanted; a file `<folder>/size` holding a number overrides it while the run goes on."""
     folder: str = ""
@@ -76,6 +84,13 @@ class FleetConfig:
     """Fewest seconds between two scheduler queries (sacct); idle queries back off x2 up to poll_max_s."""
     poll_max_s: float = 60.0
     """Most seconds between scheduler queries while one is needed."""
+    silent_s: float = 120.0
+    """A worker silent this long (dropped after lease_s, its leases re-queued) whose job still runs -- stopped,
+    deadlocked, cut off from the driver -- has its job cancelled and replaced; a requeued worker that rejoins
+    sooner is kept."""
+    hung_s: float = 3600.0
+    """A worker holding a lease this long unpublished (alive and heartbeating, but no progress) is hung: its
+    job is cancelled and replaced, the lease re-queued (0 = off; set it above the slowest lease's episodes)."""
     orphan_exit_s: float = 300.0
     """A worker exits when the driver has been unreachable this long."""
     max_attempts: int = 3
@@ -88,8 +103,8 @@ class FleetConfig:
     """Address workers use to reach the queue ('' = 127.0.0.1 for local, this host's name for slurm)."""
 
     def validate(self) -> None:
-        if self.executor not in ("local", "slurm"):
-            raise ConfigError(f"episodes.fleet.executor must be local or slurm, got {self.executor!r}")
+        if self.executor not in ("local", "slurm", "external"):
+            raise ConfigError(f"episodes.fleet.executor must be local, slurm or external, got {self.executor!r}")
         if self.size < 1 or self.episodes_per_lease < 1 or self.cpus_per_task < 1 or self.max_attempts < 1:
             raise ConfigError("episodes.fleet.size, episodes_per_lease, cpus_per_task, max_attempts must be >= 1")
         if not 0 < self.heartbeat_s < self.lease_s:
@@ -98,6 +113,12 @@ class FleetConfig:
         if self.poll_s < 1.0 or self.poll_max_s < self.poll_s:
             raise ConfigError(f"episodes.fleet.poll_s must be >= 1 s (scheduler queries) and poll_max_s >= poll_s; "
                               f"got {self.poll_s}, {self.poll_max_s}")
+        if self.silent_s < self.lease_s:
+            raise ConfigError(f"episodes.fleet.silent_s ({self.silent_s}) must be >= lease_s ({self.lease_s}): a "
+                              "worker is dropped after lease_s of silence, and cancelled only later")
+        if self.hung_s and self.hung_s <= self.lease_s:
+            raise ConfigError(f"episodes.fleet.hung_s ({self.hung_s}) must be 0 (off) or above lease_s "
+                              f"({self.lease_s}): a lease is heartbeated for at least lease_s before it can hang")
         if self.wait_s <= 0 or self.orphan_exit_s <= self.wait_s:
             raise ConfigError("episodes.fleet.wait_s must be > 0 and orphan_exit_s > wait_s")
 
@@ -114,10 +135,13 @@ class Fleet:
         self.jobs: dict[str, object] = {}
         """job id -> submitit job of a worker submitted (or adopted) by this driver."""
         self._adopted: list[str] = []
-        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0}
+        self.counters = {"scheduler_queries": 0, "submissions": 0, "workers_submitted": 0, "workers_lost": 0,
+                         "workers_hung": 0}
         self._poll, self._next_query, self._stop = config.poll_s, 0.0, threading.Event()
         self._executor = None
         self._failed_starts = 0
+        self._dropped: dict[str, tuple[str, float]] = {}
+        """Worker dropped for silence -> (its job, when last heard, pid): cancelled after silent_s unless it returns."""
         self.broken = ""
         """Why the fleet gave up (workers that die before joining, `size` times in a row); run_batch raises it."""
         self.httpd = None
@@ -216,17 +240,55 @@ class Fleet:
             expired = self.state.queue.expired(now)
             silent = [k for k, w in self.state.workers.items()
                       if now - w["last_seen"] > self.config.lease_s and k not in self.state.surplus]
-            for k in silent:  # gone: its leases expired above (or below); it no longer counts
-                log.warning("fleet: worker %s silent for %.0fs; dropped", k, now - self.state.workers[k]["last_seen"])
+            stuck = self.state.queue.overdue(now, self.config.hung_s) - set(silent) if self.config.hung_s else set()
+            for k in [*silent, *stuck]:  # gone or hung: its leases expired above (or below); it no longer counts
+                w = self.state.workers.pop(k)
+                log.warning("fleet: worker %s %s; dropped", k, f"silent for {now - w['last_seen']:.0f}s"
+                            if k in silent else f"hung: a lease unpublished after hung_s={self.config.hung_s:g}s")
                 expired += self.state.queue.revoke_worker(k)
-                del self.state.workers[k]
                 self.counters["workers_lost"] += 1
+                self._dropped[k] = (w["job"], w["last_seen"], w.get("pid", 0))
+                if k in stuck:  # heartbeating, so alive: stuck
+                    self._cancel_hung(w["job"], k, "no progress", w.get("pid", 0))
+            for k in [k for k in self._dropped if k in self.state.workers]:
+                del self._dropped[k]  # it talked again (a requeued worker back, a network blip over)
+            for k, (job, seen, pid) in list(self._dropped.items()):
+                if now - seen > self.config.silent_s:  # still silent: stopped, deadlocked or cut off
+                    del self._dropped[k]
+                    self._cancel_hung(job, k, f"silent for {now - seen:.0f}s", pid)
         self._settle(expired, "lease expired")
         if self._query_needed() and now >= self._next_query:
             changed = self._query()
             self._poll = self.config.poll_s if changed else min(self._poll * 2, self.config.poll_max_s)
             self._next_query = now + self._poll
         self._top_up()
+
+    def _cancel_hung(self, job_id: str, worker: str, why: str, pid: int = 0) -> None:
+        """A dropped worker's job may still run (stopped, deadlocked, cut off from the driver): cancel it
+        (scancel; a local job's controller kills it), so that it stops counting towards the size and the next
+        top-up replaces it. Its job is marked ended: if it wakes up, it is told to stop and may not publish."""
+        job = self.jobs.get(job_id)
+        if job is not None and _done(job):
+            return  # it died (kill -9, node lost): the next scheduler query reports it ended
+        self.state.ended_jobs.add(job_id)
+        self.jobs.pop(job_id, None)
+        if job is None and job_id in self._adopted:  # a local worker of an earlier driver: its controller's pid
+            self._adopted.remove(job_id)
+            _signal_pid(job_id, signal.SIGINT)
+        elif job is not None:
+            try:
+                job.cancel(check=False)
+            except Exception as e:  # scancel failed: the scheduler ends it at its time limit
+                log.warning("fleet: cancelling job %s of hung worker %s failed: %s", job_id, worker, e)
+        else:
+            return  # not a job of this driver (an adopted Slurm job is in self.jobs)
+        if self.config.executor == "local" and pid:
+            # submitit cancels a local job with SIGINT to its controller, which a driver started in the background
+            # (`cmd &` in a script: SIGINT ignored, inherited) never acts on: kill the worker itself (this host)
+            _signal_pid(str(pid), signal.SIGKILL)
+        self.counters["workers_hung"] += 1
+        self._save_jobs()
+        log.warning("fleet: cancelled job %s of worker %s (%s); a replacement follows", job_id, worker, why)
 
     def _settle(self, leases: list[Lease], reason: str) -> None:
         """Re-queue the unpublished episodes of revoked leases (published ones are done)."""
@@ -322,7 +384,7 @@ class Fleet:
         return len(active) + len(waiting) + len(adopted)
 
     def _top_up(self) -> None:
-        if self._stop.is_set() or self.broken:
+        if self._stop.is_set() or self.broken or self.config.executor == "external":
             return
         with self.state.cond:
             size = self.state.size
@@ -384,7 +446,7 @@ class Fleet:
         log.info("fleet: adopted %d workers of an earlier driver", len(ids))
 
     def _hosts(self) -> tuple[str, str]:
-        if self.config.executor != "slurm":
+        if self.config.executor == "local":
             return "127.0.0.1", self.config.serve_host or "127.0.0.1"
         from megatron_rl.dispatch.net import node_address
 
@@ -406,6 +468,13 @@ def _pid_alive(job_id: str) -> bool:
     except (ValueError, ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def _signal_pid(job_id: str, sig: int) -> None:
+    try:
+        os.kill(int(job_id), sig)
+    except (ValueError, ProcessLookupError, PermissionError):
+        pass
 
 
 def _state(job) -> str:

@@ -12,6 +12,7 @@ Checkpointable) it publishes what is finished, reports it (the rest goes back to
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -66,7 +67,8 @@ class FleetWorker:
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
                     return json.loads(r.read())
-            except (urllib.error.URLError, OSError, ValueError) as e:
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+                # HTTPException: e.g. IncompleteRead, the driver died while answering (a kill -9, a requeue)
                 now = time.monotonic()
                 first_fail = first_fail or now
                 if now - first_fail > float(q.get("orphan_exit_s", 300)):
@@ -81,6 +83,7 @@ class FleetWorker:
     # ------------------------------------------------------------------------------------------ main loop
     def run(self) -> dict:
         threading.Thread(target=self._heartbeats, name="fleet-heartbeat", daemon=True).start()
+        self._warm_up()
         reason = "stopped"
         try:
             while not self.stopping.is_set():
@@ -100,6 +103,20 @@ class FleetWorker:
                 self.runner.close()
         log.info("fleet worker %s exits (%s): %s", self.id, reason, self.stats)
         return {"worker": self.id, "reason": reason, **self.stats}
+
+    def _warm_up(self) -> None:
+        """Build the episode runner (tokenizer, sandbox pool, threads) before the first lease, while the driver
+        still sets up its step 0, instead of inside that step's rollout time. A failure here is retried at the
+        first lease (and reported there, against its episodes)."""
+        t0 = time.monotonic()
+        try:
+            self._runner(self._spec({"episodes": [], "shard_dir": str(self.folder), "batch": "warm-up", "attempt": 0,
+                                     "url": self.cfg.generator.url}))
+        except Exception:
+            log.exception("fleet worker %s: building the episode runner failed; retried at the first lease", self.id)
+            self.runner = None
+            return
+        log.info("fleet worker %s: episode runner ready in %.2fs", self.id, time.monotonic() - t0)
 
     def _heartbeats(self) -> None:
         while not self.stopping.wait(float(self.queue.get("heartbeat_s", 5.0))):
@@ -229,3 +246,40 @@ class FleetWorkerTask:
 
     def __setstate__(self, state):
         self.__init__()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_rl.dispatch.fleet_worker FLEET_FOLDER`: one worker started by a job script (fleet
+    executor `external`, e.g. the CPU component of slurm/rl_hetjob.sbatch). It waits for the driver's
+    queue.json, works until told to stop, and prints one JSON line: worker, reason, counts, Slurm partition, job."""
+    import argparse
+    import signal
+    import sys
+
+    from megatron_rl.slurm_env import SlurmEnv
+
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.dispatch.fleet_worker", description=main.__doc__)
+    p.add_argument("folder", help="the fleet folder (episodes.fleet.folder of the run)")
+    p.add_argument("--start-timeout-s", type=float, default=3600.0,
+                   help="give up when the driver has not published its queue (queue.json) within this long")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The batch script forwards USR1 (time limit) to every step: the driver checkpoints and tells its workers
+    # to stop; a worker killed by the signal would lose its lease's work instead.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    folder, end = Path(args.folder), time.monotonic() + args.start_timeout_s
+    while not all((folder / n).is_file() for n in ("queue.json", "worker.json")):
+        if time.monotonic() > end:
+            print(f"fleet worker: no queue.json and worker.json in {folder} after {args.start_timeout_s:.0f}s: is "
+                  "the driver running with episodes.fleet.folder set to this folder?", file=sys.stderr)
+            return 2
+        time.sleep(1.0)
+    out = FleetWorker(folder).run()
+    senv = SlurmEnv.from_environ()
+    print(json.dumps({**out, "partition": senv.partition if senv else None, "job": senv.job_id if senv else None,
+                      "het_job": senv.het_job_id if senv else None}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

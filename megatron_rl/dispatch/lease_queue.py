@@ -7,6 +7,7 @@
     q.commit("w1", lease.id, now)                 # may I publish? (False: it was revoked; publish nothing)
     q.complete(lease.id, published_ids, now)      # the rest of the lease goes back to the queue
     for lease in q.expired(now): ...              # the caller re-queues what is not published (`requeue`)
+    q.overdue(now, limit_s=600)                   # workers whose lease is out that long unpublished: hung
 
 An episode is in exactly one place: pending, leased (to one lease), published or given up. A lease that
 expired (no heartbeat within `lease_s`) or whose worker is known lost is gone: its worker's heartbeat hears
@@ -40,6 +41,8 @@ class Lease:
     """Highest earlier attempt count among its episodes (0 = first time out)."""
     committed: bool = False
     """The worker was allowed to publish it: it is settled only at its deadline (from the shards)."""
+    granted: float = 0.0
+    """When it was handed out (heartbeats extend `deadline`, never this)."""
 
 
 @dataclass
@@ -97,7 +100,7 @@ class LeaseQueue:
             attempt = max(self.attempts.get(e.episode_id, 0) for e in eps)
             for e in eps:
                 self.attempts[e.episode_id] = self.attempts.get(e.episode_id, 0) + 1
-            le = Lease(f"L{next(self._ids)}", worker, name, eps, now + self.lease_s, attempt)
+            le = Lease(f"L{next(self._ids)}", worker, name, eps, now + self.lease_s, attempt, granted=now)
             self.leases[le.id] = le
             b.leased.update(e.episode_id for e in eps)
             b.first_lease_at = now if b.first_lease_at is None else b.first_lease_at
@@ -145,6 +148,11 @@ class LeaseQueue:
             del self.leases[le.id]
         self.counters["leases_expired"] += len(out)
         return out
+
+    def overdue(self, now: float, limit_s: float) -> set[str]:
+        """Workers holding an uncommitted lease handed out more than `limit_s` ago: alive (heartbeating) but
+        making no progress. Nothing is removed (the caller revokes the worker)."""
+        return {le.worker for le in self.leases.values() if not le.committed and now - le.granted > limit_s}
 
     def revoke_worker(self, worker: str) -> list[Lease]:
         """A worker known lost (its job ended): remove and return its leases at once, except committed ones

@@ -310,7 +310,7 @@ class DispatchRollouts(Rollouts):
 
 
 _TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
-FLEET_COUNTERS = ("scheduler_queries", "submissions", "workers_lost", "leases", "leases_expired",
+FLEET_COUNTERS = ("scheduler_queries", "submissions", "workers_lost", "workers_hung", "leases", "leases_expired",
                   "episodes_requeued", "episodes_given_up", "fenced_heartbeats")
 """Fleet counters reported per step as metrics fleet_<name> (plus fleet_first_lease_s: seconds from queueing
 a batch to its first lease, summed over the step's batches)."""
@@ -320,7 +320,7 @@ def server_hosts(episodes_cfg) -> tuple[str, str]:
     """(bind address, address the workers use) of the rollout server: under Slurm the node's own address (the
     one its name resolves to), never 0.0.0.0 unless the name resolves to loopback only."""
     executor = episodes_cfg.fleet.executor if episodes_cfg.runner == "fleet" else episodes_cfg.dispatch.executor
-    slurm = executor == "slurm"
+    slurm = executor in ("slurm", "external")  # workers on other nodes
     public = episodes_cfg.serve_host or (socket.gethostname() if slurm else "127.0.0.1")
     return (node_address(public) if slurm else "127.0.0.1", public)
 
