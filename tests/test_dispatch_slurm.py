@@ -263,7 +263,8 @@ def test_slurms_own_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cl
 
 def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_component_1(slurm_cluster, tmp_path):
     """slurm/rl_hetjob.sbatch: the real `megatron-rl train` on the gpu component, its rollout fleet (2 workers,
-    started once by the script) on the cpu component; every episode trained once, nothing submitted."""
+    started once by the script) on the cpu component; every episode trained once, the evaluations' episodes run
+there too, nothing submitted."""
     from megatron_rl.data.shards import read_shard
 
     out = tmp_path / "het"
@@ -282,7 +283,9 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     assert len(eps) == sum(r["episodes_dispatched"] for r in rl) == len({t.episode_id for t in eps})
     workers = [json.loads(line) for line in (out / "workers.out").read_text().splitlines() if line.startswith("{")]
     assert len(workers) == 2 and all(w["reason"] == "run over" and w["partition"] == "cpu" for w in workers), text
-    assert sum(w["episodes"] for w in workers) == len(eps) and all(w["episodes"] > 0 for w in workers), workers
+    evals = [t for p in sorted((run / "eval_episodes").glob("*/*.h5")) for t in read_shard(p)]
+    assert len(evals) == 2 * 24  # the in-loop evaluations (before and after: 8 tasks greedy + k=2) ran there too
+    assert sum(w["episodes"] for w in workers) == len(eps) + len(evals) and all(w["episodes"] > 0 for w in workers)
 
 
 def test_rl_submitit_sbatch_runs_every_step_through_one_fleet_submission(slurm_cluster, tmp_path):
