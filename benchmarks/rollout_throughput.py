@@ -16,18 +16,25 @@ its chat template around arithmetic questions, so both sides see the same token 
 
 Fairness: HF runs in a child process that never imports megatron_rl, so the CPU compat layer's
 TorchFunctionMode (a Python hook on every torch call) is not active there; it uses its own KV cache
-(`generate` default), the same thread count, dtype (fp32) and `max_new_tokens` with `min_new_tokens` equal
-to it and no EOS (so neither side stops early) -- a setting where continuous batching cannot help. The
-`rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
+(`generate` default), the same thread count, dtype (`--dtype`, fp32 by default) and `max_new_tokens` with
+`min_new_tokens` equal to it and no EOS (so neither side stops early) -- a setting where continuous batching
+cannot help. The `rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
 responses ending at EOS are (lognormal, median 2*new/4, at most 2*new tokens), at most `batch` at once;
 ours joins the next request as soon as one finishes, HF runs static batches until their longest member ends;
 tokens/s counts the requested tokens on both sides. Both sides get one untimed warm-up; then the runs
 alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
 loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too.
+
+`--dtype bf16`: both sides hold bf16 weights and KV cache (ours: `params_dtype: bf16`, as `rollout.engine.dtype:
+bf16` builds the engine; HF: `torch_dtype=bfloat16`); both take log-softmax/argmax of fp32-cast logits. Greedy
+parity is then not exact (different bf16 rounding on each side); `greedy_agreement` reports the fraction of
+greedy tokens equal before the first difference. `--hf-dtype fp32` keeps HF in fp32 (its fastest setting
+here) while ours runs bf16: reported as such, never as a same-dtype ratio.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +55,7 @@ CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_quer
 
 HF_DIR: str | None = None
 """--hf-model: the real model's folder (None: the tiny random CFG)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_ours():
@@ -148,15 +156,16 @@ def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], m
 class HFWorker:
     """`run_hf` in a child process without megatron_rl imported; one JSON request/answer per line."""
 
-    def __init__(self, model, threads: int):
+    def __init__(self, model, threads: int, dtype: str = "fp32"):
         self.dir = tempfile.TemporaryDirectory(prefix="hf-bench-")
         if HF_DIR is None:
             hf = to_hf(model)
             hf.config.save_pretrained(self.dir.name)
-            torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()},
+            torch.save({k: v.detach().float().clone() for k, v in hf.state_dict().items()},
                        os.path.join(self.dir.name, "sd.pt"))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, __file__, "--hf-worker", HF_DIR or self.dir.name, "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--hf-worker", HF_DIR or self.dir.name, "--threads", str(threads),
+               "--dtype", dtype]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
@@ -171,16 +180,17 @@ class HFWorker:
         self.dir.cleanup()
 
 
-def hf_worker(path: str) -> None:
+def hf_worker(path: str, dtype: str = "fp32") -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     assert "megatron_rl.compat" not in sys.modules and not torch.overrides._get_current_function_mode_stack()
     if not os.path.exists(os.path.join(path, "sd.pt")):  # a real HF folder (--hf-model)
-        hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=DTYPES[dtype]).eval()
     else:
         hf = LlamaForCausalLM(LlamaConfig.from_pretrained(path)).eval()
         hf.load_state_dict(torch.load(os.path.join(path, "sd.pt"), weights_only=True), strict=False)
         hf.tie_weights()
+        hf = hf.to(DTYPES[dtype])
     for line in sys.stdin:
         req = json.loads(line)
         tokens, dt = run_hf(hf, req["prompts"], req["new"])
@@ -194,19 +204,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--hf-model", help="a real HF model folder (Llama architecture) instead of the tiny model")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights and KV cache of both sides")
+    p.add_argument("--hf-dtype", choices=list(DTYPES), help="HF's dtype when it differs from --dtype (reported)")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.hf_worker:
-        return hf_worker(args.hf_worker)
+        return hf_worker(args.hf_worker, args.dtype)
     if args.hf_model:
         global CFG, HF_DIR
         from megatron_rl import config as C
 
         HF_DIR = args.hf_model
         CFG = C.from_dict(ModelConfig, {"init": f"hf:{args.hf_model}", "max_seq_length": 512})
+    CFG = dataclasses.replace(CFG, params_dtype=args.dtype)
     model, pgs = build_ours()
-    hf = HFWorker(model, args.threads)
+    hf = HFWorker(model, args.threads, args.hf_dtype or args.dtype)
     try:
         result = _measure(model, pgs, hf, args)
     finally:
@@ -216,11 +229,13 @@ def main() -> None:
 
 def _measure(model, pgs, hf: HFWorker, args) -> dict:
     check = prompts(4, seed=99)
-    parity = run_ours(model, pgs, check, 16)[0] == hf.run(check, 16)[0]
+    ours_check, hf_check = run_ours(model, pgs, check, 16)[0], hf.run(check, 16)[0]
     result = {"model": {"init": CFG.init or "random", "layers": CFG.num_layers, "hidden": CFG.hidden_size,
                         "heads": CFG.num_attention_heads,
                         "kv_heads": CFG.num_query_groups}, "new_tokens": args.new_tokens,
-              "greedy_parity_with_hf": parity, "threads": args.threads, "repeats": args.repeats,
+              "greedy_parity_with_hf": ours_check == hf_check,
+              "greedy_agreement": round(agreement(ours_check, hf_check), 3), "dtype": args.dtype,
+              "hf_dtype": args.hf_dtype or args.dtype, "threads": args.threads, "repeats": args.repeats,
               "hf_in_subprocess_without_compat": True, "batches": {}}
     for b in args.batches:
         bp = prompts(b, seed=b)
@@ -245,6 +260,14 @@ def _measure(model, pgs, hf: HFWorker, args) -> dict:
     result["rl_workload_speedup_at_32"] = result["rl_workload"].get("32", {}).get("speedup")
     result["target_speedup_at_32"] = 3.0
     return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of tokens equal before each row's first difference (1.0: identical greedy outputs)."""
+    same = 0
+    for x, y in zip(a, b):
+        same += next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return same / max(1, sum(map(len, b)))
 
 
 def rl_lengths(n: int, cap: int, seed: int) -> list[int]:
@@ -273,9 +296,9 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
 
 
 def _bytes_per_token() -> int:
-    """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x 4 (fp32)."""
+    """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x element size."""
     head_dim = CFG.head_dim or CFG.hidden_size // CFG.num_attention_heads
-    return 2 * CFG.num_layers * CFG.num_query_groups * head_dim * 4
+    return 2 * CFG.num_layers * CFG.num_query_groups * head_dim * DTYPES[CFG.params_dtype].itemsize
 
 
 if __name__ == "__main__":
