@@ -23,7 +23,10 @@ responses ending at EOS are (lognormal, median 2*new/4, at most 2*new tokens), a
 ours joins the next request as soon as one finishes, HF runs static batches until their longest member ends;
 tokens/s counts the requested tokens on both sides. Both sides get one untimed warm-up; then the runs
 alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
-loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too.
+loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too, and
+`speedup_cpu_time`: the same ratio of process CPU seconds, which a loaded machine inflates far less than wall
+time (with `--threads 1`, what each of the main job's 2 ranks gets on 2 cores; with more threads, spinning
+OpenMP workers count as CPU time too).
 
 `--dtype bf16`: both sides hold bf16 weights and KV cache (ours: `params_dtype: bf16`, as `rollout.engine.dtype:
 bf16` builds the engine; HF: `torch_dtype=bfloat16`); both take log-softmax/argmax of fp32-cast logits. Greedy
@@ -125,32 +128,34 @@ def prompts(batch: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
+    """Generated tokens, wall seconds and this process's CPU seconds."""
     width = max(map(len, batch_prompts))
     ids = torch.tensor([[256] * (width - len(p)) + p for p in batch_prompts])  # [B, W] left-padded
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch_prompts])[:, None]).long()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                       do_sample=False, pad_token_id=256, eos_token_id=None)
-    return out[:, width:].tolist(), time.perf_counter() - t0
+    return out[:, width:].tolist(), time.perf_counter() - t0, time.process_time() - c0
 
 
 def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64
-             ) -> tuple[list[list[int]], float, int]:
-    """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once."""
+             ) -> tuple[list[list[int]], float, int, float]:
+    """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once:
+    tokens, wall seconds, peak KV bytes, CPU seconds."""
     from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
     eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
                                             max_running=max_running), pgs.tp, pgs.cp)
     news = new if isinstance(new, list) else [new] * len(batch_prompts)
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n)) for p, n in zip(batch_prompts, news)]
-    outs, peak, t0 = [], 0, time.perf_counter()
+    outs, peak, t0, c0 = [], 0, time.perf_counter(), time.process_time()
     while eng.has_work:
         outs += eng.step()
         peak = max(peak, eng.cache.num_blocks - eng.cache.num_free)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     order = {o.request_id: o.samples[0].token_ids for o in outs}
-    return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token()
+    return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token(), cpu
 
 
 class HFWorker:
@@ -168,11 +173,11 @@ class HFWorker:
                "--dtype", dtype]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
-    def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+    def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
         self.proc.stdin.write(json.dumps({"prompts": batch_prompts, "new": new}) + "\n")
         self.proc.stdin.flush()
         ans = json.loads(self.proc.stdout.readline())
-        return ans["tokens"], ans["seconds"]
+        return ans["tokens"], ans["seconds"], ans["cpu_seconds"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -193,8 +198,8 @@ def hf_worker(path: str, dtype: str = "fp32") -> None:
         hf = hf.to(DTYPES[dtype])
     for line in sys.stdin:
         req = json.loads(line)
-        tokens, dt = run_hf(hf, req["prompts"], req["new"])
-        print(json.dumps({"tokens": tokens, "seconds": dt}), flush=True)
+        tokens, dt, cpu = run_hf(hf, req["prompts"], req["new"])
+        print(json.dumps({"tokens": tokens, "seconds": dt, "cpu_seconds": cpu}), flush=True)
 
 
 def main() -> None:
@@ -240,17 +245,20 @@ def _measure(model, pgs, hf: HFWorker, args) -> dict:
     for b in args.batches:
         bp = prompts(b, seed=b)
         ours_out, hf_out = run_ours(model, pgs, bp, args.new_tokens)[0], hf.run(bp, args.new_tokens)[0]  # warm-up
-        t_ours, t_hf, kv_paged = [], [], 0
+        t_ours, t_hf, c_ours, c_hf, kv_paged = [], [], [], [], 0
         for _ in range(args.repeats):
-            _, t, kv_paged = run_ours(model, pgs, bp, args.new_tokens)
+            _, t, kv_paged, c = run_ours(model, pgs, bp, args.new_tokens)
             t_ours.append(t)
-            t_hf.append(hf.run(bp, args.new_tokens)[1])
+            c_ours.append(c)
+            _, t, c = hf.run(bp, args.new_tokens)
+            t_hf.append(t)
+            c_hf.append(c)
         gen = b * args.new_tokens
         ctx_tokens = sum(len(x) for x in bp) + gen
         contiguous = b * (max(map(len, bp)) + args.new_tokens)
         result["batches"][str(b)] = {
             "ours_tokens_per_s": round(gen / min(t_ours), 1), "hf_tokens_per_s": round(gen / min(t_hf), 1),
-            "speedup": round(min(t_hf) / min(t_ours), 2),
+            "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
             "ours_median_s": round(statistics.median(t_ours), 4), "hf_median_s": round(statistics.median(t_hf), 4),
             "same_greedy_tokens": ours_out == hf_out,
             "kv_bytes_per_token_paged": round(kv_paged / ctx_tokens, 1),
@@ -285,14 +293,19 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
     bp, lens = prompts(n, seed=1000 + b), rl_lengths(n, 2 * args.new_tokens, seed=b)
     batches = [(bp[i:i + b], max(lens[i:i + b])) for i in range(0, n, b)]
     run_ours(model, pgs, bp[:b], lens[:b], max_running=b)                  # warm-up
-    t_ours, t_hf = [], []
+    t_ours, t_hf, c_ours, c_hf = [], [], [], []
     for _ in range(args.repeats):
-        t_ours.append(run_ours(model, pgs, bp, lens, max_running=b)[1])
-        t_hf.append(sum(hf.run(p, m)[1] for p, m in batches))
+        _, t, _, c = run_ours(model, pgs, bp, lens, max_running=b)
+        t_ours.append(t)
+        c_ours.append(c)
+        runs = [hf.run(p, m) for p, m in batches]
+        t_hf.append(sum(r[1] for r in runs))
+        c_hf.append(sum(r[2] for r in runs))
     useful = sum(lens)
     return {"requests": n, "useful_tokens": useful, "hf_generated_tokens": sum(len(p) * m for p, m in batches),
             "ours_tokens_per_s": round(useful / min(t_ours), 1), "hf_tokens_per_s": round(useful / min(t_hf), 1),
-            "speedup": round(min(t_hf) / min(t_ours), 2)}
+            "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
+            "ours_cpu_s": round(min(c_ours), 2), "hf_cpu_s": round(min(c_hf), 2)}
 
 
 def _bytes_per_token() -> int:
