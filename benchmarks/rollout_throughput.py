@@ -139,7 +139,7 @@ def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]
     return out[:, width:].tolist(), time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64
+def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64, n: int = 1
              ) -> tuple[list[list[int]], float, int, float]:
     """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once:
     tokens, wall seconds, peak KV bytes, CPU seconds."""
@@ -148,7 +148,8 @@ def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], m
     eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
                                             max_running=max_running), pgs.tp, pgs.cp)
     news = new if isinstance(new, list) else [new] * len(batch_prompts)
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n)) for p, n in zip(batch_prompts, news)]
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=m, n=n))
+           for p, m in zip(batch_prompts, news)]
     outs, peak, t0, c0 = [], 0, time.perf_counter(), time.process_time()
     while eng.has_work:
         outs += eng.step()
@@ -211,6 +212,8 @@ def main() -> None:
     p.add_argument("--hf-model", help="a real HF model folder (Llama architecture) instead of the tiny model")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights and KV cache of both sides")
     p.add_argument("--hf-dtype", choices=list(DTYPES), help="HF's dtype when it differs from --dtype (reported)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="rl_workload: samples per prompt (the RL loop's group_size; one request with n samples)")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -288,21 +291,29 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
     """4*b requests whose responses end at different lengths (as EOS ends them in RL), `b` generating at once.
     Ours: continuous batching (a finished request leaves, the next joins at once). HF generate(): static
     batches of `b` in the same order, each running until its longest member ends (a finished sequence keeps
-    its slot, as with EOS in a batch). Both count only the requested (useful) tokens."""
-    n = 4 * b
+    its slot, as with EOS in a batch). Both count only the requested (useful) tokens. `--group-size g`: 4*b/g
+    prompts of g samples each (the RL loop's groups): ours prefills each prompt once and its g samples share
+    its KV blocks; HF's batches repeat each prompt g times (as `num_return_sequences` does). All g samples of a
+    prompt get its length (less spread inside HF's batches than RL's, so no extra padding waste for HF)."""
+    g = args.group_size
+    if b % g:
+        raise SystemExit(f"--group-size {g} must divide every batch size (got {b})")
+    n = 4 * b // g  # prompts; each gives g samples of the same length (one request with n=g, as the RL loop asks)
     bp, lens = prompts(n, seed=1000 + b), rl_lengths(n, 2 * args.new_tokens, seed=b)
-    batches = [(bp[i:i + b], max(lens[i:i + b])) for i in range(0, n, b)]
-    run_ours(model, pgs, bp[:b], lens[:b], max_running=b)                  # warm-up
+    per = b // g  # prompts per HF static batch: each repeated g times (what generate's num_return_sequences does)
+    batches = [([p for p in bp[i:i + per] for _ in range(g)], max(lens[i:i + per])) for i in range(0, n, per)]
+    run_ours(model, pgs, bp[:per], lens[:per], max_running=b, n=g)        # warm-up
     t_ours, t_hf, c_ours, c_hf = [], [], [], []
     for _ in range(args.repeats):
-        _, t, _, c = run_ours(model, pgs, bp, lens, max_running=b)
+        _, t, _, c = run_ours(model, pgs, bp, lens, max_running=b, n=g)
         t_ours.append(t)
         c_ours.append(c)
         runs = [hf.run(p, m) for p, m in batches]
         t_hf.append(sum(r[1] for r in runs))
         c_hf.append(sum(r[2] for r in runs))
-    useful = sum(lens)
-    return {"requests": n, "useful_tokens": useful, "hf_generated_tokens": sum(len(p) * m for p, m in batches),
+    useful = g * sum(lens)
+    return {"requests": n, "group_size": g, "useful_tokens": useful,
+            "hf_generated_tokens": sum(len(p) * m for p, m in batches),
             "ours_tokens_per_s": round(useful / min(t_ours), 1), "hf_tokens_per_s": round(useful / min(t_hf), 1),
             "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
             "ours_cpu_s": round(min(c_ours), 2), "hf_cpu_s": round(min(c_hf), 2)}
