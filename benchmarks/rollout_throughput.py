@@ -9,6 +9,9 @@ peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON objec
 
     .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 64] [--batches 1 8 32]
     .venv/bin/python benchmarks/rollout_throughput.py --hf-model models/SmolLM2-135M-Instruct --batches 32
+    # the main job's rollout shape (configs/post_train_cpu.yaml: group_size 8, max_new_tokens 40, 1 thread/rank)
+    .venv/bin/python benchmarks/rollout_throughput.py --hf-model models/SmolLM2-135M-Instruct --batches 32 \
+        --repeats 1 --new-tokens 20 --group-size 8 --threads 1 [--dtype bf16]
 
 `--hf-model DIR`: a real model instead of the tiny random one: ours is built from it as the RL loop builds
 it (`model.init: hf:DIR`, the weights loaded into the Megatron model), HF's `from_pretrained(DIR)`; prompts are
