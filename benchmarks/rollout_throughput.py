@@ -9,6 +9,9 @@ peak blocks in use vs a contiguous [batch, max_len] cache. Prints one JSON objec
 
     .venv/bin/python benchmarks/rollout_throughput.py [--new-tokens 64] [--batches 1 8 32]
     .venv/bin/python benchmarks/rollout_throughput.py --hf-model models/SmolLM2-135M-Instruct --batches 32
+    # the main job's rollout shape (configs/post_train_cpu.yaml: group_size 8, max_new_tokens 40, 1 thread/rank)
+    .venv/bin/python benchmarks/rollout_throughput.py --hf-model models/SmolLM2-135M-Instruct --batches 32 \
+        --repeats 1 --new-tokens 20 --group-size 8 --threads 1 [--dtype bf16]
 
 `--hf-model DIR`: a real model instead of the tiny random one: ours is built from it as the RL loop builds
 it (`model.init: hf:DIR`, the weights loaded into the Megatron model), HF's `from_pretrained(DIR)`; prompts are
@@ -16,18 +19,28 @@ its chat template around arithmetic questions, so both sides see the same token 
 
 Fairness: HF runs in a child process that never imports megatron_rl, so the CPU compat layer's
 TorchFunctionMode (a Python hook on every torch call) is not active there; it uses its own KV cache
-(`generate` default), the same thread count, dtype (fp32) and `max_new_tokens` with `min_new_tokens` equal
-to it and no EOS (so neither side stops early) -- a setting where continuous batching cannot help. The
-`rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
+(`generate` default), the same thread count, dtype (`--dtype`, fp32 by default) and `max_new_tokens` with
+`min_new_tokens` equal to it and no EOS (so neither side stops early) -- a setting where continuous batching
+cannot help. The `rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
 responses ending at EOS are (lognormal, median 2*new/4, at most 2*new tokens), at most `batch` at once;
 ours joins the next request as soon as one finishes, HF runs static batches until their longest member ends;
 tokens/s counts the requested tokens on both sides. Both sides get one untimed warm-up; then the runs
 alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
-loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too.
+loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too, and
+`speedup_cpu_time`: the same ratio of process CPU seconds, which a loaded machine inflates far less than wall
+time (with `--threads 1`, what each of the main job's 2 ranks gets on 2 cores; with more threads, spinning
+OpenMP workers count as CPU time too).
+
+`--dtype bf16`: both sides hold bf16 weights and KV cache (ours: `params_dtype: bf16`, as `rollout.engine.dtype:
+bf16` builds the engine; HF: `torch_dtype=bfloat16`); both take log-softmax/argmax of fp32-cast logits. Greedy
+parity is then not exact (different bf16 rounding on each side); `greedy_agreement` reports the fraction of
+greedy tokens equal before the first difference. `--hf-dtype fp32` keeps HF in fp32 (its fastest setting
+here) while ours runs bf16: reported as such, never as a same-dtype ratio.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +61,7 @@ CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_quer
 
 HF_DIR: str | None = None
 """--hf-model: the real model's folder (None: the tiny random CFG)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_ours():
@@ -117,53 +131,57 @@ def prompts(batch: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+def run_hf(hf, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
+    """Generated tokens, wall seconds and this process's CPU seconds."""
     width = max(map(len, batch_prompts))
     ids = torch.tensor([[256] * (width - len(p)) + p for p in batch_prompts])  # [B, W] left-padded
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch_prompts])[:, None]).long()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                       do_sample=False, pad_token_id=256, eos_token_id=None)
-    return out[:, width:].tolist(), time.perf_counter() - t0
+    return out[:, width:].tolist(), time.perf_counter() - t0, time.process_time() - c0
 
 
-def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64
-             ) -> tuple[list[list[int]], float, int]:
-    """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once."""
+def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], max_running: int = 64, n: int = 1
+             ) -> tuple[list[list[int]], float, int, float]:
+    """Greedy generation of `new` tokens per prompt (or new[i] for prompt i), at most `max_running` at once:
+    tokens, wall seconds, peak KV bytes, CPU seconds."""
     from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
 
     eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
                                             max_running=max_running), pgs.tp, pgs.cp)
     news = new if isinstance(new, list) else [new] * len(batch_prompts)
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=n)) for p, n in zip(batch_prompts, news)]
-    outs, peak, t0 = [], 0, time.perf_counter()
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_new_tokens=m, n=n))
+           for p, m in zip(batch_prompts, news)]
+    outs, peak, t0, c0 = [], 0, time.perf_counter(), time.process_time()
     while eng.has_work:
         outs += eng.step()
         peak = max(peak, eng.cache.num_blocks - eng.cache.num_free)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     order = {o.request_id: o.samples[0].token_ids for o in outs}
-    return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token()
+    return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token(), cpu
 
 
 class HFWorker:
     """`run_hf` in a child process without megatron_rl imported; one JSON request/answer per line."""
 
-    def __init__(self, model, threads: int):
+    def __init__(self, model, threads: int, dtype: str = "fp32"):
         self.dir = tempfile.TemporaryDirectory(prefix="hf-bench-")
         if HF_DIR is None:
             hf = to_hf(model)
             hf.config.save_pretrained(self.dir.name)
-            torch.save({k: v.detach().clone() for k, v in hf.state_dict().items()},
+            torch.save({k: v.detach().float().clone() for k, v in hf.state_dict().items()},
                        os.path.join(self.dir.name, "sd.pt"))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, __file__, "--hf-worker", HF_DIR or self.dir.name, "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--hf-worker", HF_DIR or self.dir.name, "--threads", str(threads),
+               "--dtype", dtype]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
-    def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float]:
+    def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
         self.proc.stdin.write(json.dumps({"prompts": batch_prompts, "new": new}) + "\n")
         self.proc.stdin.flush()
         ans = json.loads(self.proc.stdout.readline())
-        return ans["tokens"], ans["seconds"]
+        return ans["tokens"], ans["seconds"], ans["cpu_seconds"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -171,20 +189,21 @@ class HFWorker:
         self.dir.cleanup()
 
 
-def hf_worker(path: str) -> None:
+def hf_worker(path: str, dtype: str = "fp32") -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     assert "megatron_rl.compat" not in sys.modules and not torch.overrides._get_current_function_mode_stack()
     if not os.path.exists(os.path.join(path, "sd.pt")):  # a real HF folder (--hf-model)
-        hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=DTYPES[dtype]).eval()
     else:
         hf = LlamaForCausalLM(LlamaConfig.from_pretrained(path)).eval()
         hf.load_state_dict(torch.load(os.path.join(path, "sd.pt"), weights_only=True), strict=False)
         hf.tie_weights()
+        hf = hf.to(DTYPES[dtype])
     for line in sys.stdin:
         req = json.loads(line)
-        tokens, dt = run_hf(hf, req["prompts"], req["new"])
-        print(json.dumps({"tokens": tokens, "seconds": dt}), flush=True)
+        tokens, dt, cpu = run_hf(hf, req["prompts"], req["new"])
+        print(json.dumps({"tokens": tokens, "seconds": dt, "cpu_seconds": cpu}), flush=True)
 
 
 def main() -> None:
@@ -194,19 +213,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--hf-model", help="a real HF model folder (Llama architecture) instead of the tiny model")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights and KV cache of both sides")
+    p.add_argument("--hf-dtype", choices=list(DTYPES), help="HF's dtype when it differs from --dtype (reported)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="rl_workload: samples per prompt (the RL loop's group_size; one request with n samples)")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.hf_worker:
-        return hf_worker(args.hf_worker)
+        return hf_worker(args.hf_worker, args.dtype)
     if args.hf_model:
         global CFG, HF_DIR
         from megatron_rl import config as C
 
         HF_DIR = args.hf_model
         CFG = C.from_dict(ModelConfig, {"init": f"hf:{args.hf_model}", "max_seq_length": 512})
+    CFG = dataclasses.replace(CFG, params_dtype=args.dtype)
     model, pgs = build_ours()
-    hf = HFWorker(model, args.threads)
+    hf = HFWorker(model, args.threads, args.hf_dtype or args.dtype)
     try:
         result = _measure(model, pgs, hf, args)
     finally:
@@ -216,26 +240,31 @@ def main() -> None:
 
 def _measure(model, pgs, hf: HFWorker, args) -> dict:
     check = prompts(4, seed=99)
-    parity = run_ours(model, pgs, check, 16)[0] == hf.run(check, 16)[0]
+    ours_check, hf_check = run_ours(model, pgs, check, 16)[0], hf.run(check, 16)[0]
     result = {"model": {"init": CFG.init or "random", "layers": CFG.num_layers, "hidden": CFG.hidden_size,
                         "heads": CFG.num_attention_heads,
                         "kv_heads": CFG.num_query_groups}, "new_tokens": args.new_tokens,
-              "greedy_parity_with_hf": parity, "threads": args.threads, "repeats": args.repeats,
+              "greedy_parity_with_hf": ours_check == hf_check,
+              "greedy_agreement": round(agreement(ours_check, hf_check), 3), "dtype": args.dtype,
+              "hf_dtype": args.hf_dtype or args.dtype, "threads": args.threads, "repeats": args.repeats,
               "hf_in_subprocess_without_compat": True, "batches": {}}
     for b in args.batches:
         bp = prompts(b, seed=b)
         ours_out, hf_out = run_ours(model, pgs, bp, args.new_tokens)[0], hf.run(bp, args.new_tokens)[0]  # warm-up
-        t_ours, t_hf, kv_paged = [], [], 0
+        t_ours, t_hf, c_ours, c_hf, kv_paged = [], [], [], [], 0
         for _ in range(args.repeats):
-            _, t, kv_paged = run_ours(model, pgs, bp, args.new_tokens)
+            _, t, kv_paged, c = run_ours(model, pgs, bp, args.new_tokens)
             t_ours.append(t)
-            t_hf.append(hf.run(bp, args.new_tokens)[1])
+            c_ours.append(c)
+            _, t, c = hf.run(bp, args.new_tokens)
+            t_hf.append(t)
+            c_hf.append(c)
         gen = b * args.new_tokens
         ctx_tokens = sum(len(x) for x in bp) + gen
         contiguous = b * (max(map(len, bp)) + args.new_tokens)
         result["batches"][str(b)] = {
             "ours_tokens_per_s": round(gen / min(t_ours), 1), "hf_tokens_per_s": round(gen / min(t_hf), 1),
-            "speedup": round(min(t_hf) / min(t_ours), 2),
+            "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
             "ours_median_s": round(statistics.median(t_ours), 4), "hf_median_s": round(statistics.median(t_hf), 4),
             "same_greedy_tokens": ours_out == hf_out,
             "kv_bytes_per_token_paged": round(kv_paged / ctx_tokens, 1),
@@ -245,6 +274,14 @@ def _measure(model, pgs, hf: HFWorker, args) -> dict:
     result["rl_workload_speedup_at_32"] = result["rl_workload"].get("32", {}).get("speedup")
     result["target_speedup_at_32"] = 3.0
     return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of tokens equal before each row's first difference (1.0: identical greedy outputs)."""
+    same = 0
+    for x, y in zip(a, b):
+        same += next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return same / max(1, sum(map(len, b)))
 
 
 def rl_lengths(n: int, cap: int, seed: int) -> list[int]:
@@ -257,25 +294,38 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
     """4*b requests whose responses end at different lengths (as EOS ends them in RL), `b` generating at once.
     Ours: continuous batching (a finished request leaves, the next joins at once). HF generate(): static
     batches of `b` in the same order, each running until its longest member ends (a finished sequence keeps
-    its slot, as with EOS in a batch). Both count only the requested (useful) tokens."""
-    n = 4 * b
+    its slot, as with EOS in a batch). Both count only the requested (useful) tokens. `--group-size g`: 4*b/g
+    prompts of g samples each (the RL loop's groups): ours prefills each prompt once and its g samples share
+    its KV blocks; HF's batches repeat each prompt g times (as `num_return_sequences` does). All g samples of a
+    prompt get its length (less spread inside HF's batches than RL's, so no extra padding waste for HF)."""
+    g = args.group_size
+    if b % g:
+        raise SystemExit(f"--group-size {g} must divide every batch size (got {b})")
+    n = 4 * b // g  # prompts; each gives g samples of the same length (one request with n=g, as the RL loop asks)
     bp, lens = prompts(n, seed=1000 + b), rl_lengths(n, 2 * args.new_tokens, seed=b)
-    batches = [(bp[i:i + b], max(lens[i:i + b])) for i in range(0, n, b)]
-    run_ours(model, pgs, bp[:b], lens[:b], max_running=b)                  # warm-up
-    t_ours, t_hf = [], []
+    per = b // g  # prompts per HF static batch: each repeated g times (what generate's num_return_sequences does)
+    batches = [([p for p in bp[i:i + per] for _ in range(g)], max(lens[i:i + per])) for i in range(0, n, per)]
+    run_ours(model, pgs, bp[:per], lens[:per], max_running=b, n=g)        # warm-up
+    t_ours, t_hf, c_ours, c_hf = [], [], [], []
     for _ in range(args.repeats):
-        t_ours.append(run_ours(model, pgs, bp, lens, max_running=b)[1])
-        t_hf.append(sum(hf.run(p, m)[1] for p, m in batches))
-    useful = sum(lens)
-    return {"requests": n, "useful_tokens": useful, "hf_generated_tokens": sum(len(p) * m for p, m in batches),
+        _, t, _, c = run_ours(model, pgs, bp, lens, max_running=b, n=g)
+        t_ours.append(t)
+        c_ours.append(c)
+        runs = [hf.run(p, m) for p, m in batches]
+        t_hf.append(sum(r[1] for r in runs))
+        c_hf.append(sum(r[2] for r in runs))
+    useful = g * sum(lens)
+    return {"requests": n, "group_size": g, "useful_tokens": useful,
+            "hf_generated_tokens": sum(len(p) * m for p, m in batches),
             "ours_tokens_per_s": round(useful / min(t_ours), 1), "hf_tokens_per_s": round(useful / min(t_hf), 1),
-            "speedup": round(min(t_hf) / min(t_ours), 2)}
+            "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
+            "ours_cpu_s": round(min(c_ours), 2), "hf_cpu_s": round(min(c_hf), 2)}
 
 
 def _bytes_per_token() -> int:
-    """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x 4 (fp32)."""
+    """Contiguous-cache bytes per token slot: 2 (K, V) x layers x kv_heads x head_dim x element size."""
     head_dim = CFG.head_dim or CFG.hidden_size // CFG.num_attention_heads
-    return 2 * CFG.num_layers * CFG.num_query_groups * head_dim * 4
+    return 2 * CFG.num_layers * CFG.num_query_groups * head_dim * DTYPES[CFG.params_dtype].itemsize
 
 
 if __name__ == "__main__":

@@ -274,3 +274,23 @@ def test_mla_model_logprobs_equal_full_forward(pgs):
             ref = recomputed_logprobs(model, prompt, sample.token_ids, 0.9)
             torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=1e-5, rtol=0)
     assert_pool_empty(eng)
+
+
+def test_bf16_engine_serves_fp32_weights_with_fp32_logprobs(model, pgs):
+    """`rollout.engine.dtype: bf16` (the run config key; loop/setup.py builds the engine with it): bf16 weights
+    and KV cache synced from an fp32 policy, log-softmax in fp32; log-probs close to the fp32 full forward's."""
+    eng = RolloutEngine.build(MODEL, EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24, dtype="bf16"),
+                              ParallelConfig(), pgs)
+    eng.update_weights(1, model.named_parameters(), complete=True)  # the weight sync casts fp32 -> bf16
+    matrices = [p for p in eng.model.parameters() if p.dim() > 1]  # (the norms' weights stay fp32, as in training)
+    assert {p.dtype for p in matrices} == {torch.bfloat16} and eng.cache.kv.dtype == torch.bfloat16
+    outs = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=12, seed=5))
+    diffs = []
+    for prompt, out in zip(PROMPTS, outs):
+        s = out.samples[0]
+        ref = recomputed_logprobs(model, prompt, s.token_ids)  # the fp32 policy's
+        diffs.append((torch.tensor(s.logprobs) - ref).abs())
+    diffs = torch.cat(diffs)
+    assert 0 < diffs.max() < 0.1, diffs.max()  # bf16 rounding, not fp32 (0) and not a wrong model (>> 0.1)
+    assert diffs.mean() < 0.02, diffs.mean()
+    assert_pool_empty(eng)
