@@ -93,7 +93,7 @@ def _read(path: str) -> str:
 
 
 def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # as the shell's `echo v > file` (cgroupfs accepts O_TRUNC)
     try:
         os.write(fd, value.encode())
     finally:

@@ -23,6 +23,7 @@ import os
 import signal
 import time
 
+from envs.sandbox._cgroup import _kv, _read, _write
 from envs.sandbox.base import Limits
 
 _PERIOD_US = 100_000
@@ -44,27 +45,6 @@ def own_v2_dir() -> str | None:
         return None
     own = os.path.join(mnt, path.lstrip("/"))
     return os.path.dirname(own) if os.path.basename(own) == LEAF else own  # we moved ourselves there earlier
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # as the shell's `echo v > file` (cgroupfs accepts O_TRUNC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
-
-
-def _kv(text: str, key: str) -> int:
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if k == key:
-            return int(v)
-    return 0
 
 
 def _enable(own: str, ctrls: list[str]) -> None:
