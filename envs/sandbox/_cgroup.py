@@ -100,6 +100,15 @@ def _write(path: str, value: str) -> None:
         os.close(fd)
 
 
+def sigkill(pids) -> None:
+    """SIGKILL each of `pids` (gone or not ours: skipped)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _kv(text: str, key: str) -> int:
     for line in text.splitlines():
         k, _, v = line.partition(" ")
@@ -248,11 +257,7 @@ class SlotCgroups:
             left = [p for p in self.procs() if _state(p) not in ("Z", None)]  # zombies wait for their reaper
             if not left or time.monotonic() > end:
                 return left
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            sigkill(left)
             time.sleep(0.005)
 
     def remove(self) -> list[str]:

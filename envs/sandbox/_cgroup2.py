@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import time
 
-from envs.sandbox._cgroup import _kv, _read, _write
+from envs.sandbox._cgroup import _kv, _read, _write, sigkill
 from envs.sandbox.base import Limits
 
 _PERIOD_US = 100_000
@@ -169,11 +168,7 @@ class SlotCgroup2:
             try:
                 _write(os.path.join(self.d, "cgroup.kill"), "1")
             except OSError:
-                for pid in left:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                sigkill(left)
             time.sleep(0.005)
 
     def remove(self) -> list[str]:
