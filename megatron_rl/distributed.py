@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import ParallelConfig
-from megatron_rl.slurm_env import SlurmEnv
+from megatron_rl.slurm_env import SlurmEnv, TorchrunEnv, launch_source
 
 Source = Literal["auto", "torchrun", "slurm", "mpi", "single"]
 
@@ -61,8 +61,10 @@ def free_port() -> int:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
-    return LaunchInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                      env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    t = TorchrunEnv.from_environ(env)
+    if t is None:
+        raise RuntimeError("source 'torchrun' requested but RANK / WORLD_SIZE are not set; launch with torchrun")
+    return LaunchInfo(t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port, "torchrun")
 
 
 def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
@@ -91,11 +93,8 @@ def detect_launch(source: Source = "auto", environ: Mapping[str, str] | None = N
     """Rank, world size, local rank and rendezvous of this process (see the module docstring)."""
     env = os.environ if environ is None else environ
     if source == "auto":
-        source = _auto_source(env)
+        source = launch_source(env)
     if source == "torchrun":
-        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
-        if missing:
-            raise RuntimeError(f"source 'torchrun' requested but {missing} are not set; launch with torchrun")
         return _from_torchrun(env)
     if source == "slurm":
         return _from_slurm(env)
@@ -104,18 +103,6 @@ def detect_launch(source: Source = "auto", environ: Mapping[str, str] | None = N
     if source == "single":
         return LaunchInfo(0, 1, 0, "127.0.0.1", free_port(), "single")
     raise ValueError(f"unknown launch source {source!r}; use auto, torchrun, slurm, mpi or single")
-
-
-def _auto_source(env: Mapping[str, str]) -> str:
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in env:  # mpirun (inside sbatch too: SLURM_PROCID would be orted's, not ours)
-        return "mpi"
-    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-        return "slurm"
-    if "PMIX_RANK" in env or "PMI_RANK" in env:
-        return "mpi"
-    return "single"
 
 
 def pick_backend(backend: str = "auto") -> str:

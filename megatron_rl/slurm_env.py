@@ -1,6 +1,7 @@
-"""The one place that reads Slurm's environment variables.
+"""The one place that reads Slurm's and the launchers' environment variables.
 
-Everything else asks `SlurmEnv.from_environ()`; nothing else in the library reads `SLURM_*`.
+Everything else asks `SlurmEnv.from_environ()`, `TorchrunEnv.from_environ()` or `launch_source()`; nothing else in
+the library reads `SLURM_*`, torchrun's `RANK`/`WORLD_SIZE`/`MASTER_*` or MPI's `OMPI_*`/`PMI*_RANK`.
 """
 from __future__ import annotations
 
@@ -141,3 +142,48 @@ class SlurmEnv:
         """A port derived from the job and step ids, so every task of a step picks the same one unasked."""
         digits = re.sub(r"\D", "", self.job_id) or "0"
         return base + (int(digits) * 31 + self.step_id) % span
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun (torch.distributed.run) tells each rank it starts."""
+
+    rank: int
+    """RANK: global rank."""
+    world_size: int
+    """WORLD_SIZE: number of ranks."""
+    local_rank: int = 0
+    """LOCAL_RANK: rank on this node."""
+    master_addr: str = "127.0.0.1"
+    """MASTER_ADDR: rendezvous host."""
+    master_port: int = 29500
+    """MASTER_PORT: rendezvous port."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+        """torchrun's view of this process, or None when RANK / WORLD_SIZE are not both set."""
+        env = os.environ if environ is None else environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                   env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+
+
+def launch_source(environ: Mapping[str, str] | None = None) -> str:
+    """Which launcher started this process: torchrun, mpi, slurm (an srun step) or single (none)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "OMPI_COMM_WORLD_SIZE" in env:  # mpirun (inside sbatch too: SLURM_PROCID would be orted's, not ours)
+        return "mpi"
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        return "slurm"
+    if "PMIX_RANK" in env or "PMI_RANK" in env:
+        return "mpi"
+    return "single"
+
+
+def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """True when a launcher (torchrun, srun, mpirun) already started this process as one of the job's ranks, so a
+    command runs its rank in-process instead of starting torchrun itself."""
+    return launch_source(environ) != "single"

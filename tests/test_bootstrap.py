@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.distributed import _auto_source, detect_launch, pick_backend
-from megatron_rl.slurm_env import SlurmEnv, expand_hostlist
+from megatron_rl.distributed import detect_launch, pick_backend
+from megatron_rl.slurm_env import SlurmEnv, expand_hostlist, launch_source, under_launcher
 
 
 @pytest.mark.parametrize("spec, hosts", [
@@ -44,8 +44,11 @@ def test_detect_launch_from_each_source():
     assert (li.source, li.rank, li.world_size, li.local_rank, li.master_addr) == ("slurm", 3, 4, 1, "gpu07")
     tr = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"}
     assert detect_launch("auto", {**SLURM_STEP, **tr}).source == "torchrun"  # torchrun inside srun wins
-    assert _auto_source({**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"  # mpirun inside sbatch
-    assert _auto_source({"PMIX_RANK": "0"}) == "mpi"
+    assert launch_source({**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"  # mpirun inside sbatch
+    assert launch_source({"PMIX_RANK": "0"}) == "mpi"
+    assert under_launcher(SLURM_STEP) and under_launcher(tr) and under_launcher({"OMPI_COMM_WORLD_SIZE": "2"})
+    batch_script = {k: v for k, v in SLURM_STEP.items() if k != "SLURM_STEP_ID"}  # sbatch itself: not a rank
+    assert not under_launcher(batch_script) and not under_launcher({})
     single = detect_launch("auto", {})
     assert (single.source, single.rank, single.world_size) == ("single", 0, 1)
 
@@ -55,7 +58,7 @@ def test_detect_launch_errors_name_the_fix():
         detect_launch("slurm", {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0"})
     with pytest.raises(RuntimeError, match="not in a Slurm job"):
         detect_launch("slurm", {})
-    with pytest.raises(RuntimeError, match=r"\['RANK', 'WORLD_SIZE'\] are not set; launch with torchrun"):
+    with pytest.raises(RuntimeError, match="RANK / WORLD_SIZE are not set; launch with torchrun"):
         detect_launch("torchrun", {})
     with pytest.raises(ValueError, match="unknown launch source 'pbs'"):
         detect_launch("pbs", {})

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_rl import config as C
 from megatron_rl.run_config import RunConfig
+from megatron_rl.slurm_env import under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -93,7 +94,7 @@ def _launch(cfg: RunConfig, args: argparse.Namespace) -> int:
     from megatron_rl.distributed import free_port
 
     module = ["-m", "megatron_rl.commands.eval", *_argv(args), "--worker"]
-    if "RANK" in os.environ or "SLURM_STEP_ID" in os.environ:
+    if under_launcher():
         return _call([sys.executable, *module], None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from megatron_rl import config as C
 from megatron_rl.run_config import RunConfig
+from megatron_rl.slurm_env import under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -171,7 +172,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path) -> int:
     """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): in-process
     when already under a launcher (torchrun, srun), else torchrun here."""
     module = ["-m", "megatron_rl.commands.train", str(run_dir / "config.yaml"), "--worker"]
-    if "RANK" in os.environ or "SLURM_STEP_ID" in os.environ:
+    if under_launcher():
         return _call([sys.executable, *module], None)
     from megatron_rl.distributed import free_port
 

@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.slurm_env import under_launcher
 from tools.convert.arch import ARCHS
 from tools.convert.arch.base import ConvertError
-
-_LAUNCHED_ENV = ("RANK", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def launched() -> bool:
-    return any(k in os.environ for k in _LAUNCHED_ENV)
+    return under_launcher()
 
 
 def spawn_torchrun(args, argv: list[str]) -> int:
