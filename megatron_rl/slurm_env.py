@@ -144,6 +144,11 @@ class SlurmEnv:
         return base + (int(digits) * 31 + self.step_id) % span
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Every variable torchrun sets for its ranks (removed from the environment of a process a rank starts)."""
+
+
 @dataclass(frozen=True)
 class TorchrunEnv:
     """What torchrun (torch.distributed.run) tells each rank it starts."""

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron_rl.data.shards import SEGMENT_MARK, episode_of
 from megatron_rl.dispatch.net import node_address  # noqa: F401 (re-exported: tests, callers)
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
+from megatron_rl.slurm_env import TORCHRUN_VARS
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +457,7 @@ class RolloutServerProcess:
                "--version", str(version)]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), TOKEN_ENV: self.token}
         for k in list(env):  # a single-process server, not a member of the training job (torchrun's agent store!)
-            if k in _LAUNCH_VARS or k.startswith("TORCHELASTIC_"):
+            if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
                 del env[k]
         with open(self.dir / "server.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -480,10 +481,6 @@ class RolloutServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-
-
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _die_with_parent() -> None:
