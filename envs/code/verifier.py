@@ -41,6 +41,7 @@ from collections import OrderedDict
 
 from envs.base import sandbox_problem
 from envs.sandbox.base import Limits, SandboxResult
+from envs.sandbox.zygote import ZygoteError
 
 MAX_ROUNDS = 4
 """Most candidate runs per reward (a test whose calls depend on earlier answers needs one per step)."""
@@ -213,14 +214,8 @@ write(".mrl_results.json", {"tests": out})
 
 # The verifier sandbox: only this harness, the pristine tests and decoded plain data. Nothing of the candidate
 # runs here; its results file is data.
-_VERIFIER = _CODEC + r'''
+_VERIFY_DEFS = _CODEC + r'''
 import time
-spec = read(".mrl_verify.json")
-try:
-    claimed = read("candidate/results.json")["tests"]
-except (OSError, ValueError, KeyError, TypeError, RecursionError):
-    claimed = None
-PER, TOTAL = spec["per_test_s"], spec["total_s"]
 
 class Pending(BaseException):
     """A value the candidate has not given yet was used: the test is replayed after another candidate run."""
@@ -327,29 +322,51 @@ def run_test(src, plan, answers):
         return ["pending", "", made]
     return outcome + [made]
 
-real_stdout = sys.stdout
-sys.stdout = open("/dev/null", "w")
-deadline = time.monotonic() + TOTAL
-verdict, stop = [], None
-for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
-    left = min(PER, deadline - time.monotonic())
-    if stop or left <= 0:
-        verdict.append(["fail", stop or "not run: time budget spent", plan])
-        continue
-    answers = None
-    if claimed is not None and i < len(claimed) and type(claimed[i]) is list:
-        answers = claimed[i]
+def verify(spec, claimed):
+    """The verdict of every test of `spec` against the candidate's claimed answers (None: it gave none)."""
+    per, total = spec["per_test_s"], spec["total_s"]
+    sys.stdout = open("/dev/null", "w")
+    deadline = time.monotonic() + total
+    verdict, stop = [], None
+    for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
+        left = min(per, deadline - time.monotonic())
+        if stop or left <= 0:
+            verdict.append(["fail", stop or "not run: time budget spent", plan])
+            continue
+        answers = None
+        if claimed is not None and i < len(claimed) and type(claimed[i]) is list:
+            answers = claimed[i]
+        try:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            v = run_test(src, plan, answers)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        except BaseException as e:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            v = ["fail", "verifier: %s" % type(e).__name__, plan]
+        if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
+            stop = "not run: an earlier test timed out"
+        verdict.append(v)
+    return verdict
+
+def claims(load):
     try:
-        signal.setitimer(signal.ITIMER_REAL, left)
-        v = run_test(src, plan, answers)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    except BaseException as e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        v = ["fail", "verifier: %s" % type(e).__name__, plan]
-    if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
-        stop = "not run: an earlier test timed out"
-    verdict.append(v)
-write(".mrl_verdict.json", verdict)
+        return load()["tests"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+'''
+
+# One verifier sandbox per verdict (backends without a zygote): the spec and claims are files in its scratch.
+_VERIFIER = _VERIFY_DEFS + r'''
+write(".mrl_verdict.json", verify(read(".mrl_verify.json"), claims(lambda: read("candidate/results.json"))))
+'''
+
+# The verifier zygote (`envs.sandbox.zygote`): each forked child gets `spec JSON NUL claims` on its channel.
+_VERIFIER_ZYGOTE = _VERIFY_DEFS + r'''
+def handle(request):
+    spec, _, claimed = request.partition(b"\0")
+    return dumps(verify(loads(spec.decode("utf-8")), claims(lambda: loads(claimed.decode("utf-8"))))).encode()
+
+serve(handle)
 '''
 
 _LOADER = ("import marshal\nn=%r\nwith open(n+'c','rb') as f: d=f.read()\n"
@@ -370,6 +387,7 @@ def _harness(name: str, source: str) -> tuple[list[str], dict[str, bytes]]:
 
 _RUNNER_ARGS, _RUNNER_FILES = _harness("runner.py", _RUNNER)
 _VERIFIER_ARGS, _VERIFIER_FILES = _harness("verify.py", _VERIFIER)
+_ZYGOTE_NAME = "code-verifier"
 
 _plans: OrderedDict[str, list] = OrderedDict()
 _plans_lock = threading.Lock()
@@ -461,6 +479,13 @@ def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_tes
 def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | None, limits: Limits,
                   per_test_s: float) -> tuple[list | None, tuple[str, str] | None]:
     spec = {"tests": tests, "plan": plan, "per_test_s": float(per_test_s), "total_s": 0.8 * limits.wall_s}
+    zygote = sandbox.zygote(_ZYGOTE_NAME, _VERIFIER_ZYGOTE) if hasattr(sandbox, "zygote") else None
+    if zygote is not None:
+        try:
+            verdict = _loads(zygote.call(json.dumps(spec).encode() + b"\0" + (claimed or b""), limits))
+        except ZygoteError as e:
+            return None, (f"verifier gave no verdict ({e})", "error")
+        return _checked(verdict, len(tests), "the verifier's answer is malformed")
     files: dict[str, str | bytes] = {**_VERIFIER_FILES, ".mrl_verify.json": json.dumps(spec)}
     if claimed is not None:
         files["candidate/results.json"] = claimed
@@ -469,10 +494,13 @@ def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | 
     problem = sandbox_problem(res)
     if problem and problem[1] != "ok":
         return None, problem
-    verdict = _loads(res.files.get(".mrl_verdict.json"))
-    ok = (isinstance(verdict, list) and len(verdict) == len(tests)
+    why = problem[0] if problem else f"exit {res.exit_code}"
+    return _checked(_loads(res.files.get(".mrl_verdict.json")), len(tests), f"{why}: {res.stderr[-200:]}".strip())
+
+
+def _checked(verdict, n: int, why: str) -> tuple[list | None, tuple[str, str] | None]:
+    ok = (isinstance(verdict, list) and len(verdict) == n
           and all(isinstance(v, list) and len(v) == 3 and isinstance(v[2], list) for v in verdict))
     if not ok:
-        why = problem[0] if problem else f"exit {res.exit_code}"
-        return None, (f"verifier gave no verdict ({why}): {res.stderr[-200:]}".strip(), "error")
+        return None, (f"verifier gave no verdict ({why})", "error")
     return verdict, None

@@ -182,6 +182,34 @@ class _Launch:
         self.pid1fd = None
 
 
+class Service:
+    """A long-lived process started by `BwrapSandbox.serve`: write requests to `stdin_w`, read answers from
+    `stdout_r` (both raw fds, owned here); its stderr is kept (last 8 KiB) as `drain_stderr` reads it.
+    `close()` kills it, its whole pid namespace with it, and empties the slot."""
+
+    def __init__(self, launch: _Launch, owner: BwrapSandbox):
+        self._launch, self._owner = launch, owner
+        self.stdin_w, self.stdout_r, self.pidfd = launch.stdin_w, launch.stdout_r, launch.pidfd
+        self.stderr = b""
+        os.set_blocking(launch.stderr_r, False)
+
+    def drain_stderr(self) -> None:
+        if self._launch is None:
+            return
+        with contextlib.suppress(BlockingIOError, OSError):
+            while chunk := os.read(self._launch.stderr_r, 1 << 16):
+                self.stderr = (self.stderr + chunk)[-8192:]
+
+    def alive(self) -> bool:
+        return self._launch is not None and self._launch.proc.poll() is None
+
+    def close(self) -> list[str]:
+        """Kill and reap it; returns cleanup problems (idempotent)."""
+        self.drain_stderr()
+        launch, self._launch = self._launch, None
+        return self._owner._end_service(launch) if launch is not None else []
+
+
 class _Cell:
     """One slot: a uid of its own, cgroups, a scratch tmpfs with /work and /tmp; one run at a time."""
 
@@ -318,6 +346,10 @@ class _State:
         self.base: str | None = None
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.next: concurrent.futures.Future | None = None
+        self.service: _Launch | None = None
+        """The launch of a running `serve()` process, killed first on close."""
+        self.zygotes: dict = {}
+        """name -> `Zygote` of `BwrapSandbox.zygote` (each in a sibling sandbox), closed first on close."""
         self.closed = False
         self.generation = 0
         self.owner = os.getpid()
@@ -326,6 +358,13 @@ class _State:
         if self.closed or os.getpid() != self.owner:  # a forked child must not tear down its parent's slots
             return
         self.closed = True
+        for z in self.zygotes.values():
+            with contextlib.suppress(Exception):
+                z.close()
+        if self.service is not None:
+            for p in _dispose(self.service):
+                log.warning("bwrap sandbox cleanup: %s", p)
+            self.service = None
         if self.next is not None:
             with contextlib.suppress(Exception):
                 _dispose(self.next.result(timeout=30))
@@ -590,6 +629,7 @@ class BwrapSandbox(Sandbox):
         if layer is not None and not os.path.isdir("/usr/local"):
             raise SandboxUnavailable("this host has no /usr/local to mount the sandbox image on: `mkdir /usr/local`")
         self.bwrap, self.rootfs, self.layer = path, rootfs, layer
+        self._extra_env, self._uid_base = env, uid_base
         self._version = _bwrap_version(path)
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
                      "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(layer.env if layer else {}),
@@ -605,6 +645,7 @@ class BwrapSandbox(Sandbox):
         """Runs started from a prespawned sandbox vs started cold (limits or network differed, or first run),
         and slots retired because they could not be emptied."""
         self._s = _State()
+        self._service: Service | None = None
         self._finalizer = weakref.finalize(self, self._s.close)
         self.subreaper = _linux.set_child_subreaper()
         try:
@@ -670,11 +711,72 @@ class BwrapSandbox(Sandbox):
         with self._lock:
             if self._s.closed:
                 raise RuntimeError("this BwrapSandbox is closed")
+            if self._service is not None:
+                raise RuntimeError("this BwrapSandbox runs a service (serve()); close it before run()")
             return self._run(script, command, files, limits, stdin, collect, sockets or {})
+
+    def zygote(self, name: str, source: str):
+        """A `Zygote` serving `source` from a sandbox of its own (a one-slot sibling of this one: same root,
+        image, environment, seccomp; prespawn off), built on first use and closed with this sandbox."""
+        from envs.sandbox.zygote import Zygote
+
+        with self._lock:
+            if self._s.closed:
+                raise RuntimeError("this BwrapSandbox is closed")
+            z = self._s.zygotes.get(name)
+            if z is None:
+                z = self._s.zygotes[name] = Zygote(self._sibling, source)
+            return z
+
+    def _sibling(self) -> BwrapSandbox:
+        return BwrapSandbox(self.rootfs, limits=self.default_limits, prespawn=False, env=self._extra_env,
+                            uid_base=self._uid_base, bwrap=self.bwrap, seccomp=self._seccomp is not None,
+                            layer=self.layer)
 
     def close(self) -> None:
         with self._lock:
             self._finalizer()
+
+    def serve(self, command, files=None, limits=None) -> Service:
+        """Start `command` as a long-lived process in this sandbox's only slot (needs prespawn=False), talking to
+        the worker through its stdin and stdout pipes (`Service`); `run` is refused until the service is closed.
+        The same namespaces, mounts, seccomp filter, uid, cgroup and rlimits as a run; no wall deadline (the
+        caller bounds each exchange and closes the service when one is not answered in time)."""
+        limits = limits or self.default_limits
+        limits.validate()
+        script = _script(command)
+        with self._lock:
+            if self._s.closed or self._prespawn or self._service is not None:
+                raise RuntimeError("BwrapSandbox.serve needs an open sandbox built with prespawn=False and no "
+                                   "service running")
+            cell = self._s.cells[0]
+            if cell.dirty:
+                cell = self._reset_cell(cell)
+            cell.mount(limits.scratch_mb)
+            write_files(cell.work, files, cell.uid if cell.root else None)
+            if self._has_sh:
+                _rewrite(os.path.join(cell.ctl, "cmd"), _inner_limits(cell, limits) + script)
+            launch = self._spawn(cell, limits, command)
+            if cell.cg is not None:
+                cell.cg.set_limits(limits, _BWRAP_TASKS)
+                cell.cg.begin()
+            cell.dirty = True
+            with contextlib.suppress(OSError):
+                os.write(launch.block_w, b"\n")
+            if not launch.go_fifo:
+                os.close(launch.block_w)
+                launch.block_w = -1
+            self._service = Service(launch, self)
+            self._s.service = launch
+            return self._service
+
+    def _end_service(self, launch: _Launch) -> list[str]:
+        with self._lock:
+            problems = _dispose(launch) if self._s.service is launch else []  # else closed with the sandbox
+            self._service, self._s.service = None, None
+            if not self._s.closed:
+                self._reset_cell(launch.cell)
+            return problems
 
     # -------------------------------------------------------------------------------------- the run
     def _run(self, script, command, files, limits, stdin, collect, sockets) -> SandboxResult:
