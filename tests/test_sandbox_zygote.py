@@ -83,6 +83,7 @@ def test_candidate_cannot_reach_the_verifier_zygote(sandbox):
     assert z.starts == max(starts, 1)
 
 
+@pytest.mark.slow
 def test_zygote_children_are_pristine_and_failures_restart_it(sandbox):
     """Every request is served by a fresh child (state from an earlier request is not there); a request that
     hangs, crashes or runs out of memory is an error within its wall limit, the service is restarted and no
@@ -116,3 +117,21 @@ def test_zygote_compiles_its_source_for_another_bytecode_format(sandbox):
         assert z.call(b"x", Limits(wall_s=5.0)).split()[:2] == [b"src", b"1"]
     finally:
         z.close()
+
+
+def test_pool_verdicts_come_from_its_slots_zygotes():
+    """With `sandbox.workers > 1` (a SandboxPool) the code reward's verdicts come from the slots' zygotes too,
+    concurrent rewards each taking a free one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envs.sandbox import SandboxPool
+
+    gcd = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return abs(a)\n"
+    with SandboxPool(lambda i: BwrapSandbox(), 2) as pool:
+        with ThreadPoolExecutor(2) as ex:
+            rewards = list(ex.map(lambda s: code_reward(pool, "code-gcd", s), [gcd, "def gcd(a, b):\n    return -7\n"]
+                                  * 2))
+        assert rewards == [1.0, 0.0, 1.0, 0.0]
+        zs = pool.zygote(V._ZYGOTE_NAME, V._VERIFIER_ZYGOTE)
+        assert len(zs.zygotes) == 2 and sum(z.calls for z in zs.zygotes) == 4
+        assert all(z.starts <= 1 for z in zs.zygotes)

@@ -11,15 +11,21 @@ below. Untrusted: the solution and everything its process writes.
   float, str, bytes, list, tuple, dict, set, frozenset, complex); anything else is reported as not
   comparable. The runner shares the candidate's process, so everything it writes is only the candidate's
   CLAIM of what its function returned - equivalent to returning that value.
-- Verifier sandbox (second, started after the candidate's has ended; no candidate code runs in it):
-  `python3 -I -S` running `verify.py` runs the pristine tests from the task payload, with every free name of a test
-  bound to a stub that answers from the candidate's claims (decoded into exact built-in types, so objects
-  whose `__eq__` is always true, patched `json`/`print`/`builtins` and frame inspection cannot exist on this
-  side), then writes the verdict file `.mrl_verdict.json`, which the worker collects from the verifier's
-  scratch only: the candidate can neither write it nor learn a nonce (there is none to learn).
+- Verifier (second, after the candidate's sandbox has ended; no candidate code runs in it): the pristine
+  tests from the task payload run with every free name of a test bound to a stub that answers from the
+  candidate's claims (decoded into exact built-in types, so objects whose `__eq__` is always true, patched
+  `json`/`print`/`builtins` and frame inspection cannot exist on this side). Where the sandbox has a zygote
+  (bubblewrap, `Sandbox.zygote`), the verdict comes from a child forked for it by a long-lived verifier
+  process in a sandbox of its own that has never seen candidate data (`envs.sandbox.zygote`: the child
+  reads the spec and the claims from the worker's pipe and answers through the service's own pipe, which
+  no candidate sandbox can reach: another uid as root, another pid namespace always); one bad exchange
+  (timeout, crash, malformed answer) closes that sandbox and the next verdict starts a new one. Elsewhere
+  a fresh verifier sandbox per verdict runs `verify.py` and writes `.mrl_verdict.json`, collected from its
+  scratch only. Either way the candidate can neither write the verdict nor learn a nonce (there is none).
 - A test whose calls depend on earlier answers (`f(f(1))`, `assert f(1) == 1 and f(2) == 2`) is replayed:
   the verifier reports the calls it still needs, the candidate sandbox runs again, up to `MAX_ROUNDS`.
-  The calls a task's tests make are cached per test suite, so a known task costs two sandbox runs.
+  The calls a task's tests make are cached per test suite, so a known task costs one candidate sandbox run
+  and one verdict.
 - Both harness scripts are trusted code compiled by the worker: each sandbox gets the worker's bytecode
   (`runner.pyc`, `verify.pyc`, run by a fixed `-c` loader when the sandbox interpreter's magic number
   matches, else the source next to it is compiled there). They are written into a scratch the program has

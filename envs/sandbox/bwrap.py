@@ -66,6 +66,9 @@ Not covered:
   rlimits and network setting, else discarded and the run starts cold. The FIFO (`/.sandbox/go`, mode
   0444 on a read-only mount) is written by the worker only; the command itself is the file `/.sandbox/cmd`
   next to it, written before the go.
+- `serve()` (used by `zygote()`: the code verifier's forking service, `envs.sandbox.zygote`) runs one
+  long-lived process with the same isolation in a one-slot sandbox that runs nothing else; `run` is refused
+  while it lives, and closing it (or the sandbox) kills its pid namespace and empties the slot.
 """
 from __future__ import annotations
 

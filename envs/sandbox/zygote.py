@@ -30,6 +30,7 @@ import importlib.util
 import logging
 import marshal
 import os
+import queue
 import select
 import threading
 import time
@@ -250,3 +251,24 @@ class Zygote:
         if n > 64 << 20:
             raise ZygoteError(f"verifier answer of {n} bytes", "error")
         return status, self._read(n, deadline)
+
+
+class ZygoteSet:
+    """The zygotes of a pool's slots served as one (`SandboxPool.zygote`): a call takes a free one, waiting
+    while every one is busy, so concurrent verdicts run side by side as the pool's runs do."""
+
+    def __init__(self, zygotes: list[Zygote]):
+        self.zygotes = zygotes
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for z in zygotes:
+            self._free.put(z)
+
+    def call(self, request: bytes, limits: Limits) -> bytes:
+        z = self._free.get()
+        try:
+            return z.call(request, limits)
+        finally:
+            self._free.put(z)
+
+    def cpu_s(self) -> float:
+        return sum(z.cpu_s() for z in self.zygotes)
