@@ -15,6 +15,7 @@ Targets (from the issues): latency <= 1.5x bare, code reward <= 2.5x bare, >= 45
 JSON object. The load average before and after is included: other work on the machine slows every figure.
 
     .venv/bin/python benchmarks/sandbox_throughput.py [--runs 300] [--blocks 15] [--python-args "-I -S"]
+        [--worker-rss-mb 2000]
 """
 from __future__ import annotations
 
@@ -145,7 +146,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=10, help="back-to-back runs per latency block")
     ap.add_argument("--python-args", default="", help="interpreter options for both sides, e.g. '-I -S'")
     ap.add_argument("--max-workers", type=int, default=4)
+    ap.add_argument("--worker-rss-mb", type=int, default=0,
+                    help="touched ballast in the measuring process, like a rollout worker's resident memory: a "
+                         "sandbox start forks the worker (bwrap's preexec), bare python3 does not (vfork)")
     args = ap.parse_args()
+    ballast = bytearray(args.worker_rss_mb << 20)  # zero-filled: every page touched
     py_args = shlex.split(args.python_args)
     load_before = os.getloadavg()
     lat, cpu = latencies(args.blocks, args.block, py_args)
@@ -170,6 +175,7 @@ def main() -> None:
         "targets": {"overhead_ratio_max": 1.5, "code_reward_ratio_max": 2.5, "runs_per_s_min": 45},
         "meets_targets": {"overhead": ratio <= 1.5, "code_reward": rew / bare <= 2.5, "throughput": best >= 45},
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "worker_rss_mb_extra": len(ballast) >> 20,
     }))
 
 
