@@ -81,6 +81,7 @@ import json
 import logging
 import os
 import re
+import resource
 import select
 import shlex
 import shutil
@@ -335,6 +336,36 @@ class _Cell:
                 os.setgid(gid)
                 os.setuid(uid)
         return fn
+
+    def chain(self, rlimits, network: bool) -> tuple[list[str], tuple[int, ...]] | None:
+        """What `preexec` does, as a chain of small programs exec'd before bwrap (argv prefix, fds to pass):
+        a shell joins the slot's cgroups, nsenter the slot's network namespace (or, not root, the scratch
+        namespace), prlimit sets the rlimits, setpriv drops to the slot's uid. The worker then spawns without
+        forking itself (vfork): a fork copies the page tables of the whole worker, ~95 ms of CPU per start at
+        2 GB of resident memory. None when a tool is missing (then `preexec`)."""
+        tools = _chain_tools()
+        if tools is None:
+            return None
+        out: list[str] = []
+        if self.cg is not None and self.cg.attach_files:
+            out += [tools["sh"], "-c", " && ".join(f"echo 0 > {shlex.quote(f)}" for f in self.cg.attach_files)
+                    + ' && exec "$@"', "sh"]
+        fds: tuple[int, ...] = ()
+        netns = self.netns if not network else None
+        if netns is not None or self.ns is not None:
+            out.append(tools["nsenter"])
+            if netns is not None:
+                out.append(f"--net=/proc/self/fd/{netns}")
+                fds += (netns,)
+            if self.ns is not None:  # bwrap binds the scratch tmpfs of the worker's own mount namespace
+                out += [f"--user=/proc/self/fd/{self.ns.user_fd}", f"--mount=/proc/self/fd/{self.ns.mnt_fd}",
+                        "--preserve-credentials"]
+                fds += (self.ns.user_fd, self.ns.mnt_fd)
+            out.append("--")
+        out += [tools["prlimit"], *(f"--{_PRLIMIT[res]}={soft}:{hard}" for res, soft, hard in rlimits), "--"]
+        if self.root:
+            out += [tools["setpriv"], f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"]
+        return out, fds
 
     def close(self) -> list[str]:
         problems = self.cg.remove() if self.cg else []
@@ -626,6 +657,9 @@ class BwrapSandbox(Sandbox):
     seccomp: install the filter of `envs.sandbox._seccomp` (default; off only to debug with strace/gdb).
     layer: a per-domain image (`envs.sandbox.image_cache.ImageLayer`): its /usr/local and /opt are mounted
     read-only over the host's, its env set and its workdir the start directory.
+    exec_chain: start bwrap through sh/nsenter/prlimit/setpriv (`_Cell.chain`) instead of a forked worker
+    running the same steps (`_Cell.preexec`; also used when a tool is missing): same isolation, no fork of
+    the worker.
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -634,7 +668,7 @@ class BwrapSandbox(Sandbox):
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
                  env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
-                 seccomp: bool = True, layer: ImageLayer | None = None):
+                 seccomp: bool = True, layer: ImageLayer | None = None, exec_chain: bool = True):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -648,6 +682,7 @@ class BwrapSandbox(Sandbox):
         if layer is not None and not os.path.isdir("/usr/local"):
             raise SandboxUnavailable("this host has no /usr/local to mount the sandbox image on: `mkdir /usr/local`")
         self.bwrap, self.rootfs, self.layer = path, rootfs, layer
+        self._chain = exec_chain
         self._extra_env, self._uid_base = env, uid_base
         self._version = _bwrap_version(path)
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
@@ -954,9 +989,14 @@ class BwrapSandbox(Sandbox):
                 fds.append(seccomp_r)
             argv = self._argv(cell, limits.network, block_r, status_w, command, seccomp_r)
             passed = (status_w,) + tuple(fd for fd in (block_r, seccomp_r) if fd >= 0)
-            proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=passed,
-                                    preexec_fn=cell.preexec(key[0], limits.network), env={"PATH": "/usr/bin:/bin"},
-                                    cwd="/")
+            chain = cell.chain(key[0], limits.network) if self._chain else None
+            if chain is not None:
+                proc = subprocess.Popen(chain[0] + argv, stdin=in_r, stdout=out_w, stderr=err_w,
+                                        pass_fds=passed + chain[1], env={"PATH": "/usr/bin:/bin"}, cwd="/")
+            else:
+                proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, pass_fds=passed,
+                                        preexec_fn=cell.preexec(key[0], limits.network),
+                                        env={"PATH": "/usr/bin:/bin"}, cwd="/")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -1066,6 +1106,20 @@ class BwrapSandbox(Sandbox):
                        "user.max_user_namespaces > 0), or use backend 'apptainer' / 'subprocess' (trusted code only)")
             raise SandboxUnavailable(f"bubblewrap cannot start a sandbox on this machine (exit {r.exit_code}): "
                                      f"{r.stderr.strip()}. Fix: {fix}")
+
+
+_PRLIMIT = {resource.RLIMIT_CPU: "cpu", resource.RLIMIT_FSIZE: "fsize", resource.RLIMIT_NOFILE: "nofile",
+            resource.RLIMIT_CORE: "core", resource.RLIMIT_NPROC: "nproc", resource.RLIMIT_AS: "as"}
+_tools: dict | None = None
+
+
+def _chain_tools() -> dict | None:
+    """Absolute paths of sh, nsenter, prlimit and setpriv (util-linux), or None when one is missing."""
+    global _tools
+    if _tools is None:
+        found = {t: shutil.which(t, path="/usr/bin:/bin") for t in ("sh", "nsenter", "prlimit", "setpriv")}
+        _tools = found if all(found.values()) else {}
+    return _tools or None
 
 
 def _script(command) -> str:
