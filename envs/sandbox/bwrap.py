@@ -348,7 +348,7 @@ class _Cell:
             return None
         out: list[str] = []
         if self.cg is not None and self.cg.attach_files:
-            out += [tools["sh"], "-c", " && ".join(f"echo 0 > {shlex.quote(f)}" for f in self.cg.attach_files)
+            out += [tools["sh"], "-c", " && ".join(f"printf 0 > {shlex.quote(f)}" for f in self.cg.attach_files)
                     + ' && exec "$@"', "sh"]
         fds: tuple[int, ...] = ()
         netns = self.netns if not network else None
