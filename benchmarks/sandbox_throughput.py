@@ -13,12 +13,13 @@ The program is what the code environment runs: a function and five asserts. Meas
 - throughput: a `SandboxPool` of 1..4 workers fed all jobs at once.
 Where a code reward's CPU goes (2-core shared machine, load 7-20, so +-20%; children's CPU with the worker as
 subreaper): worker's own Python per sandbox run ~4 ms (files, pump, cgroup, slot reset, prespawn thread);
-forking the worker for bwrap's preexec (cgroup attach, setns, rlimits, setuid) ~3 ms in a small worker and
-~95 ms with 2 GB of touched RSS (`--worker-rss-mb`: page tables copied by fork and torn down by exec; bare
-python3 is spawned by vfork and does not pay it); bwrap itself ~5 ms (user+mount namespaces and binds ~2.6,
-ipc/pid/uts/cgroup namespaces, tmpfs, remount ~1, --dev ~0.7, seccomp ~0.6, the trampoline shell ~0.1; a
-fresh network namespace would add ~0.9, a slot reuses its own); `python3 -I -S` start ~11-13 ms; the verdict
-from the zygote ~4 ms (fork, tests, exit), against ~27-31 ms for a verifier sandbox per verdict.
+starting bwrap through sh/nsenter/prlimit/setpriv (the default, vfork) ~1.5 ms whatever the worker's size,
+where forking the worker to run the same steps costs ~3 ms in a small worker and ~130 ms with 2 GB of
+touched RSS (`--worker-rss-mb`: page tables copied by fork and torn down by exec); bwrap itself ~5 ms
+(user+mount namespaces and binds ~2.6, ipc/pid/uts/cgroup namespaces, tmpfs, remount ~1, --dev ~0.7, seccomp
+~0.6, the trampoline shell ~0.1; a fresh network namespace would add ~0.9, a slot reuses its own);
+`python3 -I -S` start ~11-13 ms; the verdict from the zygote ~4 ms (fork, tests, exit), against ~27-31 ms
+for a verifier sandbox per verdict.
 Targets (from the issues): latency <= 1.5x bare, code reward <= 2.5x bare, >= 45 runs/s on 2 cores. Prints ONE
 JSON object. The load average before and after is included: other work on the machine slows every figure.
 
