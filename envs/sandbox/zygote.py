@@ -150,6 +150,7 @@ class Zygote:
         """Services started (1 while every call is answered)."""
         self.calls = 0
         self._cpu_done = 0.0
+        self._pid = os.getpid()
 
     def call(self, request: bytes, limits: Limits) -> bytes:
         with self._lock:
@@ -182,6 +183,9 @@ class Zygote:
 
     # ---------------------------------------------------------------------------------------- internals
     def _ensure(self, limits: Limits) -> None:
+        if os.getpid() != self._pid:  # a forked copy of the worker: the service and its pipes are the parent's
+            self._sandbox = self._service = None
+            self._pid = os.getpid()
         key = (limits.memory_mb, limits.pids, limits.scratch_mb, limits.network, limits.cpus, limits.open_files)
         if self._service is not None and (key != self._key or not self._service.alive()):
             self._stop()
