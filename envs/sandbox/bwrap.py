@@ -785,7 +785,7 @@ class BwrapSandbox(Sandbox):
     def _sibling(self) -> BwrapSandbox:
         return BwrapSandbox(self.rootfs, limits=self.default_limits, prespawn=False, env=self._extra_env,
                             uid_base=self._uid_base, bwrap=self.bwrap, seccomp=self._seccomp is not None,
-                            layer=self.layer)
+                            layer=self.layer, exec_chain=self._chain)
 
     def close(self) -> None:
         with self._lock:
