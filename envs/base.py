@@ -100,6 +100,14 @@ class _LazySandbox(Sandbox):
         except Exception:
             return None
 
+    def zygote(self, name: str, source: str):
+        """The environment's sandbox's forking service (None when it has none or cannot be built)."""
+        try:
+            return self._env.sandbox.zygote(name, source)
+        except Exception as e:
+            log.warning("%s: no sandbox zygote: %s", self._env.name, e)
+            return None
+
     def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
         try:
             kw = {"sockets": sockets} if sockets else {}

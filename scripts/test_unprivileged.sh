@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 TEST_UID=${MRL_TEST_UID:-65534}
 PY=${MRL_VENV:-$REPO/.venv}/bin/python
-TESTS=(tests/test_sandbox.py tests/test_sandbox_pool.py tests/test_sandbox_rewards.py tests/test_sandbox_image.py tests/test_agent_episode.py tests/test_sandbox_cgroup2.py
+TESTS=(tests/test_sandbox.py tests/test_sandbox_pool.py tests/test_sandbox_rewards.py tests/test_sandbox_image.py tests/test_agent_episode.py tests/test_sandbox_cgroup2.py tests/test_sandbox_zygote.py tests/test_sandbox_spawn.py
        tests/test_sandbox_image_multiproc.py)
 
 log() { printf '[test-unprivileged] %s\n' "$*" >&2; }

@@ -134,6 +134,34 @@ def test_apt_dependencies_the_base_lacks_are_resolved_into_the_image(open_dir):
         resolve_apt(dataclasses.replace(spec, apt=["mrl-no-such"]), apt_options(spec, str(open_dir / "w2")))
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dpkg-scanpackages") is None or shutil.which("apt-get") is None,
+                    reason="dpkg-dev and apt are needed to make and read a local apt repository")
+def test_dependencies_of_a_local_deb_are_resolved_into_the_image(open_dir):
+    """A local .deb (`debs`) depends on a package the base lacks: apt's resolver finds it in the spec's apt
+    source and the image holds both; a dependency found nowhere refuses the build, naming the .deb."""
+    from envs.sandbox.image import apt_options, resolve_apt
+
+    (open_dir / "repo").mkdir()
+    control_deb(open_dir, "mrl-dep-lib", "bash", "echo lib-ok")
+    (open_dir / "repo/Packages").write_bytes(subprocess.run(["dpkg-scanpackages", "-m", "."], cwd=open_dir / "repo",
+                                                            check=True, capture_output=True).stdout)
+    (open_dir / "local/repo").mkdir(parents=True)
+    control_deb(open_dir / "local", "mrl-dep-app", "mrl-dep-lib (>= 2.0), bash", "mrl-dep-lib; echo app-ok")
+    control_deb(open_dir / "local", "mrl-dep-orphan", "mrl-dep-nowhere", "echo orphan")
+    app, orphan = (str(open_dir / "local/repo" / f"{n}_2.0_all.deb") for n in ("mrl-dep-app", "mrl-dep-orphan"))
+    source = [f"deb [trusted=yes] file:{open_dir}/repo ./"]
+    spec = ImageSpec(debs=[app], deb_dirs=[], apt_sources=source)
+    assert resolve_apt(spec, apt_options(spec, str(open_dir / "w"))) == ["mrl-dep-lib=2.0"]
+    assert resolve_apt(dataclasses.replace(spec, apt_deps=False), []) == []
+    with BwrapSandbox(layer=image_cache.resolve(spec, str(open_dir / "store"), str(open_dir / "cache")),
+                      prespawn=False) as sb:
+        r = sb.run("mrl-dep-app")
+    assert r.stdout == "lib-ok\napp-ok\n", r
+    with pytest.raises(ImageBuildError, match="mrl-dep-orphan"):
+        resolve_apt(dataclasses.replace(spec, debs=[orphan]), apt_options(spec, str(open_dir / "w2")))
+
+
 def test_same_spec_same_digest_changed_spec_or_input_new_digest(open_dir):
     (open_dir / "a.txt").write_text("one")
     spec = ImageSpec(name="x", pip=["mrl-wheelmod"], files={"/opt/a.txt": str(open_dir / "a.txt")}, env={"K": "1"})

@@ -8,6 +8,7 @@ import pytest
 
 import envs  # noqa: F401  (registers the built-ins)
 from envs.base import Budget, make_env
+from envs.sandbox.base import Sandbox
 from envs.sandbox.bwrap import BwrapSandbox
 from envs.tasks import load_domain
 
@@ -170,10 +171,24 @@ def test_code_calls_that_depend_on_earlier_answers_are_replayed(sandbox):
     assert status == "ok" and [p for p, _ in results] == [False] * 4, results
 
 
+class NoZygote(Sandbox):
+    """The sandbox without its zygote: the code reward runs a verifier sandbox per verdict (`verify.py`), as
+    on backends that have none."""
+
+    def __init__(self, inner: Sandbox):
+        self.inner = inner
+
+    def run(self, *a, **kw):
+        return self.inner.run(*a, **kw)
+
+
 def test_code_harness_runs_the_workers_bytecode(sandbox, monkeypatch):
     """The harness scripts run from the worker's bytecode (not compiled again in the sandbox): with a source
-    that would fail, the reward still comes out right."""
+    that would fail, the reward still comes out right (the verifier as a sandbox per verdict; the zygote's
+    own script: tests/test_sandbox_zygote.py)."""
     from envs.code import verifier as V
+
+    sandbox = NoZygote(sandbox)
 
     for name in ("_RUNNER_FILES", "_VERIFIER_FILES"):
         files = dict(getattr(V, name))
@@ -188,6 +203,8 @@ def test_code_harness_runs_the_workers_bytecode(sandbox, monkeypatch):
 def test_code_harness_falls_back_to_source_for_another_bytecode_format(sandbox, monkeypatch):
     """A sandbox interpreter with another magic number compiles the harness source instead."""
     from envs.code import verifier as V
+
+    sandbox = NoZygote(sandbox)
 
     for name in ("_RUNNER_FILES", "_VERIFIER_FILES"):
         files = {n: (b"\0\0\r\n" + d[4:] if n.endswith(".pyc") else d) for n, d in getattr(V, name).items()}

@@ -8,7 +8,8 @@ Reward: `tests` (weight 1) the pass rate; `format` (weight 0, recorded) whether 
 THREAT MODEL of the reward (details in `envs.code.verifier`): trusted are the task's tests and the worker.
 The solution runs in a candidate sandbox that is given only the arguments of the calls the tests make
 (never the tests, expected values or assertions); the tests run after it in a separate verifier sandbox that
-holds no model code, against the candidate's serialised return values decoded into plain built-in types.
+holds no model code (a child forked per verdict by a pristine verifier process, `envs.sandbox.zygote`),
+against the candidate's serialised return values decoded into plain built-in types.
 So reading the tests, forging output lines, `os._exit`, patching json/print/builtins and always-equal
 objects score nothing. Not covered: the function sees its own arguments; tasks whose tests need non-plain
 return values (objects, generators) or read a solution's constants need another verifier.

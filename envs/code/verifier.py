@@ -11,15 +11,21 @@ below. Untrusted: the solution and everything its process writes.
   float, str, bytes, list, tuple, dict, set, frozenset, complex); anything else is reported as not
   comparable. The runner shares the candidate's process, so everything it writes is only the candidate's
   CLAIM of what its function returned - equivalent to returning that value.
-- Verifier sandbox (second, started after the candidate's has ended; no candidate code runs in it):
-  `python3 -I -S` running `verify.py` runs the pristine tests from the task payload, with every free name of a test
-  bound to a stub that answers from the candidate's claims (decoded into exact built-in types, so objects
-  whose `__eq__` is always true, patched `json`/`print`/`builtins` and frame inspection cannot exist on this
-  side), then writes the verdict file `.mrl_verdict.json`, which the worker collects from the verifier's
-  scratch only: the candidate can neither write it nor learn a nonce (there is none to learn).
+- Verifier (second, after the candidate's sandbox has ended; no candidate code runs in it): the pristine
+  tests from the task payload run with every free name of a test bound to a stub that answers from the
+  candidate's claims (decoded into exact built-in types, so objects whose `__eq__` is always true, patched
+  `json`/`print`/`builtins` and frame inspection cannot exist on this side). Where the sandbox has a zygote
+  (bubblewrap, `Sandbox.zygote`), the verdict comes from a child forked for it by a long-lived verifier
+  process in a sandbox of its own that has never seen candidate data (`envs.sandbox.zygote`: the child
+  reads the spec and the claims from the worker's pipe and answers through the service's own pipe, which
+  no candidate sandbox can reach: another uid as root, another pid namespace always); one bad exchange
+  (timeout, crash, malformed answer) closes that sandbox and the next verdict starts a new one. Elsewhere
+  a fresh verifier sandbox per verdict runs `verify.py` and writes `.mrl_verdict.json`, collected from its
+  scratch only. Either way the candidate can neither write the verdict nor learn a nonce (there is none).
 - A test whose calls depend on earlier answers (`f(f(1))`, `assert f(1) == 1 and f(2) == 2`) is replayed:
   the verifier reports the calls it still needs, the candidate sandbox runs again, up to `MAX_ROUNDS`.
-  The calls a task's tests make are cached per test suite, so a known task costs two sandbox runs.
+  The calls a task's tests make are cached per test suite, so a known task costs one candidate sandbox run
+  and one verdict.
 - Both harness scripts are trusted code compiled by the worker: each sandbox gets the worker's bytecode
   (`runner.pyc`, `verify.pyc`, run by a fixed `-c` loader when the sandbox interpreter's magic number
   matches, else the source next to it is compiled there). They are written into a scratch the program has
@@ -41,6 +47,7 @@ from collections import OrderedDict
 
 from envs.base import sandbox_problem
 from envs.sandbox.base import Limits, SandboxResult
+from envs.sandbox.zygote import ZygoteError
 
 MAX_ROUNDS = 4
 """Most candidate runs per reward (a test whose calls depend on earlier answers needs one per step)."""
@@ -213,14 +220,8 @@ write(".mrl_results.json", {"tests": out})
 
 # The verifier sandbox: only this harness, the pristine tests and decoded plain data. Nothing of the candidate
 # runs here; its results file is data.
-_VERIFIER = _CODEC + r'''
+_VERIFY_DEFS = _CODEC + r'''
 import time
-spec = read(".mrl_verify.json")
-try:
-    claimed = read("candidate/results.json")["tests"]
-except (OSError, ValueError, KeyError, TypeError, RecursionError):
-    claimed = None
-PER, TOTAL = spec["per_test_s"], spec["total_s"]
 
 class Pending(BaseException):
     """A value the candidate has not given yet was used: the test is replayed after another candidate run."""
@@ -327,29 +328,51 @@ def run_test(src, plan, answers):
         return ["pending", "", made]
     return outcome + [made]
 
-real_stdout = sys.stdout
-sys.stdout = open("/dev/null", "w")
-deadline = time.monotonic() + TOTAL
-verdict, stop = [], None
-for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
-    left = min(PER, deadline - time.monotonic())
-    if stop or left <= 0:
-        verdict.append(["fail", stop or "not run: time budget spent", plan])
-        continue
-    answers = None
-    if claimed is not None and i < len(claimed) and type(claimed[i]) is list:
-        answers = claimed[i]
+def verify(spec, claimed):
+    """The verdict of every test of `spec` against the candidate's claimed answers (None: it gave none)."""
+    per, total = spec["per_test_s"], spec["total_s"]
+    sys.stdout = open("/dev/null", "w")
+    deadline = time.monotonic() + total
+    verdict, stop = [], None
+    for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
+        left = min(per, deadline - time.monotonic())
+        if stop or left <= 0:
+            verdict.append(["fail", stop or "not run: time budget spent", plan])
+            continue
+        answers = None
+        if claimed is not None and i < len(claimed) and type(claimed[i]) is list:
+            answers = claimed[i]
+        try:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            v = run_test(src, plan, answers)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        except BaseException as e:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            v = ["fail", "verifier: %s" % type(e).__name__, plan]
+        if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
+            stop = "not run: an earlier test timed out"
+        verdict.append(v)
+    return verdict
+
+def claims(load):
     try:
-        signal.setitimer(signal.ITIMER_REAL, left)
-        v = run_test(src, plan, answers)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    except BaseException as e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        v = ["fail", "verifier: %s" % type(e).__name__, plan]
-    if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
-        stop = "not run: an earlier test timed out"
-    verdict.append(v)
-write(".mrl_verdict.json", verdict)
+        return load()["tests"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+'''
+
+# One verifier sandbox per verdict (backends without a zygote): the spec and claims are files in its scratch.
+_VERIFIER = _VERIFY_DEFS + r'''
+write(".mrl_verdict.json", verify(read(".mrl_verify.json"), claims(lambda: read("candidate/results.json"))))
+'''
+
+# The verifier zygote (`envs.sandbox.zygote`): each forked child gets `spec JSON NUL claims` on its channel.
+_VERIFIER_ZYGOTE = _VERIFY_DEFS + r'''
+def handle(request):
+    spec, _, claimed = request.partition(b"\0")
+    return dumps(verify(loads(spec.decode("utf-8")), claims(lambda: loads(claimed.decode("utf-8"))))).encode()
+
+serve(handle)
 '''
 
 _LOADER = ("import marshal\nn=%r\nwith open(n+'c','rb') as f: d=f.read()\n"
@@ -370,6 +393,7 @@ def _harness(name: str, source: str) -> tuple[list[str], dict[str, bytes]]:
 
 _RUNNER_ARGS, _RUNNER_FILES = _harness("runner.py", _RUNNER)
 _VERIFIER_ARGS, _VERIFIER_FILES = _harness("verify.py", _VERIFIER)
+_ZYGOTE_NAME = "code-verifier"
 
 _plans: OrderedDict[str, list] = OrderedDict()
 _plans_lock = threading.Lock()
@@ -461,6 +485,13 @@ def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_tes
 def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | None, limits: Limits,
                   per_test_s: float) -> tuple[list | None, tuple[str, str] | None]:
     spec = {"tests": tests, "plan": plan, "per_test_s": float(per_test_s), "total_s": 0.8 * limits.wall_s}
+    zygote = sandbox.zygote(_ZYGOTE_NAME, _VERIFIER_ZYGOTE) if hasattr(sandbox, "zygote") else None
+    if zygote is not None:
+        try:
+            verdict = _loads(zygote.call(json.dumps(spec).encode() + b"\0" + (claimed or b""), limits))
+        except ZygoteError as e:
+            return None, (f"verifier gave no verdict ({e})", "error")
+        return _checked(verdict, len(tests), "the verifier's answer is malformed")
     files: dict[str, str | bytes] = {**_VERIFIER_FILES, ".mrl_verify.json": json.dumps(spec)}
     if claimed is not None:
         files["candidate/results.json"] = claimed
@@ -469,10 +500,13 @@ def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | 
     problem = sandbox_problem(res)
     if problem and problem[1] != "ok":
         return None, problem
-    verdict = _loads(res.files.get(".mrl_verdict.json"))
-    ok = (isinstance(verdict, list) and len(verdict) == len(tests)
+    why = problem[0] if problem else f"exit {res.exit_code}"
+    return _checked(_loads(res.files.get(".mrl_verdict.json")), len(tests), f"{why}: {res.stderr[-200:]}".strip())
+
+
+def _checked(verdict, n: int, why: str) -> tuple[list | None, tuple[str, str] | None]:
+    ok = (isinstance(verdict, list) and len(verdict) == n
           and all(isinstance(v, list) and len(v) == 3 and isinstance(v[2], list) for v in verdict))
     if not ok:
-        why = problem[0] if problem else f"exit {res.exit_code}"
-        return None, (f"verifier gave no verdict ({why}): {res.stderr[-200:]}".strip(), "error")
+        return None, (f"verifier gave no verdict ({why})", "error")
     return verdict, None

@@ -130,6 +130,12 @@ class Sandbox(abc.ABC):
         return self.run([python, *python_args, "main.py", *args], files=files, limits=limits, stdin=stdin,
                         collect=collect)
 
+    def zygote(self, name: str, source: str):
+        """A forking service (`envs.sandbox.zygote.Zygote`) running trusted `source` in a sandbox of this
+        backend's kind, cached by `name` and closed with this sandbox; None where the backend has none (the
+        caller then runs its script per request with `run`)."""
+        return None
+
     def close(self) -> None:
         """Release anything the backend holds (worker slots, cgroups)."""
         return None

@@ -18,9 +18,9 @@ THREAT MODEL: the spec is trusted (the domain's author wrote it, or a parsed Har
 packages are trusted as the site's apt/pip sources are; the build runs package maintainer scripts never
 (`dpkg-deb -x` only unpacks) and pip's build backends of sdists (prefer wheels). The image is mounted
 read-only: a sandboxed program cannot change it for later runs. Dependencies the base lacks are added by
-apt's resolver (`resolve_apt`); the resolved set depends on the apt sources at build time (pin versions for
-a fixed image). Not covered: absolute symlinks inside a package are not rewritten; a dependency of a local
-.deb (`debs`, `deb_dirs`) is not resolved.
+apt's resolver (`resolve_apt`), those of local .debs (`debs`, `deb_dirs`) too; the resolved set depends on
+the apt sources at build time (pin versions for a fixed image; `apt_deps: false` turns resolution off).
+Not covered: absolute symlinks inside a package are not rewritten.
 """
 from __future__ import annotations
 
@@ -266,13 +266,16 @@ def _me() -> str:
 def resolve_apt(spec: ImageSpec, opts: list[str]) -> list[str]:
     """The apt packages of the image: each listed one (`name` or `name=version`), then each dependency that
     the base does not have installed, as `name=version` (apt's resolver: `apt-get install -s`; upgrades of
-    packages the base has are left to the base). Packages found as local .debs are taken as they are."""
+    packages the base has are left to the base). Local .debs (`debs`, and listed packages found in `deb_dirs`)
+    are taken as they are, and their own dependencies are resolved the same way (apt reads the files)."""
     asked = [p for p in spec.apt if not _local_deb(spec.deb_dirs, *p.partition("=")[::2])]
-    if not (spec.apt_deps and asked):
+    local = [os.path.abspath(d) for d in spec.debs] + [os.path.abspath(f) for f in (
+        _local_deb(spec.deb_dirs, *p.partition("=")[::2]) for p in spec.apt) if f]
+    if not (spec.apt_deps and (asked or local)):
         return list(spec.apt)
-    what = "apt package " + " / ".join(map(repr, asked))
+    what = "apt package " + " / ".join(map(repr, asked + [os.path.basename(d) for d in local]))
     try:
-        r = subprocess.run(["apt-get", *opts, "install", "-s", "-q", "--no-install-recommends", *asked],
+        r = subprocess.run(["apt-get", *opts, "install", "-s", "-q", "--no-install-recommends", *asked, *local],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "LANG": "C"})
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ImageBuildError(f"{what}: apt's resolver could not run ({e}); put the .debs in a deb_dirs folder or "
@@ -280,10 +283,18 @@ def resolve_apt(spec: ImageSpec, opts: list[str]) -> list[str]:
     if r.returncode != 0:
         raise ImageBuildError(f"{what}: apt's resolver failed: {r.stderr.strip()[-300:]}; check the names, "
                               "`apt-get update`, or the spec's apt_sources")
-    names = {p.partition("=")[0] for p in spec.apt}
+    names = {p.partition("=")[0] for p in spec.apt} | {_deb_name(d) for d in local}
     deps = [f"{m[1]}={m[3]}" for m in map(_INST.match, r.stdout.splitlines())
             if m and not m[2] and m[1] not in names]
     return list(spec.apt) + deps
+
+
+def _deb_name(deb: str) -> str:
+    """The package name a local .deb declares (its control file's `Package`)."""
+    r = subprocess.run(["dpkg-deb", "-f", deb, "Package"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise ImageBuildError(f"{deb}: not a readable .deb: {r.stderr.strip()[-300:]}")
+    return r.stdout.strip()
 
 
 def _fetch_debs(spec: ImageSpec, dest: str) -> list[str]:

@@ -61,6 +61,8 @@ class SandboxPool(Sandbox):
                 s.close()
             raise
         self._closed = False
+        self._zygotes: dict = {}
+        self._zygote_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._serve, args=(s,), name=f"sandbox-slot-{i}", daemon=True)
                          for i, s in enumerate(self.slots)]
         for t in self._threads:
@@ -87,6 +89,17 @@ class SandboxPool(Sandbox):
 
     def run(self, command, files=None, limits=None, stdin=None, collect=None, sockets=None) -> SandboxResult:
         return self.submit(command, files, limits, stdin, collect, sockets).result()
+
+    def zygote(self, name: str, source: str):
+        """The slots' zygotes (`Sandbox.zygote`) as one `ZygoteSet`, made once per name; None when a slot's
+        backend has none."""
+        from envs.sandbox.zygote import ZygoteSet
+
+        with self._zygote_lock:
+            if name not in self._zygotes:
+                zs = [s.zygote(name, source) for s in self.slots]
+                self._zygotes[name] = ZygoteSet(zs) if all(z is not None for z in zs) else None
+            return self._zygotes[name]
 
     def close(self) -> None:
         if self._closed:
