@@ -228,9 +228,14 @@ def test_routing_replay_config_is_checked_by_name():
     with pytest.raises(ConfigError, match="the model is dense"):
         from_dict(RunConfig, {**base, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
     moe = {"moe": {"num_experts": 4, "topk": 2}}
-    with pytest.raises(ConfigError, match="only the in-process engine records the experts"):
-        from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": "dispatch"},
-                              "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
+    for runner in ("dispatch", "fleet"):  # the workers get the experts over HTTP (test_routing_replay_http*)
+        from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": runner},
+                              "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
+    agent = from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "everywhere"}}})
+    (domain,) = agent.envs.domains.values()
+    domain.agent = "shell"  # (from_dict would first ask the shell agent for a chat-template tokenizer)
+    with pytest.raises(ConfigError, match=r"agent episodes \(envs.domains \['countdown'\] have an agent\): the"):
+        agent._check_routing_replay()
     with pytest.raises(ConfigError, match="parallel.pp=2, cp=1: replay is checked with tensor"):
         from_dict(RunConfig, {**base, "model": {**moe, "num_layers": 2}, "launch": {"nproc_per_node": 2},
                               "parallel": {"pp": 2}, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
