@@ -220,11 +220,6 @@ class RunConfig:
                               f"an agent): the gateway that serves a black-box agent records its tokens but not "
                               f"the experts they were routed to, so those episodes would train with the trainer's "
                               f"own routing; set routing_replay=off, or drop the domains' agent")
-        if self.parallel.pp > 1 or self.parallel.cp > 1:
-            raise ConfigError(f"rl.trainer.routing_replay={mode} with parallel.pp={self.parallel.pp}, "
-                              f"cp={self.parallel.cp}: replay is checked with tensor (+ sequence) and data "
-                              f"parallelism only (a pipeline-split engine would record its own stage's layers); "
-                              f"use pp=cp=1 or routing_replay=off")
         tc = self.rl.trainer
         old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.setup.trainer_config
         if mode == "logprobs" and old != "recompute" and not tc.reference:
