@@ -3,7 +3,8 @@ configs/moe_replay_cpu.yaml episodes.runner=dispatch|fleet` (local executor, one
 engine over HTTP to the workers).
 
 Three runs side by side from the same seed, so the workers' samples are the same in all three (the sampling
-seeds are the episodes'): dispatch with routing_replay=off, dispatch with =everywhere, fleet with =everywhere.
+seeds are the episodes'): dispatch with routing_replay=off, dispatch with =everywhere, fleet with =everywhere
+(its engine a separate server process, `--record-routes`).
 The workers ask the server for each token's experts (`return_routed_experts`), store them in their shards, the
 loop reads them back and the trainer replays them. seed=3 draws samples where the bf16 engine flips many
 experts; measured here: mismatch_kl 0.0799 (off) vs 0.0096 (everywhere), routing_mismatch_frac 0.037.
@@ -22,7 +23,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
 RUNNERS = {"dispatch": ("episodes.runner=dispatch", "episodes.dispatch.executor=local"),
-           "fleet": ("episodes.runner=fleet", "episodes.fleet.executor=local", "episodes.fleet.size=1")}
+           "fleet": ("episodes.runner=fleet", "episodes.fleet.executor=local", "episodes.fleet.size=1",
+                     "episodes.server=separate")}  # the fleet calls a rollout server process of its own
 
 
 def _start(out: Path, runner: str, mode: str) -> subprocess.Popen:

@@ -42,6 +42,14 @@ def mtp_model_class():
     class MTPGPTModel(GPTModel):
         emit_mtp = False
 
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            if self.share_embeddings_and_output_weights and self.mtp_process and not self.pre_process:
+                # pp > 1: the last stage's embedding copy (for the MTP layers) is the tied weight Megatron syncs
+                # with the first stage's and the head uses (`shared_embedding_or_output_weight`); the output
+                # layer's own weight would be an unused, never-synced copy (exported, sent to the engine)
+                self.output_layer.register_parameter("weight", None)
+
         def _postprocess(self, hidden_states, mtp_in_postprocess=None, **kw):  # GPTModel passes keywords
             if not (mtp_in_postprocess and self.emit_mtp and self.post_process):
                 return self._main_head(hidden_states, kw)
