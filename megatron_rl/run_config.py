@@ -206,22 +206,20 @@ class RunConfig:
                               f"(e.g. every layer MoE: Mixtral)") from None
 
     def _check_routing_replay(self) -> None:
-        """rl.trainer.routing_replay needs routes recorded by the in-process engine of an MoE policy."""
+        """rl.trainer.routing_replay needs routes recorded by the engine of an MoE policy (in-process, or over HTTP
+        for dispatched and fleet workers), and no agent episodes (the gateway does not carry them)."""
         mode = self.rl.trainer.routing_replay
         if mode == "off":
             return
         if not self.model.moe.num_experts:
             raise ConfigError(f"rl.trainer.routing_replay={mode} replays MoE routing, but the model is dense "
                               f"(model.moe.num_experts=0); set rl.trainer.routing_replay=off")
-        if self.episodes.runner != "inprocess":
-            raise ConfigError(f"rl.trainer.routing_replay={mode} with episodes.runner={self.episodes.runner}: only "
-                              f"the in-process engine records the experts (the HTTP server and rollout workers do "
-                              f"not carry them yet); use episodes.runner=inprocess or routing_replay=off")
-        if self.parallel.pp > 1 or self.parallel.cp > 1:
-            raise ConfigError(f"rl.trainer.routing_replay={mode} with parallel.pp={self.parallel.pp}, "
-                              f"cp={self.parallel.cp}: replay is checked with tensor (+ sequence) and data "
-                              f"parallelism only (a pipeline-split engine would record its own stage's layers); "
-                              f"use pp=cp=1 or routing_replay=off")
+        agents = sorted(d for d, c in self.envs.domains.items() if c.agent)
+        if agents:
+            raise ConfigError(f"rl.trainer.routing_replay={mode} with agent episodes (envs.domains {agents} have "
+                              f"an agent): the gateway that serves a black-box agent records its tokens but not "
+                              f"the experts they were routed to, so those episodes would train with the trainer's "
+                              f"own routing; set routing_replay=off, or drop the domains' agent")
         tc = self.rl.trainer
         old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.setup.trainer_config
         if mode == "logprobs" and old != "recompute" and not tc.reference:

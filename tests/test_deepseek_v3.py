@@ -142,6 +142,13 @@ def test_impossible_layouts_are_refused_naming_the_key(par, words):
         cfg.check_parallel(ParallelConfig(tp=3))
 
 
+def test_mtp_is_served_at_pp2_and_refused_with_context_parallelism():
+    mtp = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, mtp_num_layers=1)
+    mtp.check_parallel(ParallelConfig(pp=2))  # parity: tests/test_trainer_multiproc.py (pp2_mtp)
+    with pytest.raises(ConfigError, match="mtp_num_layers=1 with parallel.cp=2: the multi-token-prediction loss"):
+        mtp.check_parallel(ParallelConfig(cp=2))
+
+
 def test_expert_bias_update_runs_in_finalize_model_grads(ctx):
     """router_bias_update_rate > 0: Megatron's finalize_model_grads (the trainer's finalize_model_grads_func)
     moves each expert's bias by the rate towards balance; the default 0 keeps the loaded bias."""

@@ -1,7 +1,9 @@
 """Multi-token prediction through the product path: `megatron-rl train configs/deepseek_v3_mtp_cpu.yaml` (torchrun,
-one rank): a tiny DeepSeek-V3 (MLA, sigmoid-routed MoE, one MTP layer) trained with GRPO; the MTP loss is logged
-every step, and the run's export is a DeepseekV3ForCausalLM folder with the MTP layer, verified against the
-policy's logits (export.verify in the config)."""
+two pipeline stages: the MTP layer on the last, with Megatron's embedding copy; the rollout engine, one stage, on
+every rank): a tiny DeepSeek-V3 (MLA, sigmoid-routed MoE, one MTP layer) trained with GRPO; the MTP loss is logged
+every step, the RL checkpoint is written (the last stage ties its embedding copy), and the run's export is a
+DeepseekV3ForCausalLM folder with the MTP layer, verified against the policy's logits (export.verify in the
+config). pp=1 MTP training: tests/test_deepseek_v3.py; pp2 parity: tests/test_trainer_multiproc.py."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,8 @@ EXE = str(Path(sys.executable).parent / "megatron-rl")
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_train_deepseek_v3_with_an_mtp_layer_logs_its_loss_and_exports_it(tmp_path):
-    args = [EXE, "train", "configs/deepseek_v3_mtp_cpu.yaml", f"output_dir={tmp_path}", "rl.steps=1"]
+    args = [EXE, "train", "configs/deepseek_v3_mtp_cpu.yaml", f"output_dir={tmp_path}", "rl.steps=1",
+            "launch.nproc_per_node=2", "parallel.pp=2"]
     p = subprocess.run(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

@@ -148,15 +148,19 @@ def _trainer(policy, mode: str, old: str = "behaviour"):
                                       routing_replay=mode))
 
 
-def _rollouts(policy):
-    """The recording engine's samples of the policy as columns with routes (as loop.rollout builds them)."""
+def _rollouts(policy, engine_ctx=None, init=None):
+    """The recording engine's samples of the policy as columns with routes (as loop.rollout builds them);
+    `engine_ctx`: the engine's (ParallelConfig, pgs) when not the trainer's, `init`: its weights then (else the
+    policy's)."""
     from megatron_rl.data.shards import Trajectory, TrajectoryColumns
     from megatron_rl.loop.rollout import Group, sample_routes
 
-    ctx = policy.ctx
-    engine = RolloutEngine.build(policy.cfg, EngineConfig(num_blocks=64, block_size=4), ctx.parallel, ctx.pgs,
-                                 record_routes=True)
-    engine.update_weights(0, policy.named_parameters())
+    par, pgs = engine_ctx or (policy.ctx.parallel, policy.ctx.pgs)
+    engine = RolloutEngine.build(policy.cfg, EngineConfig(num_blocks=64, block_size=4), par, pgs, record_routes=True)
+    if init is not None:
+        init(engine.model)
+    else:
+        engine.update_weights(0, policy.named_parameters())
     gen = np.random.default_rng(1)
     prompts = [gen.integers(1, 64, int(gen.integers(3, 7))).tolist() for _ in range(3)]
     outs = engine.generate(prompts, [SamplingParams(max_new_tokens=8, seed=i, n=3) for i in range(3)])
@@ -228,12 +232,17 @@ def test_routing_replay_config_is_checked_by_name():
     with pytest.raises(ConfigError, match="the model is dense"):
         from_dict(RunConfig, {**base, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
     moe = {"moe": {"num_experts": 4, "topk": 2}}
-    with pytest.raises(ConfigError, match="only the in-process engine records the experts"):
-        from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": "dispatch"},
-                              "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
-    with pytest.raises(ConfigError, match="parallel.pp=2, cp=1: replay is checked with tensor"):
+    for runner in ("dispatch", "fleet"):  # the workers get the experts over HTTP (test_routing_replay_http*)
+        from_dict(RunConfig, {**base, "model": moe, "episodes": {"runner": runner},
+                              "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
+    agent = from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "everywhere"}}})
+    (domain,) = agent.envs.domains.values()
+    domain.agent = "shell"  # (from_dict would first ask the shell agent for a chat-template tokenizer)
+    with pytest.raises(ConfigError, match=r"agent episodes \(envs.domains \['countdown'\] have an agent\): the"):
+        agent._check_routing_replay()
+    for par in ({"pp": 2}, {"cp": 2}):  # the engine records every layer whatever the trainer's split (*_multiproc)
         from_dict(RunConfig, {**base, "model": {**moe, "num_layers": 2}, "launch": {"nproc_per_node": 2},
-                              "parallel": {"pp": 2}, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
+                              "parallel": par, "rl": {"trainer": {"routing_replay": "everywhere"}}}).validate()
     with pytest.raises(ConfigError, match="routing_replay=logprobs replays the forward-only log-prob passes"):
         from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs"}}}).validate()
     from_dict(RunConfig, {**base, "model": moe, "rl": {"trainer": {"routing_replay": "logprobs",

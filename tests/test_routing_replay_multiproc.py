@@ -75,3 +75,24 @@ def test_tp2_sequence_parallel_trainer_routes_like_the_engine_and_replays():
     assert r["compared"] == 2 * r["inputs"] and r["differ_own"] == 0
     assert r["differ_cmp"] == r["corrupted"] > 0  # the corrupted rows are found where they are, on either rank
     assert r["differ_bad"] >= r["corrupted"] and abs(r["loss_bad"] - r["loss_own"]) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_pipeline_and_context_parallel_trainers_replay_like_one_process():
+    """pp2: each stage replays its own layer's column; cp2: each rank its chunks of the sequence. Counts and
+    losses equal the one-process run's (tests/mp/routing_replay_layouts.py)."""
+    from tests.mp.launch import torchrun
+
+    script = Path(__file__).parent / "mp" / "routing_replay_layouts.py"
+    (one,) = torchrun(script, 1, ["--layout", "one"])
+    assert one["compared"] == 2 * one["inputs"] and one["differ_own"] == 0 and one["differ_cmp"] == one["corrupted"] > 0
+    assert abs(one["loss_bad"] - one["loss_own"]) > 1e-4  # the corrupted routes, replayed, change the loss
+    for layout in ("pp2", "cp2"):
+        (r,) = torchrun(script, 2, ["--layout", layout])
+        assert r["routes"] == one["routes"], layout  # the TP-only engine recorded the same experts
+        # the trainer's own routing is the engine's, token for token, over both stages / both sequence halves
+        assert (r["compared"], r["differ_own"]) == (one["compared"], 0), layout
+        assert r["differ_cmp"] == one["corrupted"] and r["differ_bad"] == one["differ_bad"], layout
+        for k in ("loss_own", "loss_replay_own", "loss_bad"):
+            assert abs(r[k] - one[k]) < 1e-6, (layout, k, r[k], one[k])

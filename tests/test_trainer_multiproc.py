@@ -76,3 +76,12 @@ def test_world2_deepseek_v3_layouts_match_one_process():
     GRPO steps equal to the one-process run (the MTP weights and mtp_loss included)."""
     names = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla", "tp2_sp_mtp"]
     _check_layouts(torchrun(SCRIPT, 2, ["--layouts", ",".join(names)], timeout=500), names)
+
+
+def test_world2_mtp_on_the_last_pipeline_stage_matches_one_process():
+    """pp2: the MTP layer on the last stage with Megatron's embedding copy there (the tied weight it syncs; the
+    output layer holds none, models/mtp.py); losses, mtp_loss and every weight equal the one-process run's."""
+    records = torchrun(SCRIPT, 2, ["--layouts", "pp2_mtp"], timeout=500)
+    _check_layouts(records, ["pp2_mtp"])
+    (r,) = [r for r in records if "layout" in r]
+    assert all(x is not None and x > 0 for x in r["mtp_losses"]), r["mtp_losses"]  # the MTP loss ran at pp2

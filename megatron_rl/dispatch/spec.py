@@ -50,6 +50,8 @@ class GeneratorConfig:
     max_new_tokens: int = 512
     """kind=http: tokens per model turn when the episode's sampling gives no max_new_tokens (capped by the
     worker's max_tokens budget)."""
+    routed_experts: bool = False
+    """kind=http, MoE routing replay: ask the server for each token's experts and store them in the shards."""
     wrong_fraction: float = 0.0
     """Scripted test policy: fraction of episodes (chosen by episode seed) answered wrongly."""
     policy_version: int = 0

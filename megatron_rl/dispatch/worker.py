@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------- generators
 class Generator(Protocol):
     """Token in, token out: `generate(prompt_ids, sampling, episode, turn) -> (token_ids, logprobs, versions)`,
-    `versions` the policy version of each token (or one int for all of them).
+    `versions` the policy version of each token (or one int for all of them); with MoE routing replay a 4th
+    item, (the tokens the engine ran, their experts [len - 1, L_moe, k]) (`parse_routes`).
 
     `episode` is passed for context; a real model ignores it (only the scripted test policy reads it).
     Raises `GenerationError` for a failed request.
@@ -123,6 +124,8 @@ class HttpGenerator:
                 "stop_token_ids": sorted({*self.tok.stop_ids, *sampling.get("stop_token_ids", [])}),
                 "seed": int(seed) + turn, "n": 1}
         body.update({k: sampling[k] for k in ("temperature", "top_p", "top_k") if k in sampling})
+        if self.config.routed_experts:  # MoE routing replay
+            body["return_routed_experts"] = True
         return body
 
     def generate(self, prompt_ids, sampling, episode=None, turn=0):
@@ -140,7 +143,27 @@ class HttpGenerator:
             raise GenerationError(f"rollout server {self.config.url}: {e}", status, retryable=transient) from e
         except ValueError as e:  # a 200 whose body is not JSON
             raise GenerationError(f"rollout server {self.config.url}: answer is not JSON: {e}") from e
-        return parse_completion(out)
+        ids, lps, versions = parse_completion(out)
+        if not self.config.routed_experts:
+            return ids, lps, versions
+        return ids, lps, versions, parse_routes(out, prompt_ids, ids)
+
+
+def parse_routes(out, prompt_ids: list[int], ids: list[int]) -> tuple[list[int], np.ndarray]:
+    """(the tokens the request ran: its prompt as the server saw it + the completion, their experts int16
+    [len - 1, L_moe, k]) of a /v1/completions answer asked with return_routed_experts; GenerationError if
+    malformed."""
+    from megatron_rl.models.routing_replay import decode_routes
+
+    try:
+        routes = decode_routes(out["choices"][0]["routed_experts"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise GenerationError(f"malformed completion from the rollout server: routed_experts: {e}") from e
+    seen = [*(out.get("prompt_token_ids") or prompt_ids), *ids]
+    if len(routes) != len(seen) - 1:
+        raise GenerationError(f"malformed completion: routed_experts covers {len(routes)} tokens, the request "
+                              f"ran {len(seen) - 1}")
+    return seen, routes
 
 
 def parse_completion(out) -> tuple[list[int], list[float], list[int]]:
@@ -185,12 +208,13 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
     from envs.base import Task
     from envs.episode import drive, open_episode
     from megatron_rl.data.shards import Trajectory, segment_rows
+    from megatron_rl.models.routing_replay import context_routes
 
-    t0, gen_s = time.perf_counter(), [0.0]
+    t0, gen_s, routes = time.perf_counter(), [0.0], {}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
     co = open_episode(env, task, tok, min(max_tokens, env.budget.max_tokens), list(ep.prompt_ids) or None)
     try:
-        r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s))
+        r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s, routes))
     except GenerationError as e:
         if e.retryable:
             raise
@@ -206,7 +230,8 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
         group_id=ep.group_id, policy_version_first=min(model_versions), policy_version_last=max(model_versions),
         env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=_status(r),
         reward_components=dict(r.reward.components), timings=timings, provenance=prov,
-        token_versions=np.asarray(r.versions, np.int32))
+        token_versions=np.asarray(r.versions, np.int32),
+        routed_experts=context_routes(routes.get("seen"), routes.get("routes"), list(r.tokens)))
     return [*segment_rows(main, r.segments), main]
 
 
@@ -215,11 +240,16 @@ def _status(r) -> str:
     return r.reward.status if not r.reward.valid else r.status
 
 
-def _generate(generator: Generator, tokens: list[int], ep: EpisodeSpec, turn: int, gen_s: list[float]):
-    """One turn from the generator, checked: (ids, logprobs, per-token versions); GenerationError if malformed."""
+def _generate(generator: Generator, tokens: list[int], ep: EpisodeSpec, turn: int, gen_s: list[float],
+              routes: dict | None = None):
+    """One turn from the generator, checked: (ids, logprobs, per-token versions); GenerationError if malformed.
+    A generator asked for routing replay also returns (tokens it ran, their experts): kept in `routes` (the
+    latest turn's, which ran the whole context so far)."""
     t = time.perf_counter()
-    ids, lps, version = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
+    ids, lps, version, *extra = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
     gen_s[0] += time.perf_counter() - t
+    if extra and routes is not None:
+        routes["seen"], routes["routes"] = extra[0]
     versions = [int(version)] * len(ids) if isinstance(version, (int, np.integer)) else list(version)
     if not len(ids) == len(lps) == len(versions):
         raise GenerationError(f"generator returned {len(ids)} tokens, {len(lps)} log-probs and {len(versions)} "

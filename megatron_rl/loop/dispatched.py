@@ -285,6 +285,7 @@ class DispatchRollouts(Rollouts):
 
         for g in groups:
             g.samples, g.rewards, g.masks, g.turns, g.prompts, g.timings, g.segments = [], [], [], [], [], [], []
+            g.routes = {}
             for i in range(self._sampling(g).n):
                 e = episodes.get(episode_id(g.gid, i))
                 if e is None:
@@ -308,6 +309,8 @@ class DispatchRollouts(Rollouts):
                 status = "ok" if e["status"] == "truncated" else e["status"]  # truncated: the model's doing
                 status = status if any(e["mask"]) or status != "ok" else "error"  # no model token: nothing to train
                 g.rewards.append((e["reward"], e["components"], status))
+                if e.get("routes") is not None:  # routing replay: the worker's row holds its tokens' experts
+                    g.routes[i] = ([*e["prompt"], *ids], e["routes"])
 
 
 _TOOL_SLOTS = {"calls": 0, "errors": 1, "latency_s": 2}
@@ -337,7 +340,8 @@ def batch_name(groups: list[Group]) -> str:
 
 def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
-    components, status for the wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
+    components, status, the engine's experts of its tokens (routing replay; None when not recorded) for the
+    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
     is skipped with a logged reason and appended to `unreadable` ("path: reason"); its episodes count as
     missing."""
     from megatron_rl.data.shards import ShardError, read_shard
@@ -373,6 +377,7 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
                                      segments.get(t.episode_id, []),
                                      key=lambda x: int(x.episode_id.rsplit(SEGMENT_MARK, 1)[1]))],
                                  "timings": {k: float(v) for k, v in t.timings.items()},
+                                 "routes": t.routed_experts,  # int16 [L, L_moe, k] (routing replay) or None
                                  "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
     return out
 
@@ -418,7 +423,7 @@ class RolloutServerProcess:
     when the driver closes it, and (Linux) when its parent dies."""
 
     def __init__(self, run_dir: Path, model_cfg, engine_cfg, threads: int, hosts: tuple[str, str],
-                 start_timeout_s: float = 180.0, tokenizer_cfg=None):
+                 start_timeout_s: float = 180.0, tokenizer_cfg=None, record_routes: bool = False):
         from megatron_rl.config import to_dict
 
         self.dir = Path(run_dir) / "rollout_server"
@@ -427,6 +432,8 @@ class RolloutServerProcess:
                 "tokenizer": to_dict(tokenizer_cfg) if tokenizer_cfg else {}}
         (self.dir / "config.json").write_text(json.dumps(conf))
         self.threads, self.hosts, self.start_timeout_s = threads, hosts, start_timeout_s
+        self.record_routes = record_routes
+        """MoE routing replay: the server's engine records each token's experts (`--record-routes`)."""
         self.token = secrets.token_urlsafe(32)
         """The job's token for the server's mutating endpoints (passed through the environment, not argv)."""
         self.proc: subprocess.Popen | None = None
@@ -454,7 +461,7 @@ class RolloutServerProcess:
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "megatron_rl.rollout.server", "--host", self.hosts[0], "--port", "0",
                "--port-file", str(port_file), "--config", str(self.dir / "config.json"), "--weights", str(weights),
-               "--version", str(version)]
+               "--version", str(version)] + (["--record-routes"] if self.record_routes else [])
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), TOKEN_ENV: self.token}
         for k in list(env):  # a single-process server, not a member of the training job (torchrun's agent store!)
             if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):

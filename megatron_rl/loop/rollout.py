@@ -416,11 +416,10 @@ def sample_routes(g: Group, i: int, tokens: np.ndarray) -> np.ndarray | None:
     """int16 [L, L_moe, k] experts of the trajectory's tokens (the last, never run, -1), when the latest engine
     request of sample i ran exactly these tokens; None otherwise (not recorded, or a context the engine saw
     differently: e.g. compressed)."""
+    from megatron_rl.models.routing_replay import context_routes
+
     seen, routes = g.routes.get(i, (None, None))
-    n = len(tokens) - 1  # tokens the trainer runs (inputs)
-    if routes is None or len(routes) < n or list(seen[:n]) != tokens[:n].tolist():
-        return None
-    return np.concatenate([routes[:n], np.full((1, *routes.shape[1:]), -1, np.int16)])
+    return context_routes(seen, routes, tokens.tolist())
 
 
 def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:

@@ -90,7 +90,8 @@ def worker_config(cfg: RunConfig):
     (`MixtureConfig.worker_images`)."""
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
 
-    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens)  # url: at dispatch
+    gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens,  # url: at dispatch
+                          routed_experts=cfg.rl.trainer.routing_replay != "off")  # MoE routing replay
     seq = cfg.model.max_seq_length
     budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
     return WorkerConfig(generator=gen,
@@ -124,7 +125,8 @@ def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: P
         from megatron_rl.loop.dispatched import RolloutServerProcess, server_hosts
 
         server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
-                                      server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer)
+                                      server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer,
+                                      record_routes=cfg.rl.trainer.routing_replay != "off")
     return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg),
                             Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length)
 

@@ -270,10 +270,11 @@ class ModelConfig:
                              num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
         if self.mla.enabled:
             _check_mla_parallel(self.mla, parallel)
-        if self.mtp_num_layers and (parallel.pp > 1 or parallel.cp > 1):
-            raise ConfigError(f"model.mtp_num_layers={self.mtp_num_layers} with parallel.pp={parallel.pp}, "
-                              f"cp={parallel.cp}: the multi-token-prediction layers are supported at pp=1 and cp=1 "
-                              f"only (they need the embedding on the last stage, and whole samples)")
+        if self.mtp_num_layers and parallel.cp > 1:
+            raise ConfigError(f"model.mtp_num_layers={self.mtp_num_layers} with parallel.cp={parallel.cp}: the "
+                              f"multi-token-prediction loss is not served with context parallelism (its targets "
+                              f"t + k and Megatron's rolled MTP inputs would cross this trainer's per-sample CP "
+                              f"chunks); use cp=1 (pp, tp, ep are fine) or model.mtp_num_layers=0")
 
     def check_training(self, parallel: ParallelConfig) -> None:
         """Layouts Megatron-Core trains only with extra settings (serving them is fine)."""

@@ -26,12 +26,27 @@ import torch
 
 
 def mtp_block_spec(tcfg, layer_spec, use_te: bool, vp_stage: int | None = None):
-    """Megatron's MTP block spec for `layer_spec` (a layer spec, or a block spec: its last layer's) or None."""
+    """Megatron's MTP block spec for `layer_spec` (a layer spec, or a block spec: its last layer's) or None; the
+    caller builds the model's last stage (post_process). Megatron's `get_gpt_mtp_block_spec` asks the global
+    parallel state whether this rank is the last pipeline stage, which is wrong for a model in a layout of its own
+    (the rollout engine, one stage, on a rank of the trainer's first stage); the block is made here instead, with
+    every MTP layer (all on the last stage, as Megatron places them without a custom pipeline layout)."""
     if not tcfg.mtp_num_layers:
         return None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_mtp_layer_spec_for_backend
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    return get_gpt_mtp_block_spec(tcfg, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider as Provider
+    else:
+        Provider = LocalSpecProvider
+    last = layer_spec if isinstance(layer_spec, ModuleSpec) and layer_spec.module == TransformerLayer \
+        else layer_spec.layer_specs[-1]
+    layer = get_mtp_layer_spec_for_backend(transformer_layer_spec=last, backend=Provider())
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * tcfg.mtp_num_layers)
 
 
 @cache
@@ -41,6 +56,26 @@ def mtp_model_class():
 
     class MTPGPTModel(GPTModel):
         emit_mtp = False
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            if self.share_embeddings_and_output_weights and self.mtp_process and not self.pre_process:
+                # pp > 1: the last stage's embedding copy (for the MTP layers) is the tied weight Megatron syncs
+                # with the first stage's and the head uses (`shared_embedding_or_output_weight`); the output
+                # layer's own weight would be an unused, never-synced copy (exported, sent to the engine)
+                self.output_layer.register_parameter("weight", None)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            # Megatron ties the last stage's embedding copy with metadata['dp_cp_group'], which it never fills in
+            # when called without metadata (a TypeError at pp > 1): the model's own group
+            metadata = dict(metadata or {})
+            if "dp_cp_group" not in metadata:
+                from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+                dp_cp = getattr(getattr(self, "pg_collection", None), "dp_cp", None)
+                metadata = {**metadata, "dp_cp_group": dp_cp} if dp_cp is not None else \
+                    ensure_metadata_has_dp_cp_group(metadata)
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
         def _postprocess(self, hidden_states, mtp_in_postprocess=None, **kw):  # GPTModel passes keywords
             if not (mtp_in_postprocess and self.emit_mtp and self.post_process):

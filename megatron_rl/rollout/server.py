@@ -22,6 +22,10 @@ what was dropped.
 
 Extensions: each choice carries `token_ids`, `policy_versions` and (with "logprobs") `logprobs` with
 `token_logprobs` (completions) or `content` (chat); the response carries `prompt_token_ids`. Text is
+Routing replay (an MoE engine built with `record_routes`): "return_routed_experts": true adds to each choice
+`routed_experts`, the experts of every token the request ran (prompt + completion but the last, [P + G - 1,
+L_moe, k]) as `models.routing_replay.encode_routes` writes them; asked of an engine that does not record
+them, the request gets 400. Text is
 encoded with the server's tokenizer (ByteTokenizer by default); token ids always win when given.
 Malformed requests get 400 with {"error": {"message": reason}}. A client that disconnects aborts its
 request, which frees its KV blocks (handler cancellation is on).
@@ -234,6 +238,10 @@ def _choice(s, chat: bool, body: dict, tokenizer) -> dict:
         c["message"] = {"role": "assistant", "content": text}
     else:
         c["text"] = text
+    if body.get("return_routed_experts"):
+        from megatron_rl.models.routing_replay import encode_routes
+
+        c["routed_experts"] = encode_routes(s.routed_experts)  # [P + G - 1, L_moe, k]
     if body.get("logprobs"):
         if chat:
             c["logprobs"] = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(s.token_ids, s.logprobs)]}
@@ -285,6 +293,9 @@ async def _generate(request: web.Request, chat: bool) -> web.Response:
         body = await _json_body(request)
         prompt = (chat_prompt if chat else completion_prompt)(body, st.tokenizer)
         params = sampling_from(body, st.tokenizer)
+        if body.get("return_routed_experts") and getattr(st.loop.engine.cache, "routes", None) is None:
+            raise BadRequest("return_routed_experts: this engine does not record MoE routes (a dense model, or "
+                             "built without record_routes: rl.trainer.routing_replay=off)")
         bounds, compression = compression_from(body, st.tokenizer)
         rid, fut = st.loop.submit(prompt, params, bounds, compression)
     except ValueError as e:  # BadRequest, or the engine's checks (vocabulary, length, pool size)
@@ -447,11 +458,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", help="weight file (rollout/weight_file.py) or torch.save'd state dict, trainer names")
     p.add_argument("--version", type=int, default=0, help="policy version of --weights")
     p.add_argument("--vocab-size", type=int, default=384, help="without --config: the default model's vocabulary")
+    p.add_argument("--record-routes", action="store_true",
+                   help="MoE routing replay: record each token's experts (return_routed_experts requests)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_cfg, engine_cfg, tok = _server_configs(args.config, args.vocab_size)
     ctx = init_distributed(ParallelConfig(), source="single")
-    engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs, valid_vocab=tok.vocab_size)
+    engine = RolloutEngine.build(model_cfg, engine_cfg, ParallelConfig(), ctx.pgs, valid_vocab=tok.vocab_size,
+                                 record_routes=args.record_routes)
     if args.weights:  # every parameter, or it names the missing
         engine.update_weights(args.version, weights_in(args.weights, engine), complete=True)
     asyncio.run(_serve_forever(create_app(engine, tok), args.host, args.port, args.port_file))

@@ -40,6 +40,7 @@ LAYOUTS = {  # name -> (ParallelConfig kwargs, num_layers, moe: bool or "dsv3"/"
     "tp2_mla": (dict(tp=2), 2, "mla", False),  # no SP: the shared RoPE key's gradient summed over TP ranks
     "tp2_sp_mtp": (dict(tp=2, sequence_parallel=True), 2, "mtp", False),  # + one MTP layer and its loss
     "ep2_mtp": (dict(ep=2), 2, "mtp", False),
+    "pp2_mtp": (dict(pp=2), 2, "mtp", False),  # the MTP layer on the last stage, with its embedding copy
 }
 
 
@@ -214,6 +215,7 @@ def compare(result: dict, ref: dict) -> dict:
     return {"layout": result["layout"], "impl": result.get("impl"), "loss_diff": loss_diff, "metric_diff": metric_diff,
             "weight_diff": weight_diff, "names_differ": missing, "losses": [m["loss"] for m in result["metrics"]],
             "ref_losses": [m["loss"] for m in ref["metrics"]], "seconds": result["seconds"],
+            "mtp_losses": [m.get("mtp_loss") for m in result["metrics"]],
             "update_ok": all(m["update_ok"] for m in result["metrics"]), "replica_diff": replica_diff}
 
 

@@ -49,6 +49,8 @@ def fill_model(model, reader: HFReader, arch, rules: dict[str, Rule], show: bool
             if full.dtype != sh.data.dtype and not torch.equal(full.to(sh.data.dtype).to(full.dtype), full):
                 casts.append(f"{name}: {full.dtype} -> {sh.data.dtype}")
             sh.data.copy_(full[sh.region])
+        del parts, full
+        runtime.release_freed_memory()  # the temporaries, so the peak is the model + one tensor's
     return casts
 
 

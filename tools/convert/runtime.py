@@ -96,6 +96,26 @@ def atomic_dir(out: str | Path):
         raise
 
 
+def release_freed_memory() -> None:
+    """Give the C heap's freed memory back to the OS (glibc `malloc_trim`; a no-op elsewhere). A converted
+    tensor's temporaries (the HF parts, the fused tensor made of them: a layer's worth) are freed after each copy,
+    but glibc's growing mmap threshold keeps such blocks in its heap, so without this they stay resident on top
+    of the model (~42 MB for SmolLM2-135M: benchmarks/import_memory.py)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
+_LIBC = None
+
+
 def progress(items, desc: str, enabled: bool = True):
     """tqdm when installed, else a one-line counter on stderr."""
     items = list(items)
