@@ -7,15 +7,17 @@ tests/test_routing_replay_dispatch_multiproc.py; here one CPU process with a rea
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from envs.tasks import load_domain
+from megatron_rl.data.routes import decode_routes, encode_routes
 from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
 from megatron_rl.dispatch.worker import GenerationError, HttpGenerator, run_episode_batch
-from megatron_rl.models.routing_replay import decode_routes, encode_routes
 from megatron_rl.rollout import EngineConfig, RolloutEngine
 from megatron_rl.rollout.server import ServerThread
 from megatron_rl.tokenizer import ByteTokenizer
@@ -55,6 +57,29 @@ def test_routes_wire_format_round_trips_and_rejects_malformed():
                 {**wire, "data": "not base64!"}, {"shape": [7, 3, 2]}):
         with pytest.raises(ValueError, match="malformed routed_experts"):
             decode_routes(bad)
+
+
+def test_a_worker_runs_episodes_and_stores_routes_without_importing_torch(repo_root, tmp_path):
+    """A rollout worker's episode path (and its route decoding) runs with numpy only: importing torch and
+    Megatron-Core there cost seconds per task start, enough to turn every task of a dispatch round into a
+    straggler."""
+    code = f"""
+import sys, numpy as np
+from envs.tasks import load_domain
+from megatron_rl.data.routes import context_routes, decode_routes, encode_routes
+from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
+from megatron_rl.dispatch.worker import run_episode_batch
+eps = episodes_from_tasks(load_domain("countdown", split="train")[:3])
+worker = WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9))
+res = run_episode_batch(WorkerSpec(episodes=eps, shard_dir={str(tmp_path)!r}, worker=worker))
+assert len(res.finished) == 3, res
+r = decode_routes(encode_routes(np.zeros((3, 2, 1), np.int16)))
+assert context_routes([1, 2, 3, 4], r, [1, 2, 3]).shape == (3, 2, 1)
+print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_server_returns_the_experts_of_every_token_it_ran_only_when_asked(served):

@@ -153,7 +153,7 @@ def parse_routes(out, prompt_ids: list[int], ids: list[int]) -> tuple[list[int],
     """(the tokens the request ran: its prompt as the server saw it + the completion, their experts int16
     [len - 1, L_moe, k]) of a /v1/completions answer asked with return_routed_experts; GenerationError if
     malformed."""
-    from megatron_rl.models.routing_replay import decode_routes
+    from megatron_rl.data.routes import decode_routes
 
     try:
         routes = decode_routes(out["choices"][0]["routed_experts"])
@@ -207,8 +207,8 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
     """
     from envs.base import Task
     from envs.episode import drive, open_episode
+    from megatron_rl.data.routes import context_routes
     from megatron_rl.data.shards import Trajectory, segment_rows
-    from megatron_rl.models.routing_replay import context_routes
 
     t0, gen_s, routes = time.perf_counter(), [0.0], {}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})

@@ -416,7 +416,7 @@ def sample_routes(g: Group, i: int, tokens: np.ndarray) -> np.ndarray | None:
     """int16 [L, L_moe, k] experts of the trajectory's tokens (the last, never run, -1), when the latest engine
     request of sample i ran exactly these tokens; None otherwise (not recorded, or a context the engine saw
     differently: e.g. compressed)."""
-    from megatron_rl.models.routing_replay import context_routes
+    from megatron_rl.data.routes import context_routes
 
     seen, routes = g.routes.get(i, (None, None))
     return context_routes(seen, routes, tokens.tolist())

@@ -19,18 +19,15 @@ the trainer's own scores of the replayed experts (Megatron: `scores.gather`), so
 router. No activation recompute runs the router twice here (Megatron's REPLAY_BACKWARD is not needed).
 
 Over HTTP (dispatched and fleet workers): a /v1/completions request with "return_routed_experts": true gets
-each choice's routes as `encode_routes` (the shard's compact scheme: uint8 when every id fits, else uint16, the
-dtype's max = not recorded; base64), the worker decodes them (`decode_routes`) and keeps them for its row when the
-latest request ran the whole trajectory (`context_routes`), as the in-process loop does.
+each choice's routes in the shards' compact scheme, and the worker keeps them for its row when the latest request
+ran the whole trajectory, as the in-process loop does (`megatron_rl.data.routes`: numpy only, so a rollout worker
+never imports torch or Megatron for it).
 
 Token order: the router flattens its input [s, b, E] s-major (token s * b + j); with sequence parallelism each
 TP rank routes its contiguous s-chunk, so targets [b, s] are transposed, then cut to this rank's chunk.
 """
 from __future__ import annotations
 
-import base64
-
-import numpy as np
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
@@ -134,37 +131,3 @@ def take_counts(replays: list[TokenReplay]) -> Tensor:
         total += r.counts.cpu()
         r.counts = torch.zeros(2, dtype=torch.float64)
     return total
-
-
-def encode_routes(routes: np.ndarray) -> dict:
-    """int [T, L_moe, k] (-1 = not recorded) -> {"dtype", "shape", "data": base64 little-endian bytes}: uint8 when
-    every id fits (255 = not recorded), else uint16 (65535), as the shards store them."""
-    a = np.asarray(routes)
-    dtype = np.dtype("<u1") if a.max(initial=0) < 255 else np.dtype("<u2")
-    stored = np.where(a < 0, np.iinfo(dtype).max, a).astype(dtype)
-    return {"dtype": dtype.name, "shape": list(a.shape), "data": base64.b64encode(stored.tobytes()).decode("ascii")}
-
-
-def decode_routes(obj) -> np.ndarray:
-    """`encode_routes`' dict -> int16 [T, L_moe, k] with -1 where not recorded; ValueError naming what is wrong."""
-    try:
-        dtype, shape = np.dtype(obj["dtype"]).newbyteorder("<"), tuple(int(x) for x in obj["shape"])
-        if dtype.name not in ("uint8", "uint16") or len(shape) != 3:
-            raise ValueError(f"dtype {dtype.name} shape {list(shape)} (need uint8/uint16 and [tokens, layers, k])")
-        raw = np.frombuffer(base64.b64decode(obj["data"], validate=True), dtype=dtype).reshape(shape)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed routed_experts ({type(e).__name__}: {e}); need {{dtype: uint8|uint16, "
-                         f"shape: [tokens, MoE layers, topk], data: base64}}") from None
-    out = raw.astype(np.int16)
-    out[raw == np.iinfo(dtype).max] = -1
-    return out
-
-
-def context_routes(seen, routes: np.ndarray | None, tokens) -> np.ndarray | None:
-    """int16 [L, L_moe, k] experts of a trajectory's `tokens` (the last, never run, -1) when an engine request ran
-    exactly these tokens (`seen`, its context plus completion; `routes` [len(seen) - 1, L_moe, k]); None when
-    not recorded or the engine saw another context (e.g. compressed, or an earlier turn)."""
-    n = len(tokens) - 1  # tokens the trainer runs (inputs)
-    if routes is None or seen is None or len(routes) < n or list(seen[:n]) != list(tokens[:n]):
-        return None
-    return np.concatenate([np.asarray(routes[:n], np.int16), np.full((1, *routes.shape[1:]), -1, np.int16)])

@@ -24,7 +24,7 @@ Extensions: each choice carries `token_ids`, `policy_versions` and (with "logpro
 `token_logprobs` (completions) or `content` (chat); the response carries `prompt_token_ids`. Text is
 Routing replay (an MoE engine built with `record_routes`): "return_routed_experts": true adds to each choice
 `routed_experts`, the experts of every token the request ran (prompt + completion but the last, [P + G - 1,
-L_moe, k]) as `models.routing_replay.encode_routes` writes them; asked of an engine that does not record
+L_moe, k]) as `data.routes.encode_routes` writes them; asked of an engine that does not record
 them, the request gets 400. Text is
 encoded with the server's tokenizer (ByteTokenizer by default); token ids always win when given.
 Malformed requests get 400 with {"error": {"message": reason}}. A client that disconnects aborts its
@@ -239,7 +239,7 @@ def _choice(s, chat: bool, body: dict, tokenizer) -> dict:
     else:
         c["text"] = text
     if body.get("return_routed_experts"):
-        from megatron_rl.models.routing_replay import encode_routes
+        from megatron_rl.data.routes import encode_routes
 
         c["routed_experts"] = encode_routes(s.routed_experts)  # [P + G - 1, L_moe, k]
     if body.get("logprobs"):
