@@ -77,3 +77,26 @@ def test_the_trainers_local_spec_policy_uses_sdpa_attention():
                                   max_seq_length=32), ParallelConfig(), pgs)
     kinds = {type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers}
     assert kinds == {"SDPADotProductAttention"}
+
+
+def test_trainer_micro_batches_end_after_their_samples_with_the_same_loss_and_gradients(monkeypatch):
+    """RLTrainer (pp = cp = ep = 1) packs micro-batches only as long as their samples (rounded up to 16
+    slots), not the whole max_tokens budget: the same loss and gradients as the full-length packing."""
+    from megatron_rl.trainer.rl_step import RLTrainer
+    from tests.mp.trainer_parity import batch
+    from tests.test_trainer_fused_logprob import _ctx, _trainer
+
+    ctx, results = _ctx(), {}
+    for trim in (True, False):
+        if not trim:
+            monkeypatch.setattr(RLTrainer, "_trim_to", lambda self: 0)
+        trainer = _trainer(ctx, "fused", True, max_tokens=120)
+        lengths = [mb["tokens"].shape[-1] for mb in trainer.prepare(batch(0))[0]]
+        results[trim] = (*trainer.compute_gradients(batch(0)), lengths)
+    (loss, grads, lengths), (loss_full, grads_full, lengths_full) = results[True], results[False]
+    assert set(lengths_full) == {120} and sum(lengths) < sum(lengths_full)
+    assert all(n % 16 == 0 or n == 120 for n in lengths)  # rounded up to 16 slots, at most max_tokens
+    assert abs(loss_full) > 1e-4 and loss == pytest.approx(loss_full, abs=1e-6)
+    assert sorted(grads) == sorted(grads_full)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_full[name], rtol=1e-5, atol=1e-6)
