@@ -4,7 +4,9 @@ A sample of L tokens occupies L - 1 slots: inputs tokens[:-1], labels tokens[1:]
 i+1), and the per-token fields of the label side (loss mask, behaviour log-probs, advantages). Samples are
 packed whole (never split) by first-fit-decreasing into bins of `max_tokens` slots; the bins are dealt to the
 data-parallel ranks round-robin and every rank pads its list with empty micro-batches to the same count
-(MoE all-to-alls and pipeline schedules need equal counts). Each micro-batch is [1, max_tokens]:
+(MoE all-to-alls and pipeline schedules need equal counts). Each micro-batch is [1, max_tokens], or [1, S] with S
+its samples' slots rounded up to `trim_to` where the schedule takes any length (`pack(trim_to=...)`: the
+trainer's at pp = cp = ep = 1, so trailing padding costs no compute):
 
     tokens, labels, position_ids (restart at 0 per sample), sample_index (-1 on padding)   long  [1, S]
     loss_mask, behaviour_logprobs, advantages                                              float [1, S]
