@@ -79,6 +79,7 @@ def test_the_trainers_local_spec_policy_uses_sdpa_attention():
     assert kinds == {"SDPADotProductAttention"}
 
 
+@pytest.mark.slow
 def test_trainer_micro_batches_end_after_their_samples_with_the_same_loss_and_gradients(monkeypatch):
     """RLTrainer (pp = cp = ep = 1) packs micro-batches only as long as their samples (rounded up to 16
     slots), not the whole max_tokens budget: the same loss and gradients as the full-length packing."""
