@@ -220,3 +220,25 @@ def test_triton_kernels_match_naive_under_interpreter():
         for key in ("logprob", "entropy", "grad_h", "grad_w"):
             assert errs[key] < tol, (name, key, errs)
         assert errs["masked_grad_h"] == 0 and errs["padding_grad_w"] == 0, (name, errs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_logits_give_the_recomputed_values_and_grads_with_one_logits_matmul_less(temperature, monkeypatch):
+    """keep_logits_bytes: within the budget the backward reuses the forward's logits chunks (bitwise the same
+    values and gradients as recomputing them, one [T, H] x [H, V] product less); over it, it recomputes."""
+    import kernels.logprob.reference as ref
+
+    h, w, targets, _, ca, cc = make(T=40, V=203)
+    calls = []
+    logits = ref._logits
+    monkeypatch.setattr(ref, "_logits", lambda h_s, w_v: calls.append(1) or logits(h_s, w_v))
+    runs = {}
+    for budget in (0, 40 * 203 * 4, 40 * 203 * 4 - 1):
+        calls.clear()
+        runs[budget] = (values_and_grads(lambda h, w, budget=budget: fused_logprob_entropy(
+            h, w, targets, temperature=temperature, chunk_tokens=16, chunk_vocab=64, impl="torch",
+            keep_logits_bytes=budget), h, w, ca, cc), len(calls))
+    (base, n_recompute), (kept, n_kept), (over, n_over) = runs.values()
+    assert n_recompute == n_over == 2 * 3 * 4 and n_kept == 3 * 4  # 3 token x 4 vocab chunks, fwd (+ bwd)
+    for a, b, c in zip(base, kept, over):
+        assert torch.equal(a, b) and torch.equal(a, c)

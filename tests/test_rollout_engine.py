@@ -294,3 +294,22 @@ def test_bf16_engine_serves_fp32_weights_with_fp32_logprobs(model, pgs):
     assert 0 < diffs.max() < 0.1, diffs.max()  # bf16 rounding, not fp32 (0) and not a wrong model (>> 0.1)
     assert diffs.mean() < 0.02, diffs.mean()
     assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_tabulated_once_per_step_equals_megatrons_rope_bitwise(model, pgs, interleaved, monkeypatch):
+    """The runner's (cos, sin) of a step, applied to every layer, give exactly Megatron's unfused RoPE
+    (apply_rotary_pos_emb), also with a pass-through part (partial rotary)."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_rl.rollout.model_runner import ModelRunner
+
+    runner = ModelRunner(model, pgs.tp, pgs.cp)
+    monkeypatch.setattr(model.config, "rotary_interleaved", interleaved)
+    positions = torch.tensor([0, 5, 3, 77, 127])
+    cos, sin = runner._rope(positions)  # each [5, 1, 1, 16]
+    t = torch.randn(5, 1, 4, 16, generator=torch.Generator().manual_seed(0))  # [T, 1, n, d]
+    for r in (16, 8):  # full, then half the head rotated
+        want = apply_rotary_pos_emb(t, runner._freqs[positions][..., :r], config=model.config, cp_group=pgs.cp)
+        got = runner._apply_rope(t, (cos[..., :r], sin[..., :r]))
+        assert torch.equal(got, want) and not torch.equal(got, t)

@@ -4,7 +4,8 @@
 
 equals `log_softmax(hidden @ W_full.T / temperature)` gathered at `targets`, and its entropy, with gradients
 to `hidden` and `weight`, but never materialises the `[T, V]` logits (chunks over tokens and vocab with an
-online log-sum-exp; the backward recomputes logits chunk by chunk). Under tensor parallelism each rank holds
+online log-sum-exp; the backward recomputes logits chunk by chunk, or, within `keep_logits_bytes`, reuses the
+forward's). Under tensor parallelism each rank holds
 rows [rank * V/TP, (rank + 1) * V/TP) of the output layer (Megatron's vocab-parallel layout); max, sum-exp,
 target logit and entropy terms are all-reduced over `tp_group`, and so is the gradient of `hidden` (do not
 also wrap `hidden` in copy_to_tensor_model_parallel_region). The weight gradient stays local.
@@ -93,8 +94,8 @@ def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
 
 def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp_group=None,
                           temperature: float = 1.0, chunk_tokens: int = 512, chunk_vocab: int = 4096,
-                          impl: Impl = "auto", vocab_size: int | None = None, check_targets: bool = True
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          impl: Impl = "auto", vocab_size: int | None = None, check_targets: bool = True,
+                          keep_logits_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (logprob [T], entropy [T]) of `targets` under softmax(hidden @ W.T / temperature).
 
     Outputs are fp32 (fp64 for fp64 inputs). hidden [T, H]; weight [V_local, H], this rank's vocab-parallel
@@ -103,7 +104,9 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     all rows. Differentiable w.r.t. hidden and weight; upstream grads of both outputs are used (e.g. a loss
     weighting tokens by a mask).
     `chunk_tokens` x `chunk_vocab` bounds the PyTorch backend's working set; Triton uses `chunk_vocab` as
-    the vocab range per forward program.
+    the vocab range per forward program. `keep_logits_bytes`: the PyTorch backend keeps the forward's logits
+    chunks for the backward (one logits matmul less) when all of them take at most this many bytes; 0: it
+    recomputes them (the [T, V] logits never exist).
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_tokens, chunk_vocab)
     vocab, vocab_size = _vocab_slice(weight, tp_group, vocab_size)
@@ -111,7 +114,7 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         _check_targets(targets, vocab_size)
     backend = _backend(impl, hidden)
     return LogprobEntropyFunction.apply(hidden, weight, targets, backend, tp_group, float(temperature), vocab,
-                                        chunk_tokens, chunk_vocab)
+                                        chunk_tokens, chunk_vocab, keep_logits_bytes)
 
 
 @dataclass
@@ -126,12 +129,17 @@ class LogprobKernelConfig:
     """Vocab entries per chunk (PyTorch) / per forward program (Triton)."""
     check_targets: bool = True
     """Raise on target ids outside the vocab (one device sync per call)."""
+    keep_logits_bytes: int = 256 << 20
+    """PyTorch backend: keep the forward's fp32 logits for the backward instead of recomputing them (one
+    [T, H] x [H, V] matmul less per micro-batch) when they take at most this many bytes; 0: always recompute."""
 
     def validate(self) -> None:
         from megatron_rl.config import ConfigError
 
         if self.impl not in ("auto", "torch", "triton"):
             raise ConfigError(f"logprob.impl={self.impl!r}; use 'auto', 'torch' or 'triton'")
+        if self.keep_logits_bytes < 0:
+            raise ConfigError(f"logprob.keep_logits_bytes must be >= 0 (0: recompute), got {self.keep_logits_bytes}")
         if self.chunk_tokens < 1 or self.chunk_vocab < 1:
             raise ConfigError(f"logprob.chunk_tokens/chunk_vocab must be >= 1; got "
                               f"{self.chunk_tokens}/{self.chunk_vocab}")
@@ -140,4 +148,5 @@ class LogprobKernelConfig:
         """A `fused_logprob_entropy` with this config's knobs bound."""
         self.validate()
         return functools.partial(fused_logprob_entropy, impl=self.impl, chunk_tokens=self.chunk_tokens,
-                                 chunk_vocab=self.chunk_vocab, check_targets=self.check_targets)
+                                 chunk_vocab=self.chunk_vocab, check_targets=self.check_targets,
+                                 keep_logits_bytes=self.keep_logits_bytes)

@@ -88,9 +88,13 @@ class LogprobEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, backend, group, temperature, vocab, chunk_tokens, chunk_vocab):
+    def forward(ctx, hidden, weight, targets, backend, group, temperature, vocab, chunk_tokens, chunk_vocab,
+                keep_bytes=0):
         inv_temp = 1.0 / temperature
-        stats = backend.forward_stats(hidden, weight, targets, vocab, inv_temp, chunk_tokens, chunk_vocab)
+        size = hidden.shape[0] * vocab.valid * torch.finfo(acc_dtype(hidden.dtype)).bits // 8
+        ctx.kept = [] if getattr(backend, "keeps_logits", False) and size <= keep_bytes else None
+        extra = {} if ctx.kept is None else {"keep": ctx.kept}  # the logits chunks, for the backward
+        stats = backend.forward_stats(hidden, weight, targets, vocab, inv_temp, chunk_tokens, chunk_vocab, **extra)
         m, s, b, zt = merge_tp(*merge_splits(*stats), group)  # [T] each
         lse = m + torch.log(s)  # [T]
         logprob = zt - lse  # [T]
@@ -103,11 +107,13 @@ class LogprobEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         backend, group, vocab, inv_temp, chunk_tokens, chunk_vocab = ctx.args
+        extra = {} if ctx.kept is None else {"kept": ctx.kept}
+        ctx.kept = None  # used up (overwritten): a second backward recomputes
         grad_h, grad_w = backend.backward_grads(
             hidden, weight, targets, lse, entropy, g_lp.to(lse.dtype).contiguous(), g_ent.to(lse.dtype).contiguous(),
-            vocab, inv_temp, chunk_tokens, chunk_vocab)  # [T, H], [V_local, H] acc_dtype
+            vocab, inv_temp, chunk_tokens, chunk_vocab, **extra)  # [T, H], [V_local, H] acc_dtype
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=group)  # each rank saw a vocab slice
         grad_h = grad_h.to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None

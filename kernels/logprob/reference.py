@@ -1,7 +1,9 @@
 """PyTorch backend of the fused log-prob/entropy op: exact, chunked over tokens and vocab.
 
 Peak extra memory is a few `[chunk_tokens, chunk_vocab]` fp32 buffers plus the fp32 weight gradient; the
-`[T, V]` logits never exist. Runs on any device; it is the oracle for the Triton kernels.
+`[T, V]` logits never exist, unless the caller asks to keep them for the backward within a byte budget
+(`keep_logits_bytes`: one logits matmul less per step, where memory allows). Runs on any device; it is the
+oracle for the Triton kernels.
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def _chunk_stats(z: torch.Tensor, tloc: torch.Tensor, v0: int, v1: int) -> tuple
 
 
 def forward_stats(hidden, weight, targets, vocab: VocabSlice, inv_temp: float, chunk_tokens: int,
-                  chunk_vocab: int) -> tuple[torch.Tensor, ...]:
-    """Local softmax statistics (m, s, b, zt), each acc_dtype [1, T], computed chunk by chunk."""
+                  chunk_vocab: int, keep: list | None = None) -> tuple[torch.Tensor, ...]:
+    """Local softmax statistics (m, s, b, zt), each acc_dtype [1, T], computed chunk by chunk; `keep`: a list
+    that receives a copy of every logits chunk, in loop order, for `backward_grads(kept=...)`."""
     T, dtype = hidden.shape[0], acc_dtype(hidden.dtype)
     m = torch.full((T,), NEG, dtype=dtype, device=hidden.device)  # [T]
     s, b, zt = (torch.zeros(T, dtype=dtype, device=hidden.device) for _ in range(3))  # [T] each
@@ -51,6 +54,8 @@ def forward_stats(hidden, weight, targets, vocab: VocabSlice, inv_temp: float, c
         for v0 in range(0, vocab.valid, chunk_vocab):
             v1 = min(v0 + chunk_vocab, vocab.valid)
             z = _logits(h_s, weight[v0:v1])  # [Tc, Vc]
+            if keep is not None:
+                keep.append(z.clone())  # _chunk_stats overwrites z
             parts = [torch.stack(x) for x in zip((m[sl], s[sl], b[sl], zt[sl]),
                                                  _chunk_stats(z, tloc_all[sl], v0, v1))]  # [2, Tc] each
             m[sl], s[sl], b[sl], zt[sl] = merge_splits(*parts)
@@ -82,8 +87,9 @@ def _grad_logits(z, lse, ent, g_lp, g_ent, tloc, v0, v1, inv_temp) -> torch.Tens
 
 
 def backward_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, vocab: VocabSlice, inv_temp: float,
-                   chunk_tokens: int, chunk_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_hidden [T, H], grad_weight [V_local, H]) in acc_dtype from this rank's slice, recomputing logits."""
+                   chunk_tokens: int, chunk_vocab: int, kept: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_hidden [T, H], grad_weight [V_local, H]) in acc_dtype from this rank's slice, recomputing logits
+    (or taking, and overwriting, the forward's chunks `kept`)."""
     T, dtype = hidden.shape[0], acc_dtype(hidden.dtype)
     grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)  # [T, H]
     grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)  # [V_local, H]
@@ -95,7 +101,7 @@ def backward_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, vocab: VocabS
         for v0 in range(0, vocab.valid, chunk_vocab):
             v1 = min(v0 + chunk_vocab, vocab.valid)
             w_v = weight[v0:v1]  # [Vc, H]
-            z = _logits(h_s, w_v)  # [Tc, Vc]
+            z = kept.pop(0) if kept else _logits(h_s, w_v)  # [Tc, Vc]
             dz = _grad_logits(z, lse[sl], ent[sl], g_lp[sl], g_ent[sl], tloc_all[sl], v0, v1, inv_temp)
             dz = dz.to(hidden.dtype)  # [Tc, Vc]
             _accumulate(grad_h[sl], dz, w_v)  # [Tc, H]
@@ -106,6 +112,8 @@ def backward_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, vocab: VocabS
 class TorchBackend:
     """The chunked PyTorch backend (see `common.Backend`)."""
 
+    keeps_logits = True
+    """forward_stats/backward_grads can hand the logits chunks over instead of recomputing them."""
     forward_stats = staticmethod(forward_stats)
     backward_grads = staticmethod(backward_grads)
 

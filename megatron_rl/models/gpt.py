@@ -448,15 +448,19 @@ def layer_spec(cfg: ModelConfig, cp: int = 1, tcfg=None, *, vp_stage: int | None
 
 def _swap_core_attention(spec, cfg: ModelConfig, cp: int) -> None:
     """Local spec: CP attention for cp > 1; for multi-latent attention its head sizes and a replicated kv down
-    projection (models/mla_attention: the TP gradient of the shared RoPE key)."""
+    projection (models/mla_attention: the TP gradient of the shared RoPE key); else Megatron's attention with
+    torch SDPA arithmetic (models/sdpa_attention: per packed segment, not the S x S scores)."""
     from megatron_rl.models.cp_attention import CPDotProductAttention
     from megatron_rl.models.mla_attention import MLADotProductAttention, replicated_linear
+    from megatron_rl.models.sdpa_attention import SDPADotProductAttention
 
     if cfg.mla.enabled:
         spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
         spec.submodules.self_attention.submodules.linear_kv_down_proj = replicated_linear()
     elif cp > 1:
         spec.submodules.self_attention.submodules.core_attention = CPDotProductAttention
+    else:
+        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
 
 
 def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_process: bool = True,

@@ -7,7 +7,8 @@ names as the trainer. Only the core attention (which has no parameters) is repla
 are written into the paged cache and each sequence attends to its own blocks: per layer one `index_select`
 of the group's block tables gathers K/V, then `scaled_dot_product_attention` with `enable_gqa` (no head
 repeat) and a visibility mask built once per step (all decode sequences in one call, each prefill chunk in
-its own). Tensor parallelism works
+its own). RoPE's cos/sin are tabulated once for all positions and indexed once per step (Megatron's unfused
+RoPE arithmetic on the same values, not cos/sin recomputed twice per layer). Tensor parallelism works
 as in training: column/row-parallel linears communicate inside the Megatron modules; the vocab-parallel
 logits of the sampled rows are all-gathered over the TP group passed in.
 
@@ -84,6 +85,7 @@ class ModelRunner:
         self.head_dim = attn.hidden_size_per_attention_head
         self.scale = model.config.softmax_scale or self.head_dim ** -0.5
         self._freqs = None
+        self._cos_sin: tuple[Tensor, Tensor] | None = None  # RoPE cos, sin [max, 1, 1, d] (`_rope`)
         self.mla = None
         if getattr(model.config, "multi_latent_attention", False):  # one cached latent row per token
             from megatron_rl.rollout.mla_runner import MLAAttention
@@ -113,14 +115,25 @@ class ModelRunner:
             cache.enable_routes(len(self.replays), self.model.config.moe_router_topk)
         return cache
 
-    def _rope(self, positions: Tensor) -> Tensor | None:
-        """RoPE frequencies [T, 1, 1, d] of the positions, or None for learned positions."""
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor] | Tensor | None:
+        """RoPE of the positions for every layer of a step: (cos, sin) [T, 1, 1, d] as Megatron's unfused RoPE
+        forms them, `(cos(freqs) * mscale).to(dtype)` (YaRN's mscale, else 1), tabulated once for all
+        positions instead of twice per layer and step; the frequencies [T, 1, 1, d] where Megatron's fused
+        RoPE applies (`apply_rope_fusion`); None for learned positions."""
         if getattr(self.model, "rotary_pos_emb", None) is None:
             return None
         if self._freqs is None:
+            from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+                _yarn_get_concentration_factor_from_config as yarn_mscale,
+            )
+
             freqs = self.model.rotary_pos_emb(self.model.max_sequence_length)  # [max, 1, 1, d]
             self._freqs = freqs[0] if isinstance(freqs, tuple) else freqs  # YaRN: (freqs, mscale)
-        return self._freqs[positions]
+            mscale, dtype = yarn_mscale(self.model.config), next(self.model.parameters()).dtype
+            self._cos_sin = ((torch.cos(self._freqs) * mscale).to(dtype), (torch.sin(self._freqs) * mscale).to(dtype))
+        if self.model.config.apply_rope_fusion:
+            return self._freqs[positions]
+        return self._cos_sin[0][positions], self._cos_sin[1][positions]  # each [T, 1, 1, d]
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: PagedKVCache) -> Tensor:
@@ -168,8 +181,16 @@ class ModelRunner:
         out, bias = layer.mlp(layer.pre_mlp_layernorm(h))  # [T, 1, H]
         return h + (out if bias is None else out + bias)
 
-    def _apply_rope(self, t: Tensor, freqs: Tensor) -> Tensor:
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    def _apply_rope(self, t: Tensor, freqs: tuple[Tensor, Tensor] | Tensor) -> Tensor:
+        """RoPE on t [T, 1, n, d]: Megatron's unfused arithmetic from the step's (cos, sin) (what
+        `_apply_rotary_pos_emb_bshd` computes, the same ops on the same values), or Megatron's own function."""
+        from megatron.core.models.common.embeddings.rope_utils import _rotate_half, apply_rotary_pos_emb
+
+        if isinstance(freqs, tuple):
+            cos, sin = freqs  # each [T, 1, 1, r]
+            x, rest = t[..., :cos.shape[-1]], t[..., cos.shape[-1]:]  # rotated part, pass-through part
+            x = x * cos + _rotate_half(x, self.model.config.rotary_interleaved) * sin
+            return torch.cat((x, rest), dim=-1)
         from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
             _yarn_get_concentration_factor_from_config as yarn_mscale,
         )
@@ -183,6 +204,8 @@ class ModelRunner:
         (`attn`: the MLA layer whose up projection turns cached latents into keys and values)."""
         if len(batch.groups) == 1 and not batch.groups[0].decode:  # one prefill chunk: nothing to scatter
             return self._group_attention(layer, q[None], batch.groups[0], cache, attn)[0].flatten(1)
+        if len(batch.groups) == 1:  # decode only: query i is token i (build_batch packs them in order)
+            return self._group_attention(layer, q[:, None], batch.groups[0], cache, attn)[:, 0].flatten(1)
         out = None
         for g in batch.groups:
             span = None if g.decode else slice(*g.token_index.tolist())

@@ -4,7 +4,9 @@ A sample of L tokens occupies L - 1 slots: inputs tokens[:-1], labels tokens[1:]
 i+1), and the per-token fields of the label side (loss mask, behaviour log-probs, advantages). Samples are
 packed whole (never split) by first-fit-decreasing into bins of `max_tokens` slots; the bins are dealt to the
 data-parallel ranks round-robin and every rank pads its list with empty micro-batches to the same count
-(MoE all-to-alls and pipeline schedules need equal counts). Each micro-batch is [1, max_tokens]:
+(MoE all-to-alls and pipeline schedules need equal counts). Each micro-batch is [1, max_tokens], or [1, S] with S
+its samples' slots rounded up to `trim_to` where the schedule takes any length (`pack(trim_to=...)`: the
+trainer's at pp = cp = ep = 1, so trailing padding costs no compute):
 
     tokens, labels, position_ids (restart at 0 per sample), sample_index (-1 on padding)   long  [1, S]
     loss_mask, behaviour_logprobs, advantages                                              float [1, S]
@@ -211,11 +213,16 @@ def check_cp(max_tokens: int, cp_size: int) -> None:
 
 def pack(cols, keep: np.ndarray, cfg: PackingConfig, dp_rank: int, dp_size: int,
          token_fields: dict[str, np.ndarray] | None = None, stats: PackStats | None = None, multiple_of: int = 1,
-         cp_rank: int = 0, cp_size: int = 1) -> tuple[list[dict[str, torch.Tensor]], PackStats]:
+         cp_rank: int = 0, cp_size: int = 1, trim_to: int = 0) -> tuple[list[dict[str, torch.Tensor]], PackStats]:
     """This DP rank's micro-batches of the kept samples (same count on every rank, a multiple of
     `multiple_of`: the interleaved pipeline schedule needs a multiple of pp) and the packing stats.
-    With cp_size > 1 each micro-batch is this CP rank's share [1, max_tokens / cp] (module docstring)."""
+    With cp_size > 1 each micro-batch is this CP rank's share [1, max_tokens / cp] (module docstring).
+    `trim_to` > 0: each micro-batch ends after its samples, rounded up to a multiple of `trim_to` (at most
+    max_tokens), instead of always [1, max_tokens]: the trailing padding would cost compute in every layer
+    (only for a schedule that takes micro-batches of different lengths: no pipeline, no CP split)."""
     check_cp(cfg.max_tokens, cp_size)
+    if trim_to and cp_size > 1:
+        raise ValueError("pack: trim_to needs cp_size 1 (a CP split cuts every micro-batch of max_tokens slots)")
     stats, pad_to = stats or PackStats(), 2 * cp_size if cp_size > 1 else 1
     kept = np.flatnonzero(keep)  # [K] global sample ids
     slots = np.diff(np.asarray(cols.offsets))[kept] - 1  # [K]
@@ -228,7 +235,10 @@ def pack(cols, keep: np.ndarray, cfg: PackingConfig, dp_rank: int, dp_size: int,
     stats.samples, stats.bins, stats.microbatches_per_rank = len(kept), len(bins), per_rank
     stats.fill = float(slots.sum()) / max(len(bins) * cfg.max_tokens, 1)
     counts = episode_loss_tokens(cols, kept)
-    mbs = [build_microbatch(cols, b, cfg.max_tokens, token_fields, pad_to, counts) for b in mine]
+    by_id = dict(zip(kept.tolist(), padded.tolist()))
+    lengths = [min(cfg.max_tokens, max(1, -(-sum(by_id[i] for i in b) // trim_to)) * trim_to) if trim_to
+               else cfg.max_tokens for b in mine]  # slots of each micro-batch
+    mbs = [build_microbatch(cols, b, n, token_fields, pad_to, counts) for b, n in zip(mine, lengths)]
     return ([split_microbatch(mb, cp_rank, cp_size) for mb in mbs] if cp_size > 1 else mbs), stats
 
 

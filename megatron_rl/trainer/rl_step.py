@@ -255,9 +255,16 @@ class RLTrainer:
         mbs, stats = pack(cols, keep, self.cfg.packing, torch.distributed.get_rank(pgs.dp),
                           torch.distributed.get_world_size(pgs.dp), {"advantages": adv}, stats,
                           multiple_of=par.pp if interleaved else 1, cp_rank=torch.distributed.get_rank(pgs.cp),
-                          cp_size=par.cp)
+                          cp_size=par.cp, trim_to=self._trim_to())
         dev = self._device()
         return [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in mbs], stats
+
+    def _trim_to(self) -> int:
+        """Micro-batches end after their samples (rounded up to 16 x tp slots: sequence parallelism splits
+        them over TP) where every rank's schedule takes any length: no pipeline (its p2p shapes are fixed),
+        no CP split, no expert parallelism (MoE token exchanges across DP ranks); else 0 (max_tokens)."""
+        par = self.policy.ctx.parallel
+        return 16 * par.tp if par.pp == 1 and par.cp == 1 and par.ep == 1 else 0
 
     def _device(self) -> torch.device:
         """Where micro-batches and the trainer's collectives live: the rank's device (DistContext.device)."""
