@@ -52,9 +52,10 @@ def test_code_reward_verdicts_come_from_one_pristine_zygote(sandbox):
     gcd = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return abs(a)\n"
     assert code_reward(sandbox, "code-gcd", gcd) == 1.0
     assert code_reward(sandbox, "code-gcd", "def gcd(a, b):\n    return -7\n") == 0.0
-    assert code_reward(sandbox, "code-gcd", gcd) == 1.0
+    for _ in range(12):  # enough verdicts (~4 ms of CPU each) to show in /proc's 10 ms clock ticks
+        assert code_reward(sandbox, "code-gcd", gcd) == 1.0
     z = sandbox.zygote(V._ZYGOTE_NAME, V._VERIFIER_ZYGOTE)
-    assert z.starts == 1 and z.calls >= 3, (z.starts, z.calls)
+    assert z.starts == 1 and z.calls >= 14, (z.starts, z.calls)
     assert z.cpu_s() > 0
 
 
