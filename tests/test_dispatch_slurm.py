@@ -10,6 +10,7 @@ own timer on a 2-minute limit with the real trainer: it is requeued until done, 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import threading
@@ -254,6 +255,14 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
     signalled = text.count("USR1: checkpoint requested")
     assert signalled >= 1 and "restart 1 on" in text, text[-4000:]  # Slurm's own timer signalled, it requeued
+    assert text.count("scontrol requeue") + text.count("not requeued") == signalled, text  # one answer per signal
+    # each stopped launch names the checkpoint it leaves; the next launch resumes from exactly that one
+    stops = list(re.finditer(r"the run stopped early \(signal or alert\); checkpoint (\S+) \((saved by this)?",
+                             text))
+    assert any(m[2] for m in stops), text[-4000:]  # at least one launch saved a checkpoint on the signal
+    for m in stops:
+        nxt = re.search(r"resuming (?:the warm-up )?from (\S+) ", text[m.end():])
+        assert nxt and nxt[1] == m[1], (m[0], nxt and nxt[0])
     limited = tmp_path / "limited" / "demo"
     resumes = _rows(limited, "resume")
     assert resumes and {r["phase"] for r in resumes} <= {"warmup", "rl"}, resumes
@@ -271,29 +280,44 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
 
 def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_component_1(slurm_cluster, tmp_path):
     """slurm/rl_hetjob.sbatch: the real `megatron-rl train` on the gpu component, its rollout fleet (2 workers,
-    started once by the script) on the cpu component; every episode trained once, the evaluations' episodes run
-there too, nothing submitted."""
+    started by the script) on the cpu component; nothing submitted, the evaluations' episodes run there too.
+    USR1 to the batch shell mid-RL (what --signal=B:USR1@... sends): the trainer checkpoints and stops its
+    workers, the job requeues itself, the new driver resumes with new workers, and every episode is trained
+    exactly once."""
     from megatron_rl.data.shards import read_shard
 
     out = tmp_path / "het"
-    sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", "configs/demo_cpu.yaml",
-                           str(out), *[o for o in TRAIN if not o.startswith("rl.steps")], "rl.steps=2",
-                           "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1"], timeout=600)
-    text = (out / "trainer.out").read_text() + (out / "workers.out").read_text()
+    job = sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", "configs/demo_cpu.yaml",
+                                 str(out), *[o for o in TRAIN if not o.startswith("rl.steps")], "rl.steps=3",
+                                 "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1"], wait=False)
     run = out / "demo"
+    wait_for(lambda: _rl_rows(run), 600, "RL step 0 of the hetjob to be logged")
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    wait_for(lambda: sacct(slurm_cluster, job) in (["COMPLETED"], ["FAILED"], ["CANCELLED"]), 600,
+             "the hetjob to finish through its requeue")
+    text = (tmp_path / "het.out").read_text() + (out / "trainer.out").read_text() + (out / "workers.out").read_text()
+    assert sacct(slurm_cluster, job) == ["COMPLETED"], text[-4000:]
+    assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
+    assert "restart 1:" in text, text[-4000:]
+    resume = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
+    assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < 3, resume  # stopped mid-run
     rl = _rl_rows(run)
-    assert [r["step"] for r in rl] == [0, 1], text[-4000:]
+    assert [r["step"] for r in rl] == [0, 1, 2], text[-4000:]
     for r in rl:
-        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0
-        assert r["fleet_submissions"] == 0 and r["fleet_leases"] >= 4  # the script started the workers
+        assert r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0 and r["trained_samples"] >= 16
+        assert r["fleet_submissions"] == 0  # the script started the workers
         assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
     eps = [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
-    assert len(eps) == sum(r["episodes_dispatched"] for r in rl) == len({t.episode_id for t in eps})
+    trained = sum(r["episodes_dispatched"] + r.get("episodes_recovered", 0) for r in rl)
+    assert len(eps) == trained == len({t.episode_id for t in eps}), (len(eps), trained)  # each episode once
     workers = [json.loads(line) for line in (out / "workers.out").read_text().splitlines() if line.startswith("{")]
-    assert len(workers) == 2 and all(w["reason"] == "run over" and w["partition"] == "cpu" for w in workers), text
+    assert len(workers) == 4 and all(w["partition"] == "cpu" for w in workers), text  # 2 per life of the job
+    assert all(w["reason"] == "run over" for w in workers[2:]), workers
     evals = [t for p in sorted((run / "eval_episodes").glob("*/*.h5")) for t in read_shard(p)]
-    assert len(evals) == 2 * 24  # the in-loop evaluations (before and after: 8 tasks greedy + k=2) ran there too
+    assert len(evals) % 24 == 0 and len(evals) >= 2 * 24  # the in-loop evaluations (8 tasks greedy + k=2) too
     assert sum(w["episodes"] for w in workers) == len(eps) + len(evals) and all(w["episodes"] > 0 for w in workers)
+    print(json.dumps({"resumed_at": resume[0]["step"], "episodes": len(eps), "evals": len(evals),
+                      "workers": [(w["reason"], w["episodes"]) for w in workers]}))
 
 
 def test_rl_submitit_sbatch_runs_every_step_through_one_fleet_submission(slurm_cluster, tmp_path):
