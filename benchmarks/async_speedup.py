@@ -18,6 +18,9 @@ the total.
 run, sync and async: on a 2-core machine each side then has a core of its own, as on a cluster where rollout
 and training have their own devices, instead of async overlap only sharing the CPU. `--set` adds run-config
 overrides (to balance generation and training time); both are recorded in the JSON, with the load average.
+The fleet target (>= 1.5x over all steps) is measured with
+    python benchmarks/async_speedup.py --layout fleet --staleness 1 2 --pin 0:1 --set rl.trainer.epochs=1
+(one epoch: a step's training, ~5 s on one core, then about equals its generation, ~3.5 s on the other).
 Per step it reports the generation wait (time_generate_s), the training time and the rest of the step
 (weight sync, queueing, shard reading: `other_s`, the step-to-step overhead) and the fleet's queue-to-first-
 lease time.
