@@ -243,11 +243,12 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     30 s and may signal up to 30 s early). Each run checkpoints the phase it is in (warm-up or RL) on the
     signal and the job requeues itself until the run is done; its warm-up and RL metrics, step for step,
     equal an unbroken job's (same script and settings, run alongside)."""
-    jobs = {}
+    jobs, steps = {}, 12  # 12 RL steps: ~70 s of work at low load, more than one run's window
+    train = [*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={steps}"]
     for name, limit in (("unbroken", []), ("limited", ["--time=00:02:00", "--signal=B:USR1@60"])):
         jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
                                             "--gres=gpu:1", *limit, "slurm/train_multinode.sbatch",
-                                            "configs/demo_cpu.yaml", f"output_dir={tmp_path / name}", *TRAIN],
+                                            "configs/demo_cpu.yaml", f"output_dir={tmp_path / name}", *train],
                             wait=False)
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"], ["TIMEOUT"])  # noqa: E731
     wait_for(lambda: all(done(j) for j in jobs.values()), 900, "both jobs to finish (the limited one requeued)")
@@ -272,7 +273,7 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     for ra, rb in zip(sft_a, sft_b):
         assert {k: ra[k] for k in ("loss", "grad_norm", "lr")} == {k: rb[k] for k in ("loss", "grad_norm", "lr")}
     a, b = _rl_rows(unbroken), _rl_rows(limited)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(steps))
     for ra, rb in zip(a, b):
         assert {k: ra.get(k) for k in RL_KEYS} == {k: rb.get(k) for k in RL_KEYS}, (ra["step"], ra, rb)
     print(json.dumps({"signals": signalled, "resumes": [(r["phase"], r["step"]) for r in resumes]}))
