@@ -305,3 +305,41 @@ def test_workers_that_cannot_start_break_the_fleet_with_their_error_not_an_endle
         assert fleet.counters["submissions"] == 1 and fleet.counters["workers_submitted"] == 2
     finally:
         fleet.close()
+
+
+@pytest.mark.slow
+def test_external_workers_lost_mid_lease_are_dropped_and_their_episodes_requeued_never_replaced(tmp_path):
+    """executor=external (workers started by the job script, as in slurm/rl_hetjob.sbatch): the driver submits
+    nothing and cannot replace a lost worker, but a worker killed (-9) mid-lease is dropped lease_s later and
+    its unpublished episodes go to the surviving worker: every episode once."""
+    import threading
+
+    folder = tmp_path / "fleet"
+    fleet = Fleet(FleetConfig(executor="external", size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15),
+                  folder).start()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "megatron_rl.dispatch.fleet_worker", str(folder)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
+    try:
+        batch = episodes_from_tasks(TASKS[:24], prefix="x")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
+        t.start()
+        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 60, "a lease")
+        victim = next(p for p in procs if p.pid == busy[0]["pid"])
+        victim.kill()  # mid-lease: its episodes were not published
+        t.join(90)
+        assert not t.is_alive() and out["given_up"] == {}
+        assert published_counts(tmp_path / "b0") == {e.episode_id: 1 for e in batch}  # all 24, each once
+        assert fleet.state.queue.counters["leases_expired"] >= 1 and fleet.counters["workers_lost"] >= 1
+        requeued = fleet.state.queue.counters["episodes_requeued"]
+        assert requeued >= 1
+        assert fleet.counters["submissions"] == fleet.counters["workers_submitted"] == 0  # none replaced
+    finally:
+        fleet.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    survivor = next(p for p in procs if p is not victim)
+    report = json.loads(survivor.stdout.read().strip().splitlines()[-1])  # told to stop by close()
+    assert report["episodes"] >= requeued and survivor.wait(10) == 0  # it ran the lost worker's episodes too

@@ -1,7 +1,7 @@
-"""The persistent fleet on the real dev Slurm cluster under faults: kill -9 of one worker, scancel of another,
-kill -9 of the driver and a restart, then a preemption (submitit's signal: checkpoint + requeue) of a worker;
-every episode is published (and read by the trainer's reader) exactly once, and the scheduler sees one
-submission per fleet plus one per lost worker."""
+"""The persistent fleet on the real dev Slurm cluster under faults: kill -9 of a busy worker every few seconds
+(KILLS of them), scancel of another, kill -9 of the driver and a restart, then a preemption (submitit's signal:
+checkpoint + requeue) of a worker; every episode is published (and read by the trainer's reader) exactly once,
+and the scheduler sees one submission per fleet plus one per lost worker."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,9 @@ from megatron_rl.dispatch.fleet_server import TOKEN_HEADER
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, PER_STEP = 10, 16
+STEPS, PER_STEP = 14, 16
+KILLS, KILL_EVERY_S = 3, 3.0
+"""kill -9 of a worker holding a lease, every KILL_EVERY_S seconds, KILLS times during the first driver's life."""
 
 
 def driver(slurm_cluster, out: Path) -> subprocess.Popen:
@@ -60,18 +62,28 @@ def busy_workers(out: Path, exclude=()) -> list[dict]:
 
 def replaced(out: Path) -> bool:
     rows = (out / "steps.jsonl").read_text().splitlines() if (out / "steps.jsonl").exists() else []
-    return len(rows) >= 2 and json.loads(rows[-1])["workers_submitted"] >= 4
+    return len(rows) >= 2 and json.loads(rows[-1])["workers_submitted"] >= 3 + KILLS + 1
+
+
+def kill_busy_workers(out: Path) -> list[str]:
+    """kill -9 a worker holding a lease every KILL_EVERY_S seconds, KILLS times; the jobs killed."""
+    killed: list[str] = []
+    for _ in range(KILLS):
+        victim = wait_for(lambda: busy_workers(out, exclude=set(killed)), 90, "a worker holding a lease")[0]
+        os.kill(victim["pid"], 9)  # mid-lease (the cluster's node is this machine)
+        killed.append(victim["job"])
+        time.sleep(KILL_EVERY_S)
+    return killed
 
 
 def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_path):
     out = tmp_path / "run"
     first = driver(slurm_cluster, out)
     try:
-        victim = wait_for(lambda: busy_workers(out), 90, "a worker holding a lease")[0]
-        os.kill(victim["pid"], 9)  # kill -9 of a worker mid-lease (the cluster's node is this machine)
-        cancelled = wait_for(lambda: busy_workers(out, exclude={victim["job"]}), 60, "another busy worker")[0]
+        killed = kill_busy_workers(out)
+        cancelled = wait_for(lambda: busy_workers(out, exclude=set(killed)), 60, "another busy worker")[0]
         slurm_cluster.run(["scancel", cancelled["job"]])
-        wait_for(lambda: replaced(out), 120, "two steps done and a replacement worker submitted")
+        wait_for(lambda: replaced(out), 180, "two steps done and every lost worker replaced")
         first.kill()  # the driver dies mid-run; its workers keep running and find the next driver
         first.wait()
         second = driver(slurm_cluster, out)
@@ -101,13 +113,14 @@ def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_p
     first_life, second_life = rows[:cut], rows[cut:]
     keys = ("workers_lost", "leases_expired", "episodes_requeued", "submissions", "workers_submitted",
             "scheduler_queries")
-    summary = {"episodes": len(counts), "duplicates_published": 0, "steps_first_driver": len(first_life),
+    summary = {"episodes": len(counts), "duplicates_published": 0, "workers_killed": len(killed),
+               "workers_cancelled": 1, "steps_first_driver": len(first_life),
                "first_driver": {k: first_life[-1][k] for k in keys},
                "second_driver": {k: second_life[-1][k] for k in keys},
                "recovered_after_restart": second_life[0]["recovered"]}
     print(json.dumps(summary))
-    assert first_life[-1]["leases_expired"] >= 1 and first_life[-1]["workers_lost"] >= 1  # the kill -9 was seen
-    assert first_life[-1]["workers_submitted"] >= 4 and first_life[-1]["submissions"] >= 2  # replaced
+    assert first_life[-1]["leases_expired"] >= 1 and first_life[-1]["workers_lost"] >= KILLS  # the kills were seen
+    assert first_life[-1]["workers_submitted"] >= 3 + KILLS + 1 and first_life[-1]["submissions"] >= 2  # replaced
     # the preempted worker checkpointed (reported its lease) and Slurm requeued its job; whether the requeued
     # process rejoined before the run ended depends on the scheduler's delay (printed, not asserted)
     logs = "".join(p.read_text() for p in (out / "fleet" / "submitit" / preempted["job"]).glob("*_log.err"))
