@@ -190,20 +190,28 @@ def wait_for(cond, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.mark.slow
-def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tmp_path):
+def run_killing_a_busy_worker(fleet, batch, folder: Path, kill, lease_wait_s: float) -> dict:
+    """`fleet.run_batch(batch)` in a thread while `kill(pid)` ends the first worker seen holding a lease (mid-lease:
+    its episodes are not published yet); the batch's report."""
     import threading
 
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, folder, url="")))
+    t.start()
+    busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], lease_wait_s, "a lease")
+    kill(busy[0]["pid"])
+    t.join(90)
+    assert not t.is_alive(), "the batch did not finish after the kill"
+    return out
+
+
+@pytest.mark.slow
+def test_local_fleet_survives_kill_9_of_a_worker_and_shrinks_on_the_size_file(tmp_path):
     fleet = Fleet(FleetConfig(size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15), tmp_path / "fleet").start()
     try:
         batch = episodes_from_tasks(TASKS[:24], prefix="k")
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
-        t.start()
-        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 30, "a lease")
-        os.kill(busy[0]["pid"], signal.SIGKILL)  # mid-lease: its episodes were not published
-        t.join(90)
-        assert not t.is_alive() and out["given_up"] == {}
+        out = run_killing_a_busy_worker(fleet, batch, tmp_path / "b0", lambda pid: os.kill(pid, signal.SIGKILL), 30)
+        assert out["given_up"] == {}
         counts = published_counts(tmp_path / "b0")
         assert counts == {e.episode_id: 1 for e in batch}  # all 24, each once
         assert fleet.state.queue.counters["leases_expired"] >= 1 and fleet.counters["workers_lost"] >= 1
@@ -312,8 +320,6 @@ def test_external_workers_lost_mid_lease_are_dropped_and_their_episodes_requeued
     """executor=external (workers started by the job script, as in slurm/rl_hetjob.sbatch): the driver submits
     nothing and cannot replace a lost worker, but a worker killed (-9) mid-lease is dropped lease_s later and
     its unpublished episodes go to the surviving worker: every episode once."""
-    import threading
-
     folder = tmp_path / "fleet"
     fleet = Fleet(FleetConfig(executor="external", size=2, episodes_per_lease=4, **FAST), scripted(delay_s=0.15),
                   folder).start()
@@ -322,14 +328,15 @@ def test_external_workers_lost_mid_lease_are_dropped_and_their_episodes_requeued
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(2)]
     try:
         batch = episodes_from_tasks(TASKS[:24], prefix="x")
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, tmp_path / "b0", url="")))
-        t.start()
-        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 60, "a lease")
-        victim = next(p for p in procs if p.pid == busy[0]["pid"])
-        victim.kill()  # mid-lease: its episodes were not published
-        t.join(90)
-        assert not t.is_alive() and out["given_up"] == {}
+        killed: list[subprocess.Popen] = []
+
+        def kill(pid: int) -> None:
+            killed.append(next(p for p in procs if p.pid == pid))
+            killed[-1].kill()
+
+        out = run_killing_a_busy_worker(fleet, batch, tmp_path / "b0", kill, 60)
+        victim = killed[0]
+        assert out["given_up"] == {}
         assert published_counts(tmp_path / "b0") == {e.episode_id: 1 for e in batch}  # all 24, each once
         assert fleet.state.queue.counters["leases_expired"] >= 1 and fleet.counters["workers_lost"] >= 1
         requeued = fleet.state.queue.counters["episodes_requeued"]

@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[1]
 STEPS, PER_STEP = 14, 16
 KILLS, KILL_EVERY_S = 3, 3.0
-"""kill -9 of a worker holding a lease, every KILL_EVERY_S seconds, KILLS times during the first driver's life."""
+"""kill -9 of a worker holding a lease, every KILL_EVERY_S seconds, KILLS times during the first driver's life (a
+lease can be lost to each of them and to the scancel: the driver's --max-attempts is above that, so no episode is
+given up as a poison one)."""
 
 
 def driver(slurm_cluster, out: Path) -> subprocess.Popen:
@@ -30,6 +32,7 @@ def driver(slurm_cluster, out: Path) -> subprocess.Popen:
            slurm_cluster.cpu_partition, "--steps", str(STEPS), "--per-step", str(PER_STEP), "--size", "3",
            "--episodes-per-lease", "4", "--wrong-fraction", "0.9", "--threads", "1", "--delay-s", "0.5",
            "--heartbeat-s", "0.5", "--lease-s", "4", "--wait-s", "1", "--poll-s", "1", "--orphan-exit-s", "60",
+           "--max-attempts", str(KILLS + 3),
            "--time-min", "10", "--mem-gb", "0.5", "--out", str(out)]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "driver.log", "a") as log:
@@ -111,8 +114,8 @@ def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_p
     # counters are per driver life: they start again with the second driver
     cut = next(i for i in range(1, len(rows)) if rows[i]["leases"] < rows[i - 1]["leases"])
     first_life, second_life = rows[:cut], rows[cut:]
-    keys = ("workers_lost", "leases_expired", "episodes_requeued", "submissions", "workers_submitted",
-            "scheduler_queries")
+    keys = ("workers_lost", "leases_expired", "episodes_requeued", "episodes_given_up", "submissions",
+            "workers_submitted", "scheduler_queries")
     summary = {"episodes": len(counts), "duplicates_published": 0, "workers_killed": len(killed),
                "workers_cancelled": 1, "steps_first_driver": len(first_life),
                "first_driver": {k: first_life[-1][k] for k in keys},

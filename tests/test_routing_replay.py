@@ -187,6 +187,18 @@ def _pass(trainer, cols) -> tuple[float, float, float]:
     return loss, differ, compared
 
 
+def _corrupted_passes(policy, cols) -> dict:
+    """Every 4th recorded token's first MoE layer moved to another expert: the counts of a compared pass (own
+    routing) and the loss and counts of a replayed one (the multi-process scripts' second half)."""
+    bad = cols.routed_experts.copy()
+    rows = np.flatnonzero((bad[:, 0] >= 0).all(-1))[::4]
+    bad[rows, 0] = (bad[rows, 0] + 1) % 4
+    cols.routed_experts = bad
+    _, differ_cmp, _ = _pass(_trainer(policy, "off"), cols)
+    loss_bad, differ_bad, _ = _pass(_trainer(policy, "everywhere"), cols)
+    return {"corrupted": len(rows), "differ_cmp": differ_cmp, "differ_bad": differ_bad, "loss_bad": loss_bad}
+
+
 @pytest.mark.slow
 def test_trainer_routes_like_the_engine_token_for_token_and_replays_what_it_is_given():
     policy = _policy()

@@ -12,33 +12,21 @@ routing_mismatch_frac 0.037. About 3 min (shared 2-core machine).
 """
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXE = str(Path(sys.executable).parent / "megatron-rl")
+from tests.test_routing_replay_multiproc import _start, _step0
+
 RUNNERS = {"dispatch": ("episodes.runner=dispatch", "episodes.dispatch.executor=local"),
            "fleet": ("episodes.runner=fleet", "episodes.fleet.executor=local", "episodes.fleet.size=1",
                      "episodes.server=separate")}  # the fleet calls a rollout server process of its own
 
 
-def _start(out: Path, runner: str, mode: str) -> subprocess.Popen:
-    args = [EXE, "train", "configs/moe_replay_cpu.yaml", f"output_dir={out}", "rl.steps=1", "seed=3",
-            "model.init_std=0.3", f"rl.trainer.routing_replay={mode}", "export.enabled=false",
-            "episodes.worker_threads=2", *RUNNERS[runner]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _step0(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in rows if r["kind"] == "rl" and r["step"] == 0)
+def _start_on(out: Path, runner: str, mode: str) -> subprocess.Popen:
+    return _start(out, mode, "seed=3", "export.enabled=false", "episodes.worker_threads=2", *RUNNERS[runner])
 
 
 @pytest.mark.slow
@@ -47,7 +35,7 @@ def test_dispatched_and_fleet_workers_carry_the_engines_routes_to_the_trainer(tm
     from megatron_rl.data.shards import read_arrays
 
     runs = {"off": ("dispatch", "off"), "dispatch": ("dispatch", "everywhere"), "fleet": ("fleet", "everywhere")}
-    procs = {k: _start(tmp_path / k, *v) for k, v in runs.items()}
+    procs = {k: _start_on(tmp_path / k, *v) for k, v in runs.items()}
     for k, p in procs.items():
         out, _ = p.communicate(timeout=900)
         assert p.returncode == 0, f"{k}: {out[-4000:]}"

@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
 
 
-def _start(out: Path, mode: str) -> subprocess.Popen:
+def _start(out: Path, mode: str, *overrides: str) -> subprocess.Popen:
+    """`megatron-rl train configs/moe_replay_cpu.yaml` for one RL step of a sharper random model, replay `mode`."""
     args = [EXE, "train", "configs/moe_replay_cpu.yaml", f"output_dir={out}", "rl.steps=1", "model.init_std=0.3",
-            f"rl.trainer.routing_replay={mode}", "export.verify=true"]
+            f"rl.trainer.routing_replay={mode}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -40,7 +41,8 @@ def _step0(run: Path) -> dict:
 def test_train_routing_replay_records_stores_and_lowers_the_mismatch(tmp_path):
     from megatron_rl.data.shards import read_arrays
 
-    procs = {mode: _start(tmp_path / mode, mode) for mode in ("off", "everywhere")}  # side by side
+    procs = {mode: _start(tmp_path / mode, mode, "export.verify=true")  # side by side
+             for mode in ("off", "everywhere")}
     for mode, p in procs.items():
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, f"{mode}: {out[-4000:]}"

@@ -77,7 +77,7 @@ def cmd_fleet(args) -> int:
     cfg = FleetConfig(executor=args.executor, size=args.size, partition=args.partition, time_min=args.time_min,
                       mem_gb=args.mem_gb, episodes_per_lease=args.episodes_per_lease, lease_s=args.lease_s,
                       heartbeat_s=args.heartbeat_s, wait_s=args.wait_s, poll_s=args.poll_s,
-                      orphan_exit_s=args.orphan_exit_s)
+                      orphan_exit_s=args.orphan_exit_s, max_attempts=args.max_attempts)
     worker = _worker(args)
     worker.faults = FaultConfig(delay_s=args.delay_s)
     log_path = out / "steps.jsonl"
@@ -113,6 +113,7 @@ def _add_fleet_args(f) -> None:
     f.add_argument("--wait-s", type=float, default=10.0)
     f.add_argument("--poll-s", type=float, default=5.0)
     f.add_argument("--orphan-exit-s", type=float, default=300.0)
+    f.add_argument("--max-attempts", type=int, default=3, help="leases of one episode lost before it is given up")
     f.add_argument("--time-min", type=int, default=60)
     f.add_argument("--mem-gb", type=float, default=1.0)
     f.add_argument("--delay-s", type=float, default=0.0, help="TEST: sleep before each episode")
