@@ -242,3 +242,9 @@ def test_kept_logits_give_the_recomputed_values_and_grads_with_one_logits_matmul
     assert n_recompute == n_over == 2 * 3 * 4 and n_kept == 3 * 4  # 3 token x 4 vocab chunks, fwd (+ bwd)
     for a, b, c in zip(base, kept, over):
         assert torch.equal(a, b) and torch.equal(a, c)
+    copies = []  # a pass without grad (the loop's log-prob passes) copies no logits: no backward will use them
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(1) or t.new_empty(0))
+    with torch.no_grad():
+        fused_logprob_entropy(h, w, targets, chunk_tokens=16, chunk_vocab=64, impl="torch",
+                              keep_logits_bytes=1 << 30)
+    assert copies == []

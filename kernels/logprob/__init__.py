@@ -113,6 +113,8 @@ def fused_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if check_targets:
         _check_targets(targets, vocab_size)
     backend = _backend(impl, hidden)
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        keep_logits_bytes = 0  # no backward will come (log-prob passes): copying the logits would be wasted
     return LogprobEntropyFunction.apply(hidden, weight, targets, backend, tp_group, float(temperature), vocab,
                                         chunk_tokens, chunk_vocab, keep_logits_bytes)
 

@@ -22,13 +22,14 @@ what was dropped.
 
 Extensions: each choice carries `token_ids`, `policy_versions` and (with "logprobs") `logprobs` with
 `token_logprobs` (completions) or `content` (chat); the response carries `prompt_token_ids`. Text is
-Routing replay (an MoE engine built with `record_routes`): "return_routed_experts": true adds to each choice
-`routed_experts`, the experts of every token the request ran (prompt + completion but the last, [P + G - 1,
-L_moe, k]) as `data.routes.encode_routes` writes them; asked of an engine that does not record
-them, the request gets 400. Text is
 encoded with the server's tokenizer (ByteTokenizer by default); token ids always win when given.
 Malformed requests get 400 with {"error": {"message": reason}}. A client that disconnects aborts its
 request, which frees its KV blocks (handler cancellation is on).
+
+Routing replay (an MoE engine built with `record_routes`): "return_routed_experts": true adds to each choice
+`routed_experts`, the experts of every token the request ran (prompt + completion but the last, [P + G - 1,
+L_moe, k]) as `data.routes.encode_routes` writes them; asked of an engine that does not record them, the
+request gets 400.
 
 The engine runs in one background thread (`EngineLoop`); handlers submit requests under the engine's
 lock and await a future resolved by that thread.
