@@ -242,8 +242,12 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     --signal=B:USR1@60, so slurmctld's own timer sends USR1 (about 30-60 s into each run: it checks every
     30 s and may signal up to 30 s early). Each run checkpoints the phase it is in (warm-up or RL) on the
     signal and the job requeues itself until the run is done; its warm-up and RL metrics, step for step,
-    equal an unbroken job's (same script and settings, run alongside)."""
-    jobs, steps = {}, 12  # 12 RL steps: ~70 s of work at low load, more than one run's window
+    equal an unbroken job's (same script and settings, run alongside). Once the first signal is logged the
+    test raises the limit to 15 minutes, so a loaded machine (3x slower) does not need ten 2-minute runs."""
+    # 140 RL steps: ~100 s of work on an idle machine (~20 s of start, data check, evals and export, 7 s of
+    # warm-up, 0.5 s per RL step), well past the latest signal (60 s; with 100 steps it came at step 84, and
+    # 12 steps, 36 s, finished unsignalled)
+    jobs, steps = {}, 140
     train = [*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={steps}"]
     for name, limit in (("unbroken", []), ("limited", ["--time=00:02:00", "--signal=B:USR1@60"])):
         jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
@@ -251,8 +255,12 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
                                             "configs/demo_cpu.yaml", f"output_dir={tmp_path / name}", *train],
                             wait=False)
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"], ["TIMEOUT"])  # noqa: E731
+    out = tmp_path / "limited.out"
+    wait_for(lambda: done(jobs["limited"]) or (out.exists() and "USR1: checkpoint requested" in out.read_text()),
+             600, "Slurm's timer to signal the limited job")
+    slurm_cluster.run(["scontrol", "update", f"JobId={jobs['limited']}", "TimeLimit=00:15:00"], check=False)
     wait_for(lambda: all(done(j) for j in jobs.values()), 900, "both jobs to finish (the limited one requeued)")
-    text = (tmp_path / "limited.out").read_text()
+    text = out.read_text()
     assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
     signalled = text.count("USR1: checkpoint requested")
     assert signalled >= 1 and "restart 1 on" in text, text[-4000:]  # Slurm's own timer signalled, it requeued
