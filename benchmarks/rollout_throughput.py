@@ -24,7 +24,11 @@ TorchFunctionMode (a Python hook on every torch call) is not active there; it us
 cannot help. The `rl_workload` section measures what it is for: 4 x batch requests whose lengths are long-tailed as RL
 responses ending at EOS are (lognormal, median 2*new/4, at most 2*new tokens), at most `batch` at once;
 ours joins the next request as soon as one finishes, HF runs static batches until their longest member ends;
-tokens/s counts the requested tokens on both sides. Both sides get one untimed warm-up; then the runs
+tokens/s counts the requested tokens on both sides; `max_running` = batch bounds ours to as many sequences at once
+as HF's batch holds (a request's n samples count n: before that fix forked samples ran past it, 128 sequences
+against HF's 32, which made this ratio ~3x instead of ~2.4x). With `--hf-model`, `rl_sampled` is the RL
+workload itself: pure sampling (temperature 1) until the model's own end-of-turn token or 2 x new tokens, the
+samples of a group ending at their own lengths (see `_rl_sampled`). Both sides get one untimed warm-up; then the runs
 alternate between the two (`--repeats` each) and the best time of each side is compared, which keeps a
 loaded machine's noise out of the ratio as far as possible. `*_median_s` are reported too, and
 `speedup_cpu_time`: the same ratio of process CPU seconds, which a loaded machine inflates far less than wall
@@ -162,6 +166,26 @@ def run_ours(model, pgs, batch_prompts: list[list[int]], new: int | list[int], m
     return [order[i] for i in ids], dt, peak * 16 * eng.cache.bytes_per_token(), cpu
 
 
+@torch.inference_mode()
+def run_hf_sampled(hf, batch_prompts: list[list[int]], cap: int, stop: list[int], seed: int
+                   ) -> tuple[list[list[int]], float, float]:
+    """Pure sampling (temperature 1, no top-k/top-p) until a stop token or `cap` new tokens; each row's tokens
+    up to and including its stop token (what the batch generated after it is padding), wall and CPU seconds."""
+    width = max(map(len, batch_prompts))
+    ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in batch_prompts])  # [B, W] left-padded
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch_prompts])[:, None]).long()
+    torch.manual_seed(seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cap, do_sample=True, temperature=1.0,
+                      top_k=0, top_p=1.0, eos_token_id=stop, pad_token_id=stop[0])
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rows = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+        rows.append(row[:end])
+    return rows, dt, cpu
+
+
 class HFWorker:
     """`run_hf` in a child process without megatron_rl imported; one JSON request/answer per line."""
 
@@ -179,6 +203,13 @@ class HFWorker:
 
     def run(self, batch_prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
         self.proc.stdin.write(json.dumps({"prompts": batch_prompts, "new": new}) + "\n")
+        self.proc.stdin.flush()
+        ans = json.loads(self.proc.stdout.readline())
+        return ans["tokens"], ans["seconds"], ans["cpu_seconds"]
+
+    def run_sampled(self, batch_prompts: list[list[int]], cap: int, stop: list[int], seed: int
+                    ) -> tuple[list[list[int]], float, float]:
+        self.proc.stdin.write(json.dumps({"prompts": batch_prompts, "new": cap, "stop": stop, "seed": seed}) + "\n")
         self.proc.stdin.flush()
         ans = json.loads(self.proc.stdout.readline())
         return ans["tokens"], ans["seconds"], ans["cpu_seconds"]
@@ -202,7 +233,10 @@ def hf_worker(path: str, dtype: str = "fp32") -> None:
         hf = hf.to(DTYPES[dtype])
     for line in sys.stdin:
         req = json.loads(line)
-        tokens, dt, cpu = run_hf(hf, req["prompts"], req["new"])
+        if req.get("stop"):
+            tokens, dt, cpu = run_hf_sampled(hf, req["prompts"], req["new"], req["stop"], req["seed"])
+        else:
+            tokens, dt, cpu = run_hf(hf, req["prompts"], req["new"])
         print(json.dumps({"tokens": tokens, "seconds": dt, "cpu_seconds": cpu}), flush=True)
 
 
@@ -272,6 +306,9 @@ def _measure(model, pgs, hf: HFWorker, args) -> dict:
     result["speedup_at_32"] = result["batches"].get("32", {}).get("speedup")
     result["rl_workload"] = {str(b): _rl_workload(model, pgs, hf, b, args) for b in args.batches}
     result["rl_workload_speedup_at_32"] = result["rl_workload"].get("32", {}).get("speedup")
+    if HF_DIR:  # the real model's own end-of-turn tokens end the samples
+        result["rl_sampled"] = {str(b): _rl_sampled(model, pgs, hf, b, args) for b in args.batches}
+        result["rl_sampled_speedup_at_32"] = result["rl_sampled"].get("32", {}).get("speedup")
     result["target_speedup_at_32"] = 3.0
     return result
 
@@ -320,6 +357,62 @@ def _rl_workload(model, pgs, hf: HFWorker, b: int, args) -> dict:
             "ours_tokens_per_s": round(useful / min(t_ours), 1), "hf_tokens_per_s": round(useful / min(t_hf), 1),
             "speedup": round(min(t_hf) / min(t_ours), 2), "speedup_cpu_time": round(min(c_hf) / min(c_ours), 2),
             "ours_cpu_s": round(min(c_ours), 2), "hf_cpu_s": round(min(c_hf), 2)}
+
+
+def run_ours_sampled(model, pgs, batch_prompts: list[list[int]], cap: int, stop: list[int], max_running: int,
+                     n: int, seed: int) -> tuple[list[list[int]], float, float]:
+    """Each prompt's `n` samples (one request, pure sampling) until a stop token or `cap` tokens, at most
+    `max_running` sequences at once: the samples' tokens, wall and CPU seconds."""
+    from megatron_rl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    eng = RolloutEngine(model, EngineConfig(num_blocks=1024, block_size=16, max_tokens_per_step=2048,
+                                            max_running=max_running), pgs.tp, pgs.cp)
+    for i, p in enumerate(batch_prompts):
+        eng.add_request(p, SamplingParams(temperature=1.0, max_new_tokens=cap, n=n, seed=seed + i,
+                                          stop_token_ids=stop))
+    outs, t0, c0 = [], time.perf_counter(), time.process_time()
+    while eng.has_work:
+        outs += eng.step()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return [s.token_ids for o in outs for s in o.samples], dt, cpu
+
+
+def _rl_sampled(model, pgs, hf: HFWorker, b: int, args) -> dict:
+    """The RL workload itself: 4*b/g chat prompts, g samples each, pure sampling (temperature 1) until the
+    model's own end-of-turn token or 2*new tokens, at most `b` sequences at once on both sides. Ours: each
+    sample leaves when it ends and a waiting prompt joins once its g samples fit; HF: static batches of b//g
+    prompts x g, each running until its last sample ends. The samples differ between the sides (different
+    random streams), so tokens/s counts each side's own useful tokens (up to and including the stop token);
+    their mean lengths are reported to show the two length distributions agree."""
+    from megatron_rl.tokenizer import HFTokenizer
+
+    g, cap = args.group_size, 2 * args.new_tokens
+    stop = HFTokenizer(HF_DIR).stop_ids
+    n, per = 4 * b // g, b // g
+    bp = prompts(n, seed=2000 + b)
+    run_ours_sampled(model, pgs, bp[:per], cap, stop, b, g, seed=0)  # warm-up
+    best = {"ours": None, "hf": None}
+    for r in range(args.repeats):
+        toks, t, c = run_ours_sampled(model, pgs, bp, cap, stop, b, g, seed=100 * r)
+        best["ours"] = min(best["ours"] or (t, c, toks), (t, c, toks), key=lambda x: x[0] / sum(map(len, x[2])))
+        runs = [hf.run_sampled([p for p in bp[i:i + per] for _ in range(g)], cap, stop, 100 * r + i)
+                for i in range(0, n, per)]
+        toks = [row for rows, _, _ in runs for row in rows]
+        t, c = sum(x[1] for x in runs), sum(x[2] for x in runs)
+        best["hf"] = min(best["hf"] or (t, c, toks), (t, c, toks), key=lambda x: x[0] / sum(map(len, x[2])))
+    side = {}
+    for name, (t, c, toks) in best.items():
+        useful = sum(map(len, toks))
+        side[name] = {"tokens_per_s": useful / t, "cpu_s_per_token": c / useful, "useful": useful,
+                      "mean_len": useful / len(toks), "at_cap": sum(len(x) >= cap for x in toks) / len(toks)}
+    o, h = side["ours"], side["hf"]
+    return {"requests": n, "group_size": g, "cap": cap, "samples": n * g,
+            "ours_tokens_per_s": round(o["tokens_per_s"], 1), "hf_tokens_per_s": round(h["tokens_per_s"], 1),
+            "speedup": round(o["tokens_per_s"] / h["tokens_per_s"], 2),
+            "speedup_cpu_time": round(h["cpu_s_per_token"] / o["cpu_s_per_token"], 2),
+            "ours_mean_len": round(o["mean_len"], 1), "hf_mean_len": round(h["mean_len"], 1),
+            "ours_at_cap": round(o["at_cap"], 3), "hf_at_cap": round(h["at_cap"], 3),
+            "ours_useful_tokens": o["useful"], "hf_useful_tokens": h["useful"]}
 
 
 def _bytes_per_token() -> int:

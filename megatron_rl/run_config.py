@@ -244,6 +244,11 @@ class RunConfig:
         if self.rl.max_new_tokens + 16 > self.model.max_seq_length:
             raise ConfigError(f"rl.max_new_tokens={self.rl.max_new_tokens} leaves no room for a prompt in "
                               f"model.max_seq_length={self.model.max_seq_length} (keep 16 tokens for it)")
+        n = max(self.rl.group_size, self.eval.k)
+        if n > self.engine.max_running:
+            raise ConfigError(f"engine.max_running={self.engine.max_running} is below the samples of one prompt "
+                              f"(rl.group_size={self.rl.group_size}, eval.k={self.eval.k}), which decode together; "
+                              f"set engine.max_running >= {n}")
         self._resolve_domains()
         self._check_agents()
         self._check_warmup()

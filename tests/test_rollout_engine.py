@@ -165,6 +165,30 @@ def test_n_samples_share_prompt_blocks_without_corrupting_siblings(model, pgs):
     assert_pool_empty(eng)
 
 
+def test_forked_samples_count_against_max_running(model, pgs):
+    """max_running bounds the sequences decoding at once, forked siblings included (they were added past it:
+    n=4 requests at max_running=6 ran 24 sequences together); a request of more samples than that is refused."""
+    eng = engine(model, pgs, max_running=6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1, n=4)
+    for p in PROMPTS:
+        eng.add_request(p, params)
+    most, outs = 0, []
+    while eng.has_work:
+        outs += eng.step()
+        most = max(most, len(eng.scheduler.running))
+    assert most == 4 and len(outs) == len(PROMPTS)  # one request's 4 samples at a time: a second would be 8
+    assert all(len(o.samples) == 4 for o in outs)
+    assert_pool_empty(eng)
+    with pytest.raises(ValueError, match="n=7 samples of one request exceed engine.max_running=6"):
+        eng.add_request(PROMPTS[0], SamplingParams(n=7))
+    from megatron_rl import config as C
+    from megatron_rl.run_config import RunConfig
+
+    C.load(RunConfig, None, ["rl.group_size=8", "engine.max_running=8"])
+    with pytest.raises(ConfigError, match=r"engine.max_running=4 is below .* set engine.max_running >= 8"):
+        C.load(RunConfig, None, ["rl.group_size=8", "engine.max_running=4"])  # refused before any rank starts
+
+
 def test_stop_tokens_and_stop_sequences(model, pgs):
     free = engine(model, pgs).generate([PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=12))[0]
     gen = free.samples[0].token_ids

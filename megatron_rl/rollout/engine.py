@@ -58,7 +58,7 @@ class EngineConfig:
     max_tokens_per_step: int = 512
     """Token budget of one engine step (decode tokens + prefill chunks)."""
     max_running: int = 64
-    """Sequences decoding at the same time at most."""
+    """Sequences decoding at the same time at most (a request's n samples count n; n above it is refused)."""
     update_policy: Literal["continue", "abort"] = "continue"
     """Default for in-flight requests at a weight update: keep generating, or end them with 'abort'."""
     kv_on_update: Literal["recompute", "keep"] = "recompute"
@@ -209,6 +209,9 @@ class RolloutEngine:
         """Queue an already compressed (or uncompressed) prompt; see add_request."""
         params = params or SamplingParams()
         params.validate()
+        if params.n > self.cfg.max_running:
+            raise ValueError(f"n={params.n} samples of one request exceed engine.max_running={self.cfg.max_running} "
+                             f"(its samples decode together); raise engine.max_running or ask for fewer samples")
         prompt = [int(t) for t in prompt]
         self._check_prompt(prompt, params)
         with self.lock:

@@ -83,7 +83,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A forked sibling: already holds (shared) blocks."""
+        """A forked sibling: already holds (shared) blocks; admitting its first sequence counted it against
+        `max_running`."""
         self.running.append(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -117,12 +118,15 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: list, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        occupied = len(self.running) + sum(s.pending_forks for s in self.running)  # siblings run once forked
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if occupied + 1 + seq.pending_forks > self.max_running:
+                break
             hit, hashes = self.cache.lookup(seq.tokens) if self.prefix_cache and not seq.table.blocks else ([], [])
             start = max(seq.num_computed, len(hit) * self.cache.block_size)
             chunk = min(len(seq.tokens) - start, budget)
-            reserve = len(self.running)  # keep a block per running sequence for its decode growth
+            reserve = occupied + seq.pending_forks  # a block per running sequence for its decode growth
             idle = sum(self.cache.allocator.refcount[b] == 0 for b in hit)  # cached blocks taken out of the pool
             new = max(0, -(-(start + chunk) // self.cache.block_size) - len(hit)) if hit else \
                 self.cache.blocks_needed(seq.table, start + chunk)
@@ -135,6 +139,7 @@ class Scheduler:
             self.cache.ensure(seq.table, seq.num_computed, seq.num_computed + chunk)
             self.waiting.popleft()
             self.running.append(seq)
+            occupied += 1 + seq.pending_forks
             plan.append((seq, chunk))
             budget -= chunk
 
