@@ -156,6 +156,12 @@ class DistContext:
     def world_size(self) -> int:
         return self.launch.world_size
 
+    @property
+    def world(self) -> dist.ProcessGroup:
+        """The group of every rank of the job: the one object library code gets for job-wide collectives and
+        rank-0 checks (`group_rank`, `group_leader`), never torch.distributed's implicit default group."""
+        return dist.group.WORLD
+
     def ranks(self, group_name: str) -> list[int]:
         """Global ranks in one of this rank's groups (tp, pp, dp, cp, ep, expt_tp, expt_dp, mp, dp_cp...)."""
         return dist.get_process_group_ranks(getattr(self.pgs, group_name))
@@ -163,6 +169,38 @@ class DistContext:
     def coordinates(self) -> dict[str, int]:
         """This rank's index inside each group."""
         return {name: dist.get_rank(getattr(self.pgs, name)) for name in ("tp", "pp", "dp", "cp", "ep")}
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The job's group for entry points that hold no DistContext (e.g. `megatron-rl convert`'s report): the
+    default group once torch.distributed is started, else None (one process)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in `group`; 0 for None (one process, torch.distributed not needed)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in `group`; 1 for None (one process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_leader(group: dist.ProcessGroup | None) -> int:
+    """The global rank of `group`'s first member (the `src` of its broadcasts from "rank 0"); 0 for None."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def attach_distributed(parallel: ParallelConfig) -> DistContext:
+    """DistContext of a process whose torch.distributed and Megatron groups are already started (for
+    `parallel`; the caller checks the layout matches)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = dist.get_world_size()
+    launch = LaunchInfo(dist.get_rank(), world, 0, "127.0.0.1", 0, "reuse")
+    return DistContext(launch, parallel.resolve(world), dist.get_backend(),
+                       ProcessGroupCollection.use_mpu_process_groups())
 
 
 def rank_device(backend: str) -> torch.device:

@@ -102,10 +102,11 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
     hf, tok_dir = hf_config_of(cfg)
     arch = for_hf_config(hf)
     mcfg, extra = arch.model_config(hf)
-    entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra)
+    ctx = runtime.start()
+    entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra, ctx)
     dest = Path(out) if out else default_out(run_dir, ckpt)
     report = {"step": n, "checkpoint": str(ckpt), "out": str(dest), "arch": arch.name}
-    with runtime.atomic_dir(dest) as tmp:
+    with runtime.atomic_dir(dest, ctx.world) as tmp:
         writer = HFWriter(tmp)
         export_hf(ckpt, entries, dtypes, arch, hf, writer, False)
         report["tensors"] = len(writer.finish())

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from megatron_rl.data.shards import SEGMENT_MARK, episode_of
 from megatron_rl.dispatch.net import node_address  # noqa: F401 (re-exported: tests, callers)
+from megatron_rl.distributed import group_leader, group_rank
 from megatron_rl.loop.rollout import Group, Rollouts, seed_of
 from megatron_rl.slurm_env import TORCHRUN_VARS
 
@@ -57,8 +58,12 @@ class DispatchRollouts(Rollouts):
     """Rollouts whose episodes run on dispatched rollout workers; see the module docstring."""
 
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, episodes_cfg, worker_cfg, run_dir: Path,
-                 tp_group, server: RolloutServerProcess | None = None, max_tokens: int = 1 << 30):
-        super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens)
+                 tp_group, server: RolloutServerProcess | None = None, max_tokens: int = 1 << 30, group=None):
+        """group: the ranks running these rollouts (`DistContext.world`; its first rank dispatches), None: one
+        process; the other arguments as `Rollouts`' and below."""
+        super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens, group=group)
+        self.rank0 = group_rank(group) == 0
+        """This rank is the group's first: it dispatches, holds the fleet and the futures, and broadcasts."""
         self.episodes_cfg, self.worker_cfg, self.run_dir = episodes_cfg, worker_cfg, run_dir
         self.serve_group = tp_group
         """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
@@ -79,7 +84,7 @@ class DispatchRollouts(Rollouts):
         set-up and stay for the whole run)."""
         if episodes_cfg.runner == "fleet":
             self.counters.update({f"fleet_{k}": 0 for k in (*FLEET_COUNTERS, "first_lease_s")})
-            if dist.get_rank() == 0:
+            if self.rank0:
                 from megatron_rl.dispatch.fleet import Fleet
 
                 self.fleet = Fleet(episodes_cfg.fleet, worker_cfg, run_dir / "fleet").start()
@@ -99,7 +104,7 @@ class DispatchRollouts(Rollouts):
         name = batch_name(groups)
         for g in groups:
             self.batch_of[g.gid] = name
-        if self.separate and dist.get_rank() == 0:  # start at once: runs while the trainer trains
+        if self.separate and self.rank0:  # start at once: runs while the trainer trains
             self.futures[name] = self.pool.submit(self._dispatch, groups, self.run_dir / "rl_episodes" / name,
                                                   self.server.url)
 
@@ -133,8 +138,8 @@ class DispatchRollouts(Rollouts):
         t0 = time.perf_counter()
         if self.separate:
             names = sorted({self.batch_of[g.gid] for g in groups})
-            self._await([self.futures[n] for n in names] if dist.get_rank() == 0 else [])
-            results = [self.futures.pop(n).result() if dist.get_rank() == 0 else None for n in names]
+            self._await([self.futures[n] for n in names] if self.rank0 else [])
+            results = [self.futures.pop(n).result() if self.rank0 else None for n in names]
         else:
             results = [self._dispatch_now(groups, self.run_dir / "rl_episodes" / batch_name(groups))]
         episodes = self._results(results, count=True)
@@ -156,8 +161,7 @@ class DispatchRollouts(Rollouts):
             return groups
         folder = self.run_dir / "eval_episodes" / f"{tag}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         if self.separate:
-            rank0 = dist.get_rank() == 0
-            futures = [self.pool.submit(self._dispatch, groups, folder, self.server.url)] if rank0 else []
+            futures = [self.pool.submit(self._dispatch, groups, folder, self.server.url)] if self.rank0 else []
             self._await(futures)
             results = [futures[0].result() if futures else None]
         else:
@@ -169,14 +173,15 @@ class DispatchRollouts(Rollouts):
         """Colocated: dispatch `groups` into `shard_dir` while the trainer ranks serve the engine (every rank
         calls it); rank 0's result, None on the others."""
         box = {}
-        work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if dist.get_rank() == 0 else None
-        serve_while(self.engine, self.serve_group, work, self._hosts())
-        return box if dist.get_rank() == 0 else None
+        work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if self.rank0 else None
+        serve_while(self.engine, self.serve_group, work, self._hosts(), self.group)
+        return box if self.rank0 else None
 
     def _results(self, results: list, count: bool) -> dict[str, dict]:
         """Rank 0's dispatch results on every rank: episode id -> episode (a failed dispatch raises on every
         rank); `count`: add their counters to the step's metrics."""
-        dist.broadcast_object_list(results, src=0)
+        if self.world > 1:
+            dist.broadcast_object_list(results, src=group_leader(self.group), group=self.group)
         episodes: dict[str, dict] = {}
         for result in results:
             if "error" in result:
@@ -186,14 +191,14 @@ class DispatchRollouts(Rollouts):
                 self.counters[k] += result["counters"].get(k, 0)
         return episodes
 
-    @staticmethod
-    def _await(futures: list[Future], poll_s: float = 5.0) -> None:
+    def _await(self, futures: list[Future], poll_s: float = 5.0) -> None:
         """Every rank returns when rank 0's `futures` are done; the others hear from rank 0 every `poll_s`, so
         no collective waits longer than that (a Slurm queue can hold episodes longer than the collective
         timeout)."""
         while True:
-            done = [dist.get_rank() != 0 or not wait(futures, timeout=poll_s).not_done]
-            dist.broadcast_object_list(done, src=0)
+            done = [not self.rank0 or not wait(futures, timeout=poll_s).not_done]
+            if self.world > 1:
+                dist.broadcast_object_list(done, src=group_leader(self.group), group=self.group)
             if done[0]:
                 return
 
@@ -390,14 +395,15 @@ def _segment(t) -> dict:
             "prompt_len": int(t.prompt_len)}
 
 
-def serve_while(engine, tp_group, work, hosts: tuple[str, str]) -> None:
-    """Serve `engine` over HTTP on the TP group of global rank 0 while `work(url)` runs (a thread on rank 0);
-    ranks outside that group return at once. Every rank of the group returns when `work` has returned."""
+def serve_while(engine, tp_group, work, hosts: tuple[str, str], group) -> None:
+    """Serve `engine` over HTTP on the TP group of `group`'s first rank while `work(url)` runs (a thread on that
+    rank); ranks outside that TP group return at once. Every rank of the TP group returns when `work` has
+    returned."""
     from megatron_rl.rollout.tp_serve import serve_tp
 
-    if 0 not in dist.get_process_group_ranks(tp_group):
+    if group_leader(group) not in dist.get_process_group_ranks(tp_group):
         return
-    if dist.get_rank() != 0:
+    if group_rank(group) != 0:
         return serve_tp(engine, tp_group)
     finished = threading.Event()
     bind, public = hosts

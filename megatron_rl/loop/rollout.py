@@ -32,6 +32,7 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_rl.data.shards import Trajectory, segment_rows
+from megatron_rl.distributed import group_leader, group_size
 from megatron_rl.rollout import SamplingParams
 
 
@@ -97,10 +98,11 @@ class Rollouts:
     """Submits prompts to the engine, pumps it, runs the episodes and hands out batches."""
 
     def __init__(self, engine, runner, tok, prompt_fn, cfg, seed: int, max_tokens: int = 1 << 30,
-                 replica_group=None):
+                 replica_group=None, group=None):
         """prompt_fn(task) -> prompt token ids (`megatron_rl.prompts.prompt_ids` with the run's tokenizer);
         max_tokens: the engine's sequence limit (no turn is asked to pass it); replica_group: the engine's TP
-        group, one replica of several (see the module doc; collective at construction), or None: one copy."""
+        group, one replica of several (see the module doc; collective at construction), or None: one copy;
+        group: the ranks running these rollouts (`DistContext.world`; its first rank scores), None: one process."""
         self.engine, self.runner, self.tok, self.prompt_fn, self.cfg, self.seed = (
             engine, runner, tok, prompt_fn, cfg, seed)
         self.max_tokens = max_tokens
@@ -116,13 +118,15 @@ class Rollouts:
         self.timers = {"generate_s": 0.0, "env_wait_s": 0.0}
         self.running = 0
         """Rank 0: episodes started and not finished."""
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = group
+        """The ranks running these rollouts (None: one process)."""
+        self.world = group_size(group)
         self.is_scorer = runner is not None
-        self.tp_group, self.leaders, self.replica = replica_group, [0], 0
+        self.tp_group, self.leaders, self.replica = replica_group, [group_leader(group)], 0
         if replica_group is not None and self.world > 1:
             leader = dist.get_global_rank(replica_group, 0)
             every: list = [None] * self.world
-            dist.all_gather_object(every, leader)  # each rank's replica leader
+            dist.all_gather_object(every, leader, group=group)  # each rank's replica leader
             self.leaders = sorted(set(every))
             self.replica = self.leaders.index(leader)
         self.replicas = len(self.leaders)
@@ -185,7 +189,7 @@ class Rollouts:
             new = self._collect()
             box = [(new, settled is None or settled(), self._pending())]
         if self.tp_group is None and self.world > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=self.leaders[0], group=self.group)
         elif self.tp_group is not None and self.tp_group.size() > 1:
             dist.broadcast_object_list(box, src=self.leaders[self.replica], group=self.tp_group)
         return box[0]
@@ -299,7 +303,7 @@ class Rollouts:
                 box = [[([_sample_state(e, g.prompt, r) for e in g.episodes], g.routes) for g in part]
                        if mine else None]  # routes too: rank 0 writes every replica's trajectories
                 if self.world > 1:
-                    dist.broadcast_object_list(box, src=leader)
+                    dist.broadcast_object_list(box, src=leader, group=self.group)
                 for g, (states, routes) in zip(part, box[0]):
                     _fill(g, states)
                     g.routes = routes

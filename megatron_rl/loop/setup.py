@@ -117,7 +117,8 @@ def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: P
 
     if cfg.episodes.runner == "inprocess":
         return Rollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed,
-                        max_tokens=cfg.model.max_seq_length, replica_group=ctx.pgs.tp)  # an engine per TP group
+                        max_tokens=cfg.model.max_seq_length, replica_group=ctx.pgs.tp,  # an engine per TP group
+                        group=ctx.world)
     from megatron_rl.loop.dispatched import DispatchRollouts
 
     server = None
@@ -128,7 +129,7 @@ def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: P
                                       server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer,
                                       record_routes=cfg.rl.trainer.routing_replay != "off")
     return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg),
-                            Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length)
+                            Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length, group=ctx.world)
 
 
 def trainer_config(cfg: RunConfig, valid_vocab: int | None = None):
@@ -237,7 +238,7 @@ def to_shard(parts: Parts, rollouts, groups: list, step: int, run_dir: Path):
     if trajs and parts.is_rank0:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_shard(path, trajs)
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=parts.ctx.world)
     if not trajs:
         return None
     cols = read_arrays(path)

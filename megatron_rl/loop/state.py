@@ -27,19 +27,20 @@ def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
 
     rollouts.drain()
     alerts = [parts.monitor.rewards]  # kept on rank 0 (the monitor's); the common state must match on every rank
-    torch.distributed.broadcast_object_list(alerts, src=0)
+    world = parts.ctx.world
+    torch.distributed.broadcast_object_list(alerts, src=torch.distributed.get_global_rank(world, 0), group=world)
     state = {"step": step, "sampler": parts.sampler.state_dict(), "rollouts": rollouts.state_dict(),
              "alert_rewards": alerts[0]}
     name = f"step-{step:06d}"
     path = Path(run_dir) / "checkpoints" / name
     save_checkpoint(parts.policy, path, reference=parts.trainer.reference, extra={"driver": json.dumps(state)},
                     critic=parts.trainer.critic)
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=world)
     if parts.is_rank0:
         tmp = path.parent / "latest.tmp"
         tmp.write_text(name + "\n")
         os.replace(tmp, path.parent / "latest")
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=world)
     return path
 
 

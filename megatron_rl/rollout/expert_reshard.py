@@ -58,6 +58,8 @@ class ExpertReshard:
     def __init__(self, ctx, tp_rank: int, tp_size: int, glu: bool, bucket_bytes: int = 64 << 20):
         self.expt_tp = ctx.pgs.expt_tp
         """The trainer's expert-TP group (the ranks holding slices of the same experts)."""
+        self.world = ctx.world
+        """Every rank of the job: each routed expert is broadcast over it from its first owner."""
         self.tp_rank, self.tp_size, self.glu = tp_rank, tp_size, glu
         self.bucket_bytes, self.device = bucket_bytes, ctx.device
         self.scratch: dict = {}
@@ -74,16 +76,17 @@ class ExpertReshard:
                  ) -> Iterator[tuple[str, Tensor]]:
         """Every routed expert tensor of the model, as this engine rank's TP slice (collective: every rank)."""
         full = {name: self._unshard(name, t) for name, t in experts}  # this rank's experts, unsharded
-        metas: list = [None] * dist.get_world_size()
-        dist.all_gather_object(metas, metadata(full))  # [world] (name, full shape, dtype) lists
+        metas: list = [None] * dist.get_world_size(self.world)
+        dist.all_gather_object(metas, metadata(full), group=self.world)  # [world] (name, full shape, dtype) lists
         owner: dict[str, int] = {}
         for r, meta in enumerate(metas):
             for name, _, _ in meta:
                 owner.setdefault(name, r)
-        me = dist.get_rank()
+        me = dist.get_rank(self.world)
         for r, meta in enumerate(metas):
             sub = [m for m in meta if owner[m[0]] == r]
-            for name, t in broadcast_known(sub, full if r == me else None, r, None, self.bucket_bytes,
+            src = dist.get_global_rank(self.world, r)
+            for name, t in broadcast_known(sub, full if r == me else None, src, self.world, self.bucket_bytes,
                                            self.scratch, device=self.device):
                 p = engine_params.get(name)
                 dim = getattr(p, "partition_dim", 0)

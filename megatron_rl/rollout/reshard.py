@@ -64,9 +64,10 @@ def engine_layout(ctx) -> tuple[ParallelConfig, object]:
         return engine_parallel(par), ctx.pgs
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    world = dist.get_world_size()
+    group = ctx.world  # the ranks are numbered globally below: the job's world, not a subgroup
+    world = dist.get_world_size(group)
     tp_of: list = [None] * world
-    dist.all_gather_object(tp_of, dist.get_process_group_ranks(ctx.pgs.tp))  # [world] each rank's TP group
+    dist.all_gather_object(tp_of, dist.get_process_group_ranks(ctx.pgs.tp), group=group)  # [world] TP groups
     tp_rank = [tp_of[r].index(r) for r in range(world)]
     alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
     peers, _ = dist.new_subgroups_by_enumeration(
@@ -74,7 +75,7 @@ def engine_layout(ctx) -> tuple[ParallelConfig, object]:
     tp = ctx.pgs.tp
     pgs = ProcessGroupCollection(
         tp=tp, pp=alone, mp=tp, embd=alone, pos_embd=alone, cp=alone, tp_cp=tp, ep=alone,
-        expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, dp=peers, dp_cp=peers, expt_dp=peers, tp_dp_cp=dist.group.WORLD)
+        expt_tp=tp, tp_ep=tp, tp_ep_pp=tp, dp=peers, dp_cp=peers, expt_dp=peers, tp_dp_cp=group)
     return engine_parallel(par), pgs
 
 

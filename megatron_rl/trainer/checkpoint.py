@@ -46,13 +46,15 @@ def _state(policy, reference, is_loading: bool, critic=None) -> dict:
 
 def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None = None, critic=None) -> None:
     """Save model, optimizer, scheduler, step (and `extra`, plain data from rank 0) to directory `path`; with
-    `critic` (a `trainer.critic.ValueModel`) its model, optimizer, scheduler and step too."""
+    `critic` (a `trainer.critic.ValueModel`) its model, optimizer, scheduler and step too. Collective over the
+    policy's world (`policy.ctx.world`), whose first rank creates the folder."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if torch.distributed.get_rank() == 0:
+    world = policy.ctx.world
+    if torch.distributed.get_rank(world) == 0:
         path.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=world)
     _prime_adam_state(policy.optimizer)
     if critic is not None:
         _prime_adam_state(critic.model.optimizer)

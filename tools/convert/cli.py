@@ -95,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as e:
         print(f"megatron-rl convert {args.op}: error: {e}", file=sys.stderr)
         return 1
+    from megatron_rl.distributed import world_group
     from tools.convert.runtime import gather_report, is_rank0
 
-    report = gather_report(report)
-    if is_rank0():
+    world = world_group()  # the command owns the job's group: every rank it started converts
+    report = gather_report(report, world)
+    if is_rank0(world):
         print(json.dumps({"op": args.op, "out": str(args.out), **report}), flush=True)
     return 0
 

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tools.convert import checks, layout, runtime
 from tools.convert.arch import by_name, for_hf_config
@@ -104,14 +103,14 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
     # one), and Megatron's CPU initialisation builds each weight's full master copy first (~1.6x the model)
     model = layout.build_model(cfg, {**extra, "perform_initialization": False}, ctx)
     report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
-    report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0())
+    report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0(ctx.world))
     reader.close()
-    with runtime.atomic_dir(out) as tmp:
+    with runtime.atomic_dir(out, ctx.world) as tmp:
         dist_checkpointing.save(releasing_state_dict(model), str(tmp))
         del model
-        if runtime.is_rank0():
+        if runtime.is_rank0(ctx.world):
             write_meta(tmp, arch, reader.config, Path(hf_dir))
-        runtime.barrier()
+        runtime.barrier(ctx.world)
         if verify:
             from tools.convert import verify as V
 
@@ -161,11 +160,11 @@ def source_config(ckpt: Path, fallback: dict) -> dict:
     return json.loads(meta.read_text())["hf_config"] if meta.is_file() else fallback
 
 
-def ckpt_layout(ckpt: Path, arch, cfg, extra: dict) -> tuple[list, dict]:
-    """Checkpoint entries of this model (from a one-layer stand-in), checked against the checkpoint."""
+def ckpt_layout(ckpt: Path, arch, cfg, extra: dict, ctx) -> tuple[list, dict]:
+    """Checkpoint entries of this model (from a one-layer stand-in built under `ctx`: `runtime.start()`),
+    checked against the checkpoint."""
     from megatron.core import dist_checkpointing
 
-    ctx = runtime.start()
     entries = layout.ckpt_entries(layout.build_model(cfg, extra, ctx, num_layers=1), cfg.moe.layer_pattern)
     md = dist_checkpointing.load_tensors_metadata(str(ckpt))
     checks.ckpt_against_model(ckpt, md, entries, cfg)
@@ -220,9 +219,10 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
     hf = {**hf, **dict.fromkeys(("dtype", "torch_dtype"), ckpt_dtype(ckpt_p))}
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)
-    entries, dtypes = ckpt_layout(ckpt_p, arch, cfg, extra)
+    ctx = runtime.start()
+    entries, dtypes = ckpt_layout(ckpt_p, arch, cfg, extra, ctx)
     report = {"arch": arch.name, "dtype": hf["dtype"]}
-    with runtime.atomic_dir(out) as tmp:
+    with runtime.atomic_dir(out, ctx.world) as tmp:
         writer = HFWriter(tmp, max_shard_bytes)
         export_hf(ckpt_p, entries, dtypes, arch, hf, writer, True)
         report["tensors"] = len(writer.finish())
@@ -251,18 +251,15 @@ def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_confi
     checks.ckpt_against_shards(ckpt_p, model)
     layout.load_model(model, ckpt_p)
     report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
-    with runtime.atomic_dir(out) as tmp:
+    with runtime.atomic_dir(out, ctx.world) as tmp:
         dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-        if runtime.is_rank0():
+        if runtime.is_rank0(ctx.world):
             write_meta(tmp, arch, hf, None)
             copy_side_files(side, tmp / SIDE_DIR) if side else None
-        runtime.barrier()
+        runtime.barrier(ctx.world)
         if verify:
             from tools.convert import verify as V
 
             report["verify"] = V.verify_mcore_against_ckpt(tmp, cfg, extra, ctx, ckpt_p, arch, hf, tol)
     return report
 
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.distributed import group_leader, group_rank, group_size
 from tools.convert.arch.base import ConvertError
 
 TMP_TAG_ENV = "MRL_CONVERT_TMP_TAG"
@@ -20,7 +21,7 @@ def start(tp: int = 1, pp: int = 1, ep: int = 1):
     """DistContext for the layout; in a single process it reuses an already started one of the same layout."""
     from megatron.core import parallel_state
 
-    from megatron_rl.distributed import DistContext, LaunchInfo, init_distributed
+    from megatron_rl.distributed import attach_distributed, init_distributed
     from megatron_rl.parallel import ParallelConfig
 
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep)
@@ -30,12 +31,7 @@ def start(tp: int = 1, pp: int = 1, ep: int = 1):
                 parallel_state.get_expert_model_parallel_world_size())
         if have != (tp, pp, ep):
             raise ConvertError(f"this process already runs layout tp,pp,ep={have}; asked for {(tp, pp, ep)}")
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        world = dist.get_world_size()
-        launch = LaunchInfo(dist.get_rank(), world, 0, "127.0.0.1", 0, "reuse")
-        return DistContext(launch, parallel.resolve(world), dist.get_backend(),
-                           ProcessGroupCollection.use_mpu_process_groups())
+        return attach_distributed(parallel)
     ctx = init_distributed(parallel, timeout_minutes=10)
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -43,54 +39,58 @@ def start(tp: int = 1, pp: int = 1, ep: int = 1):
     return ctx
 
 
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+# `group` below: the converter's ranks (`DistContext.world`, or `world_group()` at the entry point), None
+# when torch.distributed is not started (one process).
+def is_rank0(group) -> bool:
+    return group_rank(group) == 0
 
 
-def gather_report(report: dict) -> dict:
+def gather_report(report: dict, group) -> dict:
     """Rank 0's report, with the verify result of the rank that held the logits (last pipeline stage)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if group_size(group) == 1:
         return report
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    reports: list = [None] * group_size(group)
+    dist.all_gather_object(reports, report, group=group)
     held = [r["verify"] for r in reports if "max_abs_logit_diff" in r.get("verify", {})]
     return {**reports[0], **({"verify": held[0]} if held else {})}
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def barrier(group) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)
 
 
-def tmp_path(out: Path) -> Path:
-    """`<out>.tmp-<pid>`: the launcher's pid under torchrun (same on all ranks), else this process's."""
+def tmp_path(out: Path, group) -> Path:
+    """`<out>.tmp-<pid>`: the launcher's pid under torchrun (same on all ranks), else this process's (the
+    group's first rank's)."""
     tag = os.environ.get(TMP_TAG_ENV)
     if tag is None:
         tag = str(os.getpid())
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if group_size(group) > 1:
             box = [tag]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=group_leader(group), group=group)
             tag = box[0]
     return out.with_name(f"{out.name}.tmp-{tag}")
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path):
-    """Yield a temporary folder that becomes `out` on success and is removed on any error."""
+def atomic_dir(out: str | Path, group):
+    """Yield a temporary folder that becomes `out` on success and is removed on any error (collective over
+    `group`, whose first rank creates and renames it)."""
     out = Path(out).absolute()
     if out.exists():
         raise ConvertError(f"output {out} already exists; choose a new path or remove it")
-    tmp = tmp_path(out)
-    if is_rank0():
+    tmp = tmp_path(out, group)
+    if is_rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier()
+    barrier(group)
     try:
         yield tmp
-        barrier()
-        if is_rank0():
+        barrier(group)
+        if is_rank0(group):
             os.replace(tmp, out)
-        barrier()
+        barrier(group)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

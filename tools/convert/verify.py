@@ -177,15 +177,16 @@ def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: 
             **compare(mc, lambda: hf_logits(model, tokens(cfg.vocab_size)), tol, dtype)}
 
 
-def hf_reference(ckpt: Path, model, arch, hf: dict):
-    """An HF model (transformers, from config) holding the tensors of checkpoint `ckpt`; collective."""
+def hf_reference(ckpt: Path, model, arch, hf: dict, group):
+    """An HF model (transformers, from config) holding the tensors of checkpoint `ckpt`; collective over
+    `group` (the ranks holding `model`'s parts: `DistContext.world`)."""
     from transformers import AutoModelForCausalLM
 
     from tools.convert.convert import all_rules
 
-    parts: list = [None] * dist.get_world_size()
+    parts: list = [None] * dist.get_world_size(group)
     pattern = model.config.moe_layer_freq if isinstance(model.config.moe_layer_freq, list) else None
-    dist.all_gather_object(parts, layout.ckpt_entries(model, pattern))
+    dist.all_gather_object(parts, layout.ckpt_entries(model, pattern), group=group)
     entries = layout.merge_entries(parts)
     md_dtypes = {e.key: model.config.params_dtype for e in entries}
     counts = (hf["num_hidden_layers"], hf.get(arch.moe.num_experts_key, 0) if arch.moe else 0)
@@ -208,5 +209,5 @@ def verify_mcore_against_ckpt(out: Path, cfg, extra: dict, ctx, src: Path, arch,
                               tol: float | None) -> dict:
     """Logits of the resharded checkpoint at its layout vs an HF model holding the source checkpoint."""
     mc, dtype = fresh_logits(out, cfg, extra, ctx)
-    ref = hf_reference(src, layout.build_model(cfg, extra, ctx), arch, hf)
+    ref = hf_reference(src, layout.build_model(cfg, extra, ctx), arch, hf, ctx.world)
     return compare(mc, lambda: hf_logits(ref, tokens(cfg.vocab_size)), tol, dtype)
