@@ -96,5 +96,6 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.
     cdf = logp.double().exp().cumsum(-1)  # [B, V]
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)  # [B]
     drawn = drawn.clamp(max=logits.shape[-1] - 1)
-    tokens = torch.where(temperature == 0, logits.argmax(-1), drawn)  # [B]
+    greedy = temperature == 0  # [B]
+    tokens = torch.where(greedy, logits.argmax(-1), drawn) if bool(greedy.any()) else drawn  # [B]
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
