@@ -3,7 +3,7 @@ imported are deferred to the decorated function's first call.
 
 Megatron decorates its fused element-wise functions with `megatron.core.jit.jit_fuser` (`torch.compile` on
 torch >= 2.2) at import time. `torch.compile(fn)` compiles nothing until the first call, but building its wrapper
-imports TorchDynamo and Inductor (~1.5-2.5 s of CPU in every process that imports Megatron: each rank, worker and
+imports TorchDynamo and Inductor (1.1-2.6 s of CPU measured in every process that imports Megatron: each rank and
 converter), although most runs never call those functions. While `megatron.core` is being imported,
 `torch.compile(fn)` (a plain function, any options) returns a wrapper that calls the real `torch.compile(fn, ...)`
 on its first call and the compiled function from then on, exactly what `torch.compile` would have run; any other
