@@ -8,6 +8,10 @@ From Python (a submitit executor runs `train` on a cluster node like any functio
 """
 __version__ = "0.1.0"
 
+from megatron_rl.compat import deferred_compile as _deferred_compile  # noqa: E402
+
+_deferred_compile.install()  # Megatron's import without TorchDynamo (its torch.compile decorations wait for a call)
+
 __all__ = ["load_config", "train", "export"]
 
 

@@ -176,6 +176,7 @@ TRAIN = ("launch.nproc_per_node=1", "parallel.tp=1", "train.steps=30", "train.ev
          "rl.group_size=4", "monitor.tensorboard=false", "monitor.prometheus_port=-1",
          "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "rl.steps=4",
          "rl.checkpoint_every=0")
+NO_EXPORT = ("export.enabled=false",)  # where a test reads no HF export (test_post_train_multiproc.py reads one)
 RL_KEYS = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean",
            "mismatch_kl", "lr", "sandbox_error_rate")
 
@@ -205,7 +206,7 @@ def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unb
     for name in ("unbroken", "broken"):
         jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
                                             "--gres=gpu:1", "slurm/train_multinode.sbatch", "configs/demo_cpu.yaml",
-                                            f"output_dir={tmp_path / name}", *TRAIN], wait=False)
+                                            f"output_dir={tmp_path / name}", *TRAIN, *NO_EXPORT], wait=False)
     broken = tmp_path / "broken" / "demo"
     wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["broken"]])
@@ -298,7 +299,8 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     out = tmp_path / "het"
     job = sbatch(slurm_cluster, ["-o", str(tmp_path / "het.out"), "slurm/rl_hetjob.sbatch", "configs/demo_cpu.yaml",
                                  str(out), *[o for o in TRAIN if not o.startswith("rl.steps")], "rl.steps=3",
-                                 "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1"], wait=False)
+                                 "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=1", *NO_EXPORT],
+                 wait=False)
     run = out / "demo"
     wait_for(lambda: _rl_rows(run), 600, "RL step 0 of the hetjob to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])

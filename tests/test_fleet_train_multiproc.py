@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
 SHORT = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
          "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false",
-         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0")
+         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "export.enabled=false")
 FLEET = ("episodes.runner=fleet", "episodes.fleet.executor=local", "episodes.fleet.size=2",
          "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=2")
 

@@ -17,10 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
 # a 30-step warm-up has not learnt the <answer> format yet: the format bonus (0 in the demo) gives its rollouts
 # reward variance, so the short RL phases really update the policy; one PPO epoch, so the reported KL is the
-# engine-vs-trainer mismatch of the behaviour log-probs
+# engine-vs-trainer mismatch of the behaviour log-probs; no end-of-run HF export (no test here reads it; the
+# export after `megatron-rl train` is tested in test_post_train_multiproc.py and test_critic_multiproc.py)
 SHORT = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
          "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false",
-         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0")
+         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "export.enabled=false")
 
 
 def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ EXE = str(Path(sys.executable).parent / "megatron-rl")
 DOMAINS = ("arithmetic", "countdown", "math", "code", "tool_use")
 SHORT = ("rl.steps=2", "rl.max_new_tokens=24", "model.max_seq_length=2560", "rl.trainer.packing.max_tokens=2560",
          "eval.tasks=2", "eval.k=2", "engine.num_blocks=2048", "engine.max_tokens_per_step=4096",
-         "monitor.tensorboard=false", "rl.dynamic_sampling=false", "rl.prompts_per_step=6")
+         "monitor.tensorboard=false", "rl.dynamic_sampling=false", "rl.prompts_per_step=6", "export.enabled=false")
 
 
 @pytest.fixture(scope="module")
