@@ -34,6 +34,17 @@ def test_megatron_imports_without_dynamo_and_torch_compile_is_restored(tmp_path)
                    "name": "bias_swiglu"}, got
 
 
+@pytest.mark.slow  # the same fresh interpreter, Megatron imported first (the patch not installed)
+def test_the_patch_is_still_needed_megatron_alone_imports_dynamo(tmp_path):
+    """Megatron imported before megatron_rl keeps its own behaviour: its import pulls in TorchDynamo. When a
+    Megatron release stops doing so, this fails and the patch can go (as each patch of compat/cpu.py)."""
+    probe = "import sys, json, megatron.core.fusions.fused_bias_swiglu\nimport megatron_rl\n" \
+            "print(json.dumps('torch._dynamo' in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) is True
+
+
 def test_the_real_compile_runs_once_at_the_first_call_with_the_same_options():
     calls = []
 
