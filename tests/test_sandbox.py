@@ -760,3 +760,129 @@ def test_normal_user_scratch_is_capped_while_the_run_writes(repo_root):
     assert out["host_bytes"] == 0 and out["collected"] == "x" and out["next"] == ""
     assert any("size-capped tmpfs" in n for n in out["notes"]), out["notes"]
     assert any("cgroup v2: " in n for n in out["notes"]), out["notes"]  # what v2 offers (or not), said
+
+
+# ------------------------------------------------------------------------------ slot uid leases, node-wide
+_LEASE_JOB = """
+import sys
+from envs.sandbox._linux import UidLease
+try:
+    lease = UidLease(int(sys.argv[1]), count=1)
+except RuntimeError:
+    print("busy", flush=True)
+    sys.exit(0)
+print(lease.uid, getattr(lease, "dir", "?"), flush=True)
+sys.stdin.read()  # hold the lease until told (or killed)
+lease.release()
+"""
+
+
+def _lease_job(repo_root, tmpdir: Path, base: int, who: dict) -> subprocess.Popen:
+    """A 'Slurm job' on this node: a process of its own with a TMPDIR of its own, leasing one uid."""
+    tmpdir.mkdir(mode=0o777)
+    os.chmod(tmpdir, 0o777)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(repo_root), "TMPDIR": str(tmpdir), "LANG": "C.UTF-8"}
+    return subprocess.Popen(["/usr/bin/python3", "-c", _LEASE_JOB, str(base)], env=env, cwd="/", text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, **who)
+
+
+@pytest.mark.parametrize("as_nobody", [False, True])
+def test_two_jobs_with_their_own_tmpdir_never_lease_the_same_uid(repo_root, tmp_path, as_nobody):
+    """Slurm gives every job its own TMPDIR: a lease registry under it let two jobs on one node lease one uid.
+    The registry is node-wide, so the second job finds the uid taken; when the holder is killed (a crash) the
+    kernel drops its lock and the uid is leased again. As root and as uid 65534 (its own folder under /run/lock)."""
+    if as_nobody and not ROOT:
+        pytest.skip("needs root to start processes as uid 65534 (this pass already runs as a normal user)")
+    who = dict(user=65534, group=65534, extra_groups=[]) if as_nobody else {}
+    os.chmod(tmp_path, 0o755)
+    base = 3_900_000 + (os.getpid() % 1000) * 4 + as_nobody  # a uid no sandbox of a concurrent test run leases
+    a = _lease_job(repo_root, tmp_path / "job-a", base, who)
+    uid, lease_dir = a.stdout.readline().split()
+    assert int(uid) == base and not lease_dir.startswith((str(tmp_path), tempfile.gettempdir()))
+    b = _lease_job(repo_root, tmp_path / "job-b", base, who)
+    assert b.communicate("", timeout=60)[0].strip() == "busy"  # other TMPDIR, same node: the uid is held
+    a.kill()
+    a.wait(timeout=30)
+    c = _lease_job(repo_root, tmp_path / "job-c", base, who)
+    assert c.communicate("", timeout=60)[0].split()[0] == str(base)  # a dead holder's lease is reclaimed
+    assert not os.path.exists(os.path.join(lease_dir, str(base)))  # released: its file is gone
+
+
+def test_lease_registry_that_others_could_write_or_redirect_is_refused(tmp_path):
+    from envs.sandbox._linux import LeaseDirError, UidLease
+
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o777)
+    (tmp_path / "link").symlink_to(tmp_path / "mine")
+    for bad in ("shared", "link"):
+        with pytest.raises(LeaseDirError, match=f"lease folder .*{bad}.*sandbox.lease_dir"):
+            UidLease(3_950_000, count=4, directory=str(tmp_path / bad))
+    mine = tmp_path / "mine"
+    lease = UidLease(3_950_000, count=1, directory=str(mine))  # made 0700, owned by this uid
+    assert lease.uid == 3_950_000 and os.listdir(mine) == ["3950000"]
+    lease.release()
+    os.symlink(tmp_path / "victim", mine / "3950000")  # a planted link is skipped, never followed
+    with pytest.raises(RuntimeError, match="no free sandbox uid"):
+        UidLease(3_950_000, count=1, directory=str(mine))
+    assert not os.path.lexists(tmp_path / "victim")
+
+
+@needs_root
+def test_sandbox_config_lease_dir_holds_the_slot_uids(tmp_path):
+    leases = tmp_path / "leases"
+    with build_sandbox(SandboxConfig(lease_dir=str(leases), prespawn=False)) as s:
+        assert sorted(os.listdir(leases)) == [str(u) for u in s.uids] and s.run(["id", "-u"]).stdout == "1000\n"
+    assert os.listdir(leases) == []
+
+
+# ------------------------------------------------------------------- a run's leftovers never reach the next
+_LEAVE = ("echo x > /work/left; echo y > /tmp/left; echo z > /dev/shm/left; "
+          "setsid sleep 120 >/dev/null 2>&1 < /dev/null & echo ran")
+_LOOK = "ls -A /work /tmp /dev/shm | grep -c left; true"
+
+
+@pytest.mark.parametrize("prespawn", [False, True])
+def test_bad_collect_refused_before_the_program_runs_and_an_error_leaves_nothing(prespawn, monkeypatch):
+    """`collect` names are checked before the program runs (a `..` name used to be refused after it ran, and
+    the failed run's files stayed in the slot for its next run); a run that fails after its program ran (a
+    worker bug, simulated) leaves no file and no process to the slot's later runs either."""
+    import envs.sandbox.bwrap as bw
+
+    with BwrapSandbox(prespawn=prespawn) as s:
+        errors = []
+        for bad in (["../x"], ["/etc/passwd"], ["ok", "a/../../b"], "out.txt"):
+            with pytest.raises(ValueError) as e:
+                s.run(_LEAVE, collect=bad)
+            errors.append(str(e.value))
+        for _ in range(2):  # with prespawn two slots alternate: each must be seen again
+            r = s.run(_LOOK)
+            assert r.stdout == "0\n" and s.leftover_processes() == [], r
+        assert all("collect" in e for e in errors), errors
+        real = bw.collect_files
+
+        def broken(*a, **k):
+            raise RuntimeError("simulated worker bug after the program ran")
+
+        monkeypatch.setattr(bw, "collect_files", broken)
+        with pytest.raises(RuntimeError, match="simulated"):
+            s.run(_LEAVE)
+        monkeypatch.setattr(bw, "collect_files", real)
+        for _ in range(3):
+            r = s.run(_LOOK)
+            assert r.stdout == "0\n" and s.leftover_processes() == [], r
+
+
+def test_pool_and_subprocess_backend_refuse_bad_collect_before_running(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.warns(RuntimeWarning):
+        sp = SubprocessSandbox()
+    with pytest.raises(ValueError, match="collect"):
+        sp.run(f"touch {marker}", collect=["../../etc/passwd"])
+    assert not marker.exists()
+    p = SandboxPool(lambda i: sp, workers=1)
+    try:
+        with pytest.raises(ValueError, match="collect"):
+            p.submit(f"touch {marker}", collect=["/etc/passwd"])
+    finally:
+        p.close()
+    assert not marker.exists()

@@ -43,6 +43,10 @@ class SandboxConfig:
     """Shared-filesystem folder of built images ('' = ~/.cache/megatron-rl/images)."""
     image_cache: str = ""
     """Node-local folder images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
+    lease_dir: str = ""
+    """bwrap as root: the node-wide registry of slot uid leases ('' = /run/megatron-rl/sandbox-uids). Every job on
+    a node must see the same folder (never a per-job TMPDIR), owned by the worker's uid and writable by no one
+    else; see `envs.sandbox._linux`."""
 
     def resolved_backend(self) -> str:
         """The backend `build` uses ('auto' resolved)."""
@@ -74,7 +78,7 @@ class SandboxConfig:
         if self.layer:
             kwargs["layer"] = resolve_image(self.layer, self.image_store or None, self.image_cache or None)
         if backend == "bwrap":
-            kwargs.update(rootfs=self.rootfs, prespawn=self.prespawn)
+            kwargs.update(rootfs=self.rootfs, prespawn=self.prespawn, lease_dir=self.lease_dir or None)
         elif backend == "apptainer":
             kwargs.update(image=self.image)
 

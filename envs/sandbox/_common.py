@@ -1,7 +1,8 @@
 """Shared machinery of the sandbox backends: files in and out of scratch, rlimits, the output pump.
 
 THREAT MODEL. Not a boundary by itself; it gives the backends these guarantees:
-- Covered: caller file names cannot leave the scratch directory (absolute paths and `..` are refused);
+- Covered: caller file names cannot leave the scratch directory (absolute paths and `..` are refused, for
+  `collect` names before the program runs: `check_collect`);
   collected files are opened without following symlinks at any path component, FIFOs and devices are
   skipped, and each file is capped in size, so a program cannot make the worker read host files, block,
   or exhaust its memory through `collect`; output is read incrementally and capped (a flood is killed at
@@ -34,6 +35,20 @@ def check_relpath(path: str) -> list[str]:
     if path.startswith("/") or not parts or ".." in parts:
         raise ValueError(f"sandbox file name {path!r} must be a relative path inside scratch (no '/', no '..')")
     return parts
+
+
+def check_collect(collect) -> None:
+    """Validate a run's `collect` names BEFORE the program runs (a bad name must not cost a run, nor leave a
+    run's leftovers behind an error): a list of relative paths inside scratch; ValueError naming the entry."""
+    if collect is None:
+        return
+    if isinstance(collect, (str, bytes)) or not isinstance(collect, (list, tuple)):
+        raise ValueError(f"sandbox collect must be a list of relative file names, got {collect!r}")
+    for name in collect:
+        try:
+            check_relpath(name)
+        except ValueError as e:
+            raise ValueError(f"sandbox collect entry {name!r}: {e}") from None
 
 
 def _open_dir_nofollow(root_fd: int, parts: list[str], create: bool, uid: int | None) -> int:

@@ -1,15 +1,24 @@
 """Small Linux helpers for the sandbox backends: child subreaper, tmpfs mounts, per-slot uids, pidfds.
 
-THREAT MODEL. Covered: slot uids are unique among all processes on the host that use this module (an
-flock per uid in a root-owned directory), so two concurrent sandboxes never share a uid and cannot signal
-each other or count against each other's RLIMIT_NPROC; scratch tmpfs mounts are `nosuid,nodev` with a
-size and inode cap; orphaned sandbox processes are reaped through pidfds checked against the slot uid, so
-the worker never reaps (and steals the exit status of) a process it does not own.
+THREAT MODEL. Covered: slot uids are unique among all processes on the node that use this module: a lease is
+an flock on a per-uid file in ONE registry folder per node, `/run/megatron-rl/sandbox-uids` (root-owned, 0700;
+`SandboxConfig.lease_dir` may name another), the same for every job whatever its TMPDIR (Slurm gives each job
+its own), so two concurrent sandboxes - of one job or of two jobs - never share a uid and cannot signal each
+other or count against each other's RLIMIT_NPROC. A crashed holder's flock is dropped by the kernel and its uid
+is leased again once no process of it is left. The registry is checked before use (a real folder owned by the
+worker's uid, writable by no one else) and lease files are opened without following links, so no other user
+can plant links or hold leases in it. Scratch tmpfs mounts are `nosuid,nodev` with a size and inode cap;
+orphaned sandbox processes are reaped through pidfds checked against the slot uid, so the worker never reaps
+(and steals the exit status of) a process it does not own.
 Not covered: uids are not reserved in /etc/passwd - a host account with a uid in the sandbox range
-(default 2,000,000-2,065,535) would share it; choose `uid_base` accordingly.
+(default 2,000,000-2,065,535) would share it; choose `uid_base` accordingly. Workers that point
+`lease_dir` at different folders do not see each other's leases. A worker that is not root leases no uid (its
+slots all run as its own uid); `UidLease` used by such a user keeps its leases in a folder of its own under
+the system's /run/lock (`/run/lock/megatron-rl-sandbox-uids-<uid>`): node-wide for that user, not across users.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -17,8 +26,8 @@ import fcntl
 import os
 import select
 import socket
+import stat
 import struct
-import tempfile
 import threading
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -176,32 +185,103 @@ def setns(fd: int, nstype: int) -> None:
         raise OSError(ctypes.get_errno(), "setns")
 
 
-class UidLease:
-    """A uid no other process on this host holds while the lease lives (flock on a per-uid file)."""
+LEASE_DIR = "/run/megatron-rl/sandbox-uids"
+"""The node-wide registry of slot uid leases of root workers (`SandboxConfig.lease_dir` overrides it)."""
+USER_LEASE_DIR = "/run/lock/megatron-rl-sandbox-uids-{uid}"
+"""Where a user that is not root keeps its leases (the system's sticky lock folder; a folder per user)."""
 
-    def __init__(self, base: int = UID_BASE, count: int = UID_COUNT):
-        lock_dir = os.path.join(tempfile.gettempdir(), "megatron-rl-sandbox-uids")
-        os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-        start = (os.getpid() * 7) % count  # spread processes over the range to make collisions rare
-        for i in range(count):
-            uid = base + (start + i) % count
-            fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            if _uid_has_processes(uid):  # a leftover of a crashed worker: not ours to reuse yet
-                os.close(fd)
-                continue
-            self.uid, self._fd = uid, fd
-            return
-        raise RuntimeError(f"no free sandbox uid in [{base}, {base + count})")
+
+class LeaseDirError(OSError):
+    """The lease registry folder cannot be used safely; the message names it and the fix."""
+
+
+def lease_dir(configured: str | None = None) -> str:
+    """The folder of the uid lease registry, made when missing and checked: a real folder (not a link) owned by
+    this uid (or root) that no other uid can write. Root: `configured` or LEASE_DIR; another user: `configured`
+    or its own folder under /run/lock. Never derived from TMPDIR (Slurm gives every job its own)."""
+    uid = os.geteuid()
+    path = configured or (LEASE_DIR if uid == 0 else USER_LEASE_DIR.format(uid=uid))
+    fix = ("remove it, or set sandbox.lease_dir to a folder of this user that no other user can write (the same "
+           "path for every job on the node)")
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        st = os.lstat(path)
+    except OSError as e:
+        raise LeaseDirError(e.errno, f"sandbox uid lease folder {path!r} cannot be made or read ({e.strerror}); "
+                                     f"{fix}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        raise LeaseDirError(errno.EPERM, f"sandbox uid lease folder {path!r} is not a folder owned by uid {uid} "
+                                         f"that only its owner can write (a link, another owner, or mode "
+                                         f"{stat.S_IMODE(st.st_mode):o}); {fix}")
+    return path
+
+
+class UidLease:
+    """A uid no other process on this node holds while the lease lives: an flock on the file `<uid>` in the
+    node-wide registry `lease_dir()` (the same folder for every job, whatever its TMPDIR). The kernel drops the
+    flock when its holder dies, so a crashed holder's uid is free again (unless processes of that uid live)."""
+
+    def __init__(self, base: int = UID_BASE, count: int = UID_COUNT, directory: str | None = None):
+        self.dir = lease_dir(directory)
+        self._fd = -1
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            start = (os.getpid() * 7) % count  # spread processes over the range to make collisions rare
+            for i in range(count):
+                uid = base + (start + i) % count
+                fd = _try_lock(dfd, str(uid))
+                if fd is None:
+                    continue
+                if _uid_has_processes(uid):  # a leftover of a crashed worker: not ours to reuse yet
+                    os.close(fd)
+                    continue
+                self.uid, self._fd, self._dfd = uid, fd, dfd
+                return
+        except BaseException:
+            os.close(dfd)
+            raise
+        os.close(dfd)
+        raise RuntimeError(f"no free sandbox uid in [{base}, {base + count}) in the lease registry {self.dir}: "
+                           "every uid is leased by a live sandbox on this node or runs processes; close sandboxes "
+                           "or give this one another uid_base")
 
     def release(self) -> None:
+        """Give the uid back: its file is removed while still locked (a taker checks it locked the file that is
+        still in the folder), then the lock dropped."""
         if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(str(self.uid), dir_fd=self._dfd)
             os.close(self._fd)
+            os.close(self._dfd)
             self._fd = -1
+
+
+def _try_lock(dfd: int, name: str) -> int | None:
+    """An fd holding the exclusive flock of lease file `name`, or None when another process holds it. The file
+    is opened without following links, and the lock counts only if the locked file is still the one under that
+    name (a releaser removes its file before unlocking)."""
+    for _ in range(8):
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        except OSError as e:  # a link or a file of another user planted in a shared folder: not usable
+            if e.errno in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                return None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # removed by its releaser after we opened it: try again with the current file
+    return None
 
 
 def _uid_has_processes(uid: int) -> bool:

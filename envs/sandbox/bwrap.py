@@ -19,7 +19,9 @@ Covered, per run:
 - Cleanup cannot be poisoned: scratch is removed without recursion and without following links (any depth:
   subdirectories are renamed up and removed one by one); a slot that cannot be emptied for any reason is
   retired (closed; its directory and uid are never used again) and replaced by a fresh slot, so nothing a
-  run leaves can reach a later run. The sweep of folders left by dead workers touches only real
+  run leaves can reach a later run. A slot is marked used before anything is written into it, so a run that
+  ends in an error (a caller's bad request, a worker bug) is emptied before the slot's next run too; `collect`
+  names are checked before the program starts. The sweep of folders left by dead workers touches only real
   directories owned by this uid, finds mounts without following links and unmounts with UMOUNT_NOFOLLOW.
 - Network: a network namespace of the slot's own with only loopback (created once per slot and reused by
   its runs, one at a time; the program has no capability over it, and no socket outlives its processes;
@@ -32,9 +34,10 @@ Covered, per run:
 - Processes: new pid, ipc, uts, user and cgroup namespaces; `--die-with-parent`; `--new-session` (no
   TIOCSTI into the worker's terminal); no capabilities; `--disable-userns` (no nested user namespaces);
   the program runs as uid 1000 inside, mapped to a host uid of its own slot, so concurrent sandboxes
-  cannot signal each other even outside their pid namespaces. When the run ends its pid namespace dies,
-  killing every descendant, `setsid` daemons included; the slot cgroup is then checked empty (and
-  SIGKILLed until it is) and orphans are reaped (the worker is a child subreaper).
+  cannot signal each other even outside their pid namespaces (of one job or of different jobs on the node:
+  slot uids are leased in a node-wide registry, not under the job's TMPDIR; `envs.sandbox._linux`). When
+  the run ends its pid namespace dies, killing every descendant, `setsid` daemons included; the slot cgroup is
+  then checked empty (and SIGKILLed until it is) and orphans are reaped (the worker is a child subreaper).
 - Resources: cgroup v1 memory+swap, pids and CPU quota for the whole process tree (when the hierarchies
   are writable, else the same in a delegated cgroup v2 subtree; else RLIMIT_AS / RLIMIT_NPROC, noted in the
   result - for a worker that is not root the
@@ -99,6 +102,7 @@ from envs.sandbox._cgroup import remove_stale_groups
 from envs.sandbox._cgroup2 import create_slot_groups
 from envs.sandbox._common import (
     apply_rlimits,
+    check_collect,
     check_relpath,
     collect_files,
     decode,
@@ -233,12 +237,13 @@ class Service:
 class _Cell:
     """One slot: a uid of its own, cgroups, a scratch tmpfs with /work and /tmp; one run at a time."""
 
-    def __init__(self, base: str, index: int | str, group: str, uid_base: int, scratch_mb: int):
+    def __init__(self, base: str, index: int | str, group: str, uid_base: int, scratch_mb: int,
+                 lease_dir: str | None = None):
         self.root = os.geteuid() == 0
-        self.index, self.group, self.uid_base = index, group, uid_base
+        self.index, self.group, self.uid_base, self.lease_dir = index, group, uid_base, lease_dir
         self.notes: list[str] = []
         self.pidns: set[int] = set()  # of its runs whose pid 1 is not known to be gone, for processes()
-        self.lease = _linux.UidLease(uid_base) if self.root else None
+        self.lease = _linux.UidLease(uid_base, directory=lease_dir) if self.root else None
         self.uid = self.lease.uid if self.lease else os.getuid()
         self.gid = self.uid if self.lease else os.getgid()
         self.dir = os.path.join(base, f"cell{index}")
@@ -660,6 +665,8 @@ class BwrapSandbox(Sandbox):
     exec_chain: start bwrap through sh/nsenter/prlimit/setpriv (`_Cell.chain`) instead of a forked worker
     running the same steps (`_Cell.preexec`; also used when a tool is missing): same isolation, no fork of
     the worker.
+    lease_dir: the node-wide registry of slot uid leases (`envs.sandbox._linux.lease_dir`; None = its default,
+    /run/megatron-rl/sandbox-uids for root); every worker of the node must use the same one.
     Side effect: the process becomes a child subreaper (PR_SET_CHILD_SUBREAPER), so orphans of its
     descendants are re-parented to it; the sandbox reaps those of its own slots.
     """
@@ -668,7 +675,8 @@ class BwrapSandbox(Sandbox):
 
     def __init__(self, rootfs: str | None = None, *, limits: Limits | None = None, prespawn: bool = True,
                  env: dict[str, str] | None = None, uid_base: int = _linux.UID_BASE, bwrap: str | None = None,
-                 seccomp: bool = True, layer: ImageLayer | None = None, exec_chain: bool = True):
+                 seccomp: bool = True, layer: ImageLayer | None = None, exec_chain: bool = True,
+                 lease_dir: str | None = None):
         self.default_limits = limits or Limits()
         self.default_limits.validate()
         path = bwrap or shutil.which("bwrap") or (os.path.exists("/usr/bin/bwrap") and "/usr/bin/bwrap")
@@ -683,7 +691,7 @@ class BwrapSandbox(Sandbox):
             raise SandboxUnavailable("this host has no /usr/local to mount the sandbox image on: `mkdir /usr/local`")
         self.bwrap, self.rootfs, self.layer = path, rootfs, layer
         self._chain = exec_chain
-        self._extra_env, self._uid_base = env, uid_base
+        self._extra_env, self._uid_base, self._lease_dir = env, uid_base, lease_dir
         self._version = _bwrap_version(path)
         self._env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp",
                      "LANG": "C.UTF-8", "USER": "sandbox", "LOGNAME": "sandbox", **(layer.env if layer else {}),
@@ -708,7 +716,8 @@ class BwrapSandbox(Sandbox):
             os.chmod(self._s.base, 0o711)
             group = f"{_PREFIX}{os.getpid()}-{id(self):x}"
             for i in range(2 if self._prespawn else 1):
-                self._s.cells.append(_Cell(self._s.base, i, group, uid_base, self.default_limits.scratch_mb))
+                self._s.cells.append(_Cell(self._s.base, i, group, uid_base, self.default_limits.scratch_mb,
+                                           lease_dir))
             self._root: dict[bool, list[str]] = {}  # mount arguments per network setting, built once
             self._turn = 0
             if self._prespawn:
@@ -755,6 +764,7 @@ class BwrapSandbox(Sandbox):
         limits = limits or self.default_limits
         limits.validate()
         script = _script(command)
+        check_collect(collect)
         for name in sockets or {}:
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name in ("go", "cmd", ".", ".."):
                 raise ValueError(f"sandbox socket name {name!r}: use a plain file name other than go/cmd")
@@ -785,7 +795,7 @@ class BwrapSandbox(Sandbox):
     def _sibling(self) -> BwrapSandbox:
         return BwrapSandbox(self.rootfs, limits=self.default_limits, prespawn=False, env=self._extra_env,
                             uid_base=self._uid_base, bwrap=self.bwrap, seccomp=self._seccomp is not None,
-                            layer=self.layer, exec_chain=self._chain)
+                            layer=self.layer, exec_chain=self._chain, lease_dir=self._lease_dir)
 
     def close(self) -> None:
         with self._lock:
@@ -806,6 +816,7 @@ class BwrapSandbox(Sandbox):
             cell = self._s.cells[0]
             if cell.dirty:
                 cell = self._reset_cell(cell)
+            cell.dirty = True
             cell.mount(limits.scratch_mb)
             write_files(cell.work, files, cell.uid if cell.root else None)
             if self._has_sh:
@@ -848,6 +859,7 @@ class BwrapSandbox(Sandbox):
         try:
             if launch is None and cell.dirty:
                 cell = self._reset_cell(cell)
+            cell.dirty = True  # from here on, whatever happens (an error included), the next use empties it first
             cell.mount(limits.scratch_mb)
             if not cell.tmpfs and _size(files) > limits.scratch_mb << 20:  # a tmpfs refuses them itself
                 raise OSError(errno.ENOSPC, f"the files exceed the scratch cap of {limits.scratch_mb} MB")
@@ -953,7 +965,7 @@ class BwrapSandbox(Sandbox):
         idx = self._s.cells.index(cell)
         self._s.generation += 1
         new = _Cell(self._s.base, f"{idx}r{self._s.generation}", cell.group, cell.uid_base,
-                    self.default_limits.scratch_mb)
+                    self.default_limits.scratch_mb, cell.lease_dir)
         self._s.cells[idx] = new
         new.pidns |= cell.pidns
         self.counts["retired"] += 1

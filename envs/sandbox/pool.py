@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from envs.sandbox._common import check_collect
 from envs.sandbox.base import Limits, Sandbox, SandboxResult
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class SandboxPool(Sandbox):
         slot backend's `run` (bubblewrap)."""
         if self._closed:
             raise RuntimeError("this SandboxPool is closed")
+        check_collect(collect)  # a caller error: raised here, before anything runs
         fut: Future[SandboxResult] = Future()
         self._queue.put((fut, (command, files, limits, stdin, collect), {"sockets": sockets} if sockets else {}))
         return fut

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from envs.sandbox._common import (
     apply_rlimits,
+    check_collect,
     check_relpath,
     collect_files,
     decode,
@@ -50,6 +51,7 @@ def run_in_scratch(argv_for: Callable[[str], list[str]], files, limits: Limits, 
     output caps; kill its process group afterwards; remove the scratch."""
     for name in files or {}:
         check_relpath(name)
+    check_collect(collect)
     scratch = tempfile.mkdtemp(prefix="megatron-rl-scratch-", dir=scratch_parent)
     try:
         try:
