@@ -311,3 +311,115 @@ def test_a_tar_that_would_write_outside_the_cache_is_refused(open_dir):
             image_cache.ensure_cached(str(bad), str(open_dir / "cache"))
         assert os.listdir(outside) == [] and not (open_dir / "escape").exists()
         assert os.listdir(open_dir / "cache") == ["0" * 64 + ".lock"]  # nothing published, no temp left
+
+
+# -------------------------------------------------------------------- builds confined to the image's folder
+def payload_deb(folder: Path, name: str, entries: dict) -> Path:
+    """A .deb named `name` whose payload holds `entries`: path -> text (a file) or ("link", target)."""
+    pkg = folder / f"src-{name}"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN/control").write_text(f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
+                                        "Maintainer: t <t@example.org>\nDescription: test\n")
+    for path, v in entries.items():
+        p = pkg / path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(v, tuple):
+            os.symlink(v[1], p)
+        else:
+            p.write_text(v)
+    out = folder / f"{name}_1.0_all.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def _spec(name: str, debs: list[Path], **kw) -> ImageSpec:
+    return ImageSpec(name=name, debs=[str(d) for d in debs], apt_deps=False, deb_dirs=[], **kw)
+
+
+@needs_dpkg
+def test_attack_package_links_never_redirect_later_packages_or_files_entries(open_dir):
+    """A link a package puts in the image (absolute, `..`, a chain of links) must not send a later package's
+    files or a `files:` entry out of the image: the build refuses, naming the package or entry, and the host
+    folder the link points at stays empty (the builder used to follow such links: root on a root worker)."""
+    host = open_dir / "host"
+    host.mkdir()
+    src = open_dir / "payload.txt"
+    src.write_text("pwned")
+    up = "../" * 12 + str(host).lstrip("/")
+    cases = {  # name: (packages as (name, entries), files, what the error names)
+        "absolute": ([("mrl-abs", {"usr/lib/evil": ("link", str(host))}),
+                      ("mrl-writer", {"usr/lib/evil/pwned": "x"})], {}, "mrl-writer_1.0_all.deb"),
+        "dotdot": ([("mrl-up", {"usr/lib/up": ("link", up)}), ("mrl-writer2", {"usr/lib/up/pwned": "x"})], {},
+                   "mrl-up_1.0_all.deb"),
+        "chain": ([("mrl-chain", {"usr/lib/a": ("link", "b"), "usr/lib/b": ("link", str(host))}),
+                   ("mrl-writer3", {"usr/lib/a/pwned": "x"})], {}, "mrl-writer3_1.0_all.deb"),
+        "files": ([("mrl-opt", {"opt/evil": ("link", str(host))})], {"/opt/evil/pwned": str(src)},
+                  "files['/opt/evil/pwned']"),
+        "files-dir": ([("mrl-opt2", {"opt/d/evil": ("link", str(host))})], {"/opt/d": str(open_dir / "tree")},
+                      "files['/opt/d']"),
+    }
+    (open_dir / "tree" / "evil").mkdir(parents=True)
+    (open_dir / "tree" / "evil" / "pwned").write_text("x")
+    for case, (pkgs, files, named) in cases.items():
+        debs = [payload_deb(open_dir / case, n, e) for n, e in pkgs]
+        with pytest.raises(ImageBuildError) as e:
+            build(_spec(case, debs, files=files), str(open_dir / "store"))
+        assert named in str(e.value), (case, str(e.value))
+        assert os.listdir(host) == [], case
+    assert [n for n in os.listdir(open_dir / "store") if not n.startswith(".")] == []
+
+
+@needs_dpkg
+def test_attack_a_package_cannot_turn_the_mounted_folders_into_links(open_dir):
+    """A package whose /usr or /opt is a link to the host (bwrap would bind the host folder as the image's
+    /usr/local or /opt; later packages would be written there) is dropped at the top; the image's folders stay
+    real and the next package lands inside the image."""
+    host = open_dir / "host"
+    host.mkdir()
+    debs = [payload_deb(open_dir, "mrl-top", {"usr": ("link", str(host)), "opt": ("link", str(host))}),
+            payload_deb(open_dir, "mrl-after", {"usr/bin/mrl-after": "#!/bin/sh\necho after\n", "opt/x": "x"})]
+    layer = image_cache.resolve(_spec("top", debs), str(open_dir / "store"), str(open_dir / "cache"))
+    assert os.listdir(host) == []
+    assert [src for src, _ in layer.mounts()] == [os.path.join(layer.root, "usr/local"),
+                                                  os.path.join(layer.root, "opt")]
+    assert (Path(layer.root) / "usr/local/bin/mrl-after").is_file() and (Path(layer.root) / "opt/x").is_file()
+    with open(Path(layer.root) / ".image.json") as f:
+        assert {"mrl-top_1.0_all.deb:usr", "mrl-top_1.0_all.deb:opt"} <= set(yaml.safe_load(f)["dropped"])
+
+
+@needs_dpkg
+def test_links_that_stay_in_the_image_are_kept(open_dir):
+    """Ordinary package links: absolute (resolved in the sandbox's root, never by the builder) and relative
+    ones inside the image are kept as they are, and a program reaches its file through them."""
+    debs = [payload_deb(open_dir, "mrl-links", {"usr/lib/mrl/tool.sh": "echo via-link\n",
+                                                "usr/bin/mrl-rel": ("link", "../lib/mrl/tool.sh"),
+                                                "usr/bin/mrl-py": ("link", "/usr/bin/python3")})]
+    layer = image_cache.resolve(_spec("links", debs), str(open_dir / "store"), str(open_dir / "cache"))
+    assert os.readlink(Path(layer.root) / "usr/local/bin/mrl-rel") == "../lib/mrl/tool.sh"
+    assert os.readlink(Path(layer.root) / "usr/local/bin/mrl-py") == "/usr/bin/python3"
+    with BwrapSandbox(layer=layer, prespawn=False) as s:
+        r = s.run("sh /usr/local/bin/mrl-rel && mrl-py -c 'print(7)'")
+    assert r.ok and r.stdout == "via-link\n7\n", r
+
+
+def test_a_stored_image_whose_mounted_folder_is_a_link_is_refused(open_dir):
+    import io
+    import tarfile
+
+    bad = open_dir / "store" / ("1" * 64 + ".tar")
+    bad.parent.mkdir()
+    with tarfile.open(bad, "w") as tf:
+        ti = tarfile.TarInfo(".image.json")
+        ti.size = 2
+        tf.addfile(ti, io.BytesIO(b"{}"))
+        for name, target in (("usr", None), ("usr/local", "/"), ("opt", "../../../..")):
+            ti = tarfile.TarInfo(name)
+            if target is None:
+                ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+            else:
+                ti.type, ti.linkname = tarfile.SYMTYPE, target
+            tf.addfile(ti)
+    with pytest.raises(ImageBuildError, match="/usr/local is a symlink, not a folder"):
+        image_cache.ensure_cached(str(bad), str(open_dir / "cache"))
+    assert os.listdir(open_dir / "cache") == ["1" * 64 + ".lock"]

@@ -20,7 +20,16 @@ packages are trusted as the site's apt/pip sources are; the build runs package m
 read-only: a sandboxed program cannot change it for later runs. Dependencies the base lacks are added by
 apt's resolver (`resolve_apt`), those of local .debs (`debs`, `deb_dirs`) too; the resolved set depends on
 the apt sources at build time (pin versions for a fixed image; `apt_deps: false` turns resolution off).
-Not covered: absolute symlinks inside a package are not rewritten.
+The build is confined to its folder although packages and task folders come from task authors (Harbor tasks,
+local .deb folders): every path it writes is opened one component at a time without following links (openat,
+O_NOFOLLOW), so a link a package put in the image never sends a later package's files, pip's target or a
+`files:` entry anywhere else (the build stops, naming the package or entry, rather than write through a link);
+a folder is never replaced by a file or link, so /usr/local and /opt (what the sandbox mounts) stay real
+folders; a symlink whose target climbs out of its package or of the image with `..` is refused at unpack,
+naming the package (`check_link`); devices and FIFOs in a package are refused.
+Not covered: absolute symlinks inside a package are kept as they are (not rewritten to /usr/local): they
+resolve inside the sandbox's own root (e.g. /usr/bin/python3 -> /usr/bin/python3.11), which the builder never
+follows; a package's maintainer scripts are not run, so what they would set up is missing.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ import platform
 import posixpath
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -198,28 +208,191 @@ def _content_hash(path: str) -> str:
 # ------------------------------------------------------------------------------------------------ build
 def build_tree(spec: ImageSpec, root: str, work: str) -> dict:
     """Install `spec` into the empty folder `root` (the image's /), using `work` for downloads; returns the
-    manifest (also written to root/.image.json)."""
+    manifest (also written to root/.image.json). Nothing is written through a link (see `_open_image_dir`)."""
     spec.validate()
     dropped: list[str] = []
-    for deb in _fetch_debs(spec, os.path.join(work, "debs")):
-        dropped += _unpack_deb(deb, root, os.path.join(work, "x"))
-    if spec.pip:
-        _pip_install(spec, root)
-    for dest, src in spec.files.items():
-        target = os.path.join(root, image_path(dest, "files").lstrip("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if os.path.isdir(src):
-            shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
-        else:
-            shutil.copy2(src, target)
-    env = default_env(root)
-    env.update(spec.env)
-    manifest = {"format": FORMAT, "digest": spec.digest(), "name": spec.name, "spec": spec.to_dict(),
-                "env": env, "workdir": spec.workdir, "dropped": sorted(set(dropped))}
-    with open(os.path.join(root, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for d in _ROOT_DIRS:  # real folders from the start: what the sandbox mounts can never become a link
+            os.close(_open_image_dir(root_fd, d, "image"))
+        for deb in _fetch_debs(spec, os.path.join(work, "debs")):
+            dropped += _unpack_deb(deb, root_fd, os.path.join(work, "x"))
+        if spec.pip:
+            _pip_install(spec, root, root_fd)
+        for dest, src in spec.files.items():
+            rel = image_path(dest, "files").lstrip("/")
+            what = f"image {spec.name!r}: files[{dest!r}]"
+            parent = _open_image_dir(root_fd, posixpath.dirname(rel), what)
+            try:
+                _copy_in(src, parent, posixpath.basename(rel), rel, what, follow=True)
+            finally:
+                os.close(parent)
+        check_tree(root, f"image {spec.name!r}")
+        env = default_env(root)
+        env.update(spec.env)
+        manifest = {"format": FORMAT, "digest": spec.digest(), "name": spec.name, "spec": spec.to_dict(),
+                    "env": env, "workdir": spec.workdir, "dropped": sorted(set(dropped))}
+        fd = os.open(MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=root_fd)
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+    finally:
+        os.close(root_fd)
     _open_up(root)
     return manifest
+
+
+# ------------------------------------------------------------------------ writing confined to the image
+def _kind(mode: int) -> str:
+    return "a symlink" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else "a file"
+
+
+def _lstat_at(name: str, dfd: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _open_image_dir(root_fd: int, rel: str, what: str) -> int:
+    """An fd of the real folder `rel` below `root_fd`, made where missing. Every component is opened without
+    following links (O_NOFOLLOW): a link an earlier package or files: entry put in the image can never send
+    a later write out of it. ImageBuildError naming `what` and the path when a component is a link or file."""
+    fd = os.dup(root_fd)
+    done: list[str] = []
+    try:
+        for name in (p for p in rel.split("/") if p not in ("", ".")):
+            if name == "..":
+                raise ImageBuildError(f"{what}: {rel!r} climbs out of its folder")
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            done.append(name)
+            try:
+                nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                st = _lstat_at(name, fd)
+                kind = _kind(st.st_mode) if st else "missing"
+                raise ImageBuildError(f"{what}: /{'/'.join(done)} is {kind} in the image (put there by an earlier "
+                                      "package or files: entry), not a folder; the build never writes through "
+                                      "links - drop one of the two") from None
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_link(target: str, rel: str, what: str) -> None:
+    """Refuse a symlink at `rel` (relative to the image root, or a package's root) whose target, resolved
+    inside that root, leaves it: a relative target climbing above the root with `..`. An absolute target
+    (e.g. /usr/bin/python3.11) resolves inside the root the sandbox gives it and is kept; the builder never
+    follows any link."""
+    depth = len([p for p in posixpath.dirname(rel).split("/") if p not in ("", ".")])
+    if not target or "\0" in target:
+        raise ImageBuildError(f"{what}: symlink /{rel} has an empty target")
+    if target.startswith("/"):
+        return
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise ImageBuildError(f"{what}: symlink /{rel} -> {target} points outside the image; refused (a "
+                                      "link whose target leaves the image could redirect later files to the host)")
+        elif part not in ("", "."):
+            depth += 1
+
+
+def _merge_into(sfd: int, dfd: int, rel: str, what: str) -> None:
+    """Move every entry of the folder `sfd` into the folder `dfd` (`rel`: where that is in the image): folders
+    merged, files and links replacing files and links; never through a link, never a folder replaced."""
+    with os.scandir(sfd) as it:
+        names = sorted(e.name for e in it)
+    for name in names:
+        here = posixpath.join(rel, name)
+        st, dst = os.stat(name, dir_fd=sfd, follow_symlinks=False), _lstat_at(name, dfd)
+        if stat.S_ISDIR(st.st_mode):
+            if dst is not None and not stat.S_ISDIR(dst.st_mode):
+                raise ImageBuildError(f"{what}: /{here} is {_kind(dst.st_mode)} in the image (put there by an earlier "
+                                      "package or files: entry); this package has a folder there and the build "
+                                      "never writes through links")
+            if dst is None:
+                os.mkdir(name, 0o755, dir_fd=dfd)
+            s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+            try:
+                d2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    _merge_into(s2, d2, here, what)
+                finally:
+                    os.close(d2)
+            finally:
+                os.close(s2)
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            check_link(os.readlink(name, dir_fd=sfd), here, what)
+        elif not stat.S_ISREG(st.st_mode):
+            raise ImageBuildError(f"{what}: /{here} is not a regular file, folder or symlink (a device or FIFO)")
+        if dst is not None and stat.S_ISDIR(dst.st_mode):
+            raise ImageBuildError(f"{what}: /{here} is a folder in the image; this package has {_kind(st.st_mode)} "
+                                  "there")
+        if dst is not None:
+            os.unlink(name, dir_fd=dfd)
+        os.rename(name, name, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+
+def _copy_in(src: str, dfd: int, name: str, rel: str, what: str, follow: bool = False) -> None:
+    """Copy the host file or folder `src` to `name` in the image folder `dfd` (links inside folders as links,
+    checked by `check_link`), never writing through a link of the image."""
+    st = os.stat(src) if follow else os.lstat(src)
+    dst = _lstat_at(name, dfd)
+    if stat.S_ISDIR(st.st_mode):
+        if dst is not None and not stat.S_ISDIR(dst.st_mode):
+            raise ImageBuildError(f"{what}: /{rel} is {_kind(dst.st_mode)} in the image, not a folder; the build "
+                                  "never writes through links")
+        if dst is None:
+            os.mkdir(name, 0o755, dir_fd=dfd)
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            for child in sorted(os.listdir(src)):
+                _copy_in(os.path.join(src, child), sub, child, posixpath.join(rel, child), what)
+        finally:
+            os.close(sub)
+        return
+    if dst is not None and stat.S_ISDIR(dst.st_mode):
+        raise ImageBuildError(f"{what}: /{rel} is a folder in the image; the entry is {_kind(st.st_mode)}")
+    if dst is not None:
+        os.unlink(name, dir_fd=dfd)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(src)
+        check_link(target, rel, what)
+        os.symlink(target, name, dir_fd=dfd)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise ImageBuildError(f"{what}: {src} is not a regular file, folder or symlink")
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    with os.fdopen(out, "wb") as w, open(src, "rb") as r:
+        shutil.copyfileobj(r, w, 1 << 20)
+        os.fchmod(w.fileno(), stat.S_IMODE(st.st_mode) & 0o777)
+
+
+def check_tree(root: str, what: str) -> None:
+    """An image tree is confined: what the sandbox mounts (/usr/local, /opt) are real folders, not links the
+    host would follow when binding them, and no link anywhere climbs out of the image (`check_link`)."""
+    for d in _ROOT_DIRS:
+        p = os.path.join(root, d)
+        if os.path.lexists(p) and not stat.S_ISDIR(os.lstat(p).st_mode):
+            raise ImageBuildError(f"{what}: /{d} is {_kind(os.lstat(p).st_mode)}, not a folder; the sandbox would "
+                                  "mount what it points to on the host")
+    check_links(root, what)
+
+
+def check_links(root: str, what: str) -> None:
+    """Every symlink below `root` (walked without following links) passes `check_link`."""
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                check_link(os.readlink(p), os.path.relpath(p, root), what)
 
 
 def default_env(root: str) -> dict[str, str]:
@@ -330,43 +503,61 @@ def _local_deb(dirs: list[str], name: str, version: str) -> str | None:
     return None
 
 
-def _unpack_deb(deb: str, root: str, scratch: str) -> list[str]:
+_MOVES = (("usr/lib/python3/dist-packages", "usr/local/{py}"), ("usr/local", "usr/local"), ("usr", "usr/local"),
+          ("bin", "usr/local/bin"), ("sbin", "usr/local/sbin"), ("lib", "usr/local/lib"),
+          ("lib64", "usr/local/lib64"), ("opt", "opt"))
+"""Where a package's folders go in the image (package path -> image path), first match first."""
+
+
+def _unpack_deb(deb: str, root_fd: int, scratch: str) -> list[str]:
     """dpkg-deb -x into `scratch`, then move its files into the image's /usr/local (see the module docstring);
-    returns the top-level folders dropped (etc, var ...)."""
+    returns the top-level entries dropped (etc, var, links at the top ...). ImageBuildError naming the package
+    for a link that leaves the package or the image, or a write that would go through a link."""
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
     r = subprocess.run(["dpkg-deb", "-x", deb, scratch], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise ImageBuildError(f"{deb}: dpkg-deb -x failed: {r.stderr.strip()[-300:]}")
+    what = f"package {os.path.basename(deb)}"
+    check_links(scratch, what)  # links climbing out of the package itself
     py = f"lib/python{site_python()}/dist-packages"
-    moves = [("usr/lib/python3/dist-packages", f"usr/local/{py}"), ("usr/local", "usr/local"), ("usr", "usr/local"),
-             ("bin", "usr/local/bin"), ("sbin", "usr/local/sbin"), ("lib", "usr/local/lib"),
-             ("lib64", "usr/local/lib64"), ("opt", "opt")]
-    for src, dst in moves:
-        _merge(os.path.join(scratch, src), os.path.join(root, dst))
+    for src, dst in _MOVES:
+        sfd = _open_package_dir(scratch, src)
+        if sfd is None:  # missing, or a link / file in the package: moved by a shorter entry, or dropped
+            continue
+        try:
+            dfd = _open_image_dir(root_fd, dst.format(py=py), what)
+            try:
+                _merge_into(sfd, dfd, dst.format(py=py), what)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+        shutil.rmtree(os.path.join(scratch, src))  # only (empty) real folders are left of it
     dropped = [f"{os.path.basename(deb)}:{n}" for n in os.listdir(scratch)]
     shutil.rmtree(scratch, ignore_errors=True)
     return dropped
 
 
-def _merge(src: str, dst: str) -> None:
-    """Move the tree `src` into `dst` (folders merged, files replaced), then remove what is left of `src`."""
-    if not os.path.lexists(src):
-        return
-    if os.path.islink(src) or not os.path.isdir(src):
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dst) if not os.path.isdir(dst) or os.path.islink(dst) else shutil.rmtree(dst)
-        os.rename(src, dst)
-        return
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        _merge(os.path.join(src, name), os.path.join(dst, name))
-    os.rmdir(src)
+def _open_package_dir(scratch: str, rel: str) -> int | None:
+    """An fd of the real folder `rel` of an unpacked package, None when missing or when a component is not a
+    real folder (a link of the package is never followed)."""
+    fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    for name in rel.split("/"):
+        try:
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = nfd
+    return fd
 
 
-def _pip_install(spec: ImageSpec, root: str) -> None:
-    target = os.path.join(root, f"usr/local/lib/python{site_python()}/dist-packages")
+def _pip_install(spec: ImageSpec, root: str, root_fd: int) -> None:
+    rel = f"usr/local/lib/python{site_python()}/dist-packages"
+    os.close(_open_image_dir(root_fd, rel, "pip"))  # a real folder, whatever the packages put in the image
+    target = os.path.join(root, rel)
     cmd = [HOST_PYTHON if _has_pip(HOST_PYTHON) else sys.executable, "-m", "pip", "install", "--target", target,
            "--no-compile", "--disable-pip-version-check", "--no-warn-script-location", "--quiet"]
     for d in spec.pip_find_links:
@@ -377,9 +568,17 @@ def _pip_install(spec: ImageSpec, root: str) -> None:
                        env={**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"})
     if r.returncode != 0:
         raise ImageBuildError(f"pip install {' '.join(spec.pip)} failed: {(r.stderr or r.stdout).strip()[-400:]}")
-    scripts = os.path.join(target, "bin")
-    if os.path.isdir(scripts):  # console scripts: on PATH, run by the sandbox's python3
-        _merge(scripts, os.path.join(root, "usr/local/bin"))
+    sfd = _open_package_dir(target, "bin")
+    if sfd is not None:  # console scripts: on PATH, run by the sandbox's python3
+        try:
+            dfd = _open_image_dir(root_fd, "usr/local/bin", "pip")
+            try:
+                _merge_into(sfd, dfd, "usr/local/bin", f"pip install {' '.join(spec.pip)}")
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+        shutil.rmtree(os.path.join(target, "bin"))
 
 
 def _has_pip(python: str) -> bool:

@@ -12,10 +12,13 @@ worker's uid, and they are mounted read-only.
 THREAT MODEL: the store is trusted (written by this project's builder); the cache folder must be node-local
 and owned by the worker (a cache folder owned by another uid is refused). squashfs images are extracted
 with `unsquashfs` (rootless, no FUSE needed), tars member by member (`image._safe_members`: no absolute or
-`..` names, device files, hard links out, or writes through a symlink of the archive).
+`..` names, device files, hard links out, or writes through a symlink of the archive). An extracted image is
+checked before it is published (`image.check_tree`): its /usr/local and /opt are real folders (a link there
+would make bwrap bind the link's target on the host) and no symlink climbs out of it; `mounts()` checks again.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -48,8 +51,14 @@ class ImageLayer:
 
     def mounts(self) -> list[tuple[str, str]]:
         """(host folder, sandbox path) pairs to bind read-only: /usr/local and /opt when the image has them."""
-        return [(os.path.join(self.root, d), "/" + d) for d in img._ROOT_DIRS
-                if os.path.isdir(os.path.join(self.root, d))]
+        out = []
+        for d in img._ROOT_DIRS:
+            p = os.path.join(self.root, d)
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.lstat(p).st_mode):  # a link would make bwrap bind its host target
+                    raise img.ImageBuildError(f"image {self.root}: /{d} is not a real folder; refusing to mount it")
+                out.append((p, "/" + d))
+        return out
 
 
 def default_cache_dir() -> str:
@@ -97,8 +106,9 @@ def _fill(file: str, cache_dir: str, digest: str, final: str) -> None:
     try:
         dest = os.path.join(tmp, "root")
         img.unpack(file, dest)
-        if not os.path.isfile(os.path.join(dest, img.MANIFEST)):
+        if not os.path.isfile(os.path.join(dest, img.MANIFEST)) or os.path.islink(os.path.join(dest, img.MANIFEST)):
             raise img.ImageBuildError(f"{file}: not an image of this project (no {img.MANIFEST})")
+        img.check_tree(dest, file)  # /usr/local and /opt real folders, no link out of the image
         img._open_up(dest)
         try:
             os.rename(dest, final)
