@@ -7,7 +7,8 @@ An image is a layer over the node's own Debian system: everything it installs li
 taken from local .deb folders, e.g. /var/cache/apt/archives) and unpacked with `dpkg-deb -x`; their `usr/`
 (and `bin/`, `lib/`) is relocated to `usr/local/`, `usr/lib/python3/dist-packages` to the Python site folder
 of `/usr/local`; `etc/` and `var/` of a package are dropped (listed in the manifest). Pip requirements go
-in with `pip install --target /usr/local/lib/python3.X/dist-packages`, a folder on the host python's path.
+in with `pip install --target` (a fresh folder, then moved to /usr/local/lib/python3.X/dist-packages, a folder
+on the host python's path; console scripts to /usr/local/bin).
 
 Content address: sha256 of the canonical spec, the format version, the base (host Debian release, machine,
 python version) and the bytes of every local input (COPY'd files, local .debs, wheel folders). Same spec ->
@@ -218,7 +219,7 @@ def build_tree(spec: ImageSpec, root: str, work: str) -> dict:
         for deb in _fetch_debs(spec, os.path.join(work, "debs")):
             dropped += _unpack_deb(deb, root_fd, os.path.join(work, "x"))
         if spec.pip:
-            _pip_install(spec, root, root_fd)
+            _pip_install(spec, root_fd, work)
         for dest, src in spec.files.items():
             rel = image_path(dest, "files").lstrip("/")
             what = f"image {spec.name!r}: files[{dest!r}]"
@@ -543,7 +544,7 @@ def _open_package_dir(scratch: str, rel: str) -> int | None:
     """An fd of the real folder `rel` of an unpacked package, None when missing or when a component is not a
     real folder (a link of the package is never followed)."""
     fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    for name in rel.split("/"):
+    for name in (p for p in rel.split("/") if p not in ("", ".")):
         try:
             nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         except OSError:
@@ -554,10 +555,12 @@ def _open_package_dir(scratch: str, rel: str) -> int | None:
     return fd
 
 
-def _pip_install(spec: ImageSpec, root: str, root_fd: int) -> None:
-    rel = f"usr/local/lib/python{site_python()}/dist-packages"
-    os.close(_open_image_dir(root_fd, rel, "pip"))  # a real folder, whatever the packages put in the image
-    target = os.path.join(root, rel)
+def _pip_install(spec: ImageSpec, root_fd: int, work: str) -> None:
+    """pip install --target a fresh folder of `work` (pip never sees the image, nor a link a package put in
+    it), then merged into /usr/local's site folder and its console scripts into /usr/local/bin (`_merge_into`)."""
+    target = os.path.join(work, "pip")
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(target)
     cmd = [HOST_PYTHON if _has_pip(HOST_PYTHON) else sys.executable, "-m", "pip", "install", "--target", target,
            "--no-compile", "--disable-pip-version-check", "--no-warn-script-location", "--quiet"]
     for d in spec.pip_find_links:
@@ -568,17 +571,21 @@ def _pip_install(spec: ImageSpec, root: str, root_fd: int) -> None:
                        env={**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"})
     if r.returncode != 0:
         raise ImageBuildError(f"pip install {' '.join(spec.pip)} failed: {(r.stderr or r.stdout).strip()[-400:]}")
-    sfd = _open_package_dir(target, "bin")
-    if sfd is not None:  # console scripts: on PATH, run by the sandbox's python3
+    what = f"pip install {' '.join(spec.pip)}"
+    for src, dst in (("bin", "usr/local/bin"), (".", f"usr/local/lib/python{site_python()}/dist-packages")):
+        sfd = _open_package_dir(target, src)
+        if sfd is None:
+            continue
         try:
-            dfd = _open_image_dir(root_fd, "usr/local/bin", "pip")
+            dfd = _open_image_dir(root_fd, dst, what)
             try:
-                _merge_into(sfd, dfd, "usr/local/bin", f"pip install {' '.join(spec.pip)}")
+                _merge_into(sfd, dfd, dst, what)
             finally:
                 os.close(dfd)
         finally:
             os.close(sfd)
-        shutil.rmtree(os.path.join(target, "bin"))
+        if src != ".":
+            shutil.rmtree(os.path.join(target, src))
 
 
 def _has_pip(python: str) -> bool:
