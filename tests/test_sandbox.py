@@ -786,13 +786,11 @@ def _lease_job(repo_root, tmpdir: Path, base: int, who: dict) -> subprocess.Pope
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, **who)
 
 
-@pytest.mark.parametrize("as_nobody", [False, True])
+@pytest.mark.parametrize("as_nobody", [False, pytest.param(True, marks=needs_root)])
 def test_two_jobs_with_their_own_tmpdir_never_lease_the_same_uid(repo_root, tmp_path, as_nobody):
     """Slurm gives every job its own TMPDIR: a lease registry under it let two jobs on one node lease one uid.
     The registry is node-wide, so the second job finds the uid taken; when the holder is killed (a crash) the
     kernel drops its lock and the uid is leased again. As root and as uid 65534 (its own folder under /run/lock)."""
-    if as_nobody and not ROOT:
-        pytest.skip("needs root to start processes as uid 65534 (this pass already runs as a normal user)")
     who = dict(user=65534, group=65534, extra_groups=[]) if as_nobody else {}
     os.chmod(tmp_path, 0o755)
     base = 3_900_000 + (os.getpid() % 1000) * 4 + as_nobody  # a uid no sandbox of a concurrent test run leases

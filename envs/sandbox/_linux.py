@@ -10,11 +10,12 @@ worker's uid, writable by no one else) and lease files are opened without follow
 can plant links or hold leases in it. Scratch tmpfs mounts are `nosuid,nodev` with a size and inode cap;
 orphaned sandbox processes are reaped through pidfds checked against the slot uid, so the worker never reaps
 (and steals the exit status of) a process it does not own.
-Not covered: uids are not reserved in /etc/passwd - a host account with a uid in the sandbox range
-(default 2,000,000-2,065,535) would share it; choose `uid_base` accordingly. Workers that point
-`lease_dir` at different folders do not see each other's leases. A worker that is not root leases no uid (its
-slots all run as its own uid); `UidLease` used by such a user keeps its leases in a folder of its own under
-the system's /run/lock (`/run/lock/megatron-rl-sandbox-uids-<uid>`): node-wide for that user, not across users.
+Not covered: uids are not reserved in /etc/passwd - a host account with a uid in the sandbox range (default
+2,000,000-2,065,535) would share it; choose `uid_base` accordingly. Workers that point `lease_dir` at different
+folders do not see each other's leases, nor do jobs that each run in a container with a private /run (bind one
+host folder into every such container and name it in `lease_dir`). A worker that is not root leases no uid (its
+slots all run as its own uid); `UidLease` used by such a user keeps its leases in a folder of its own under the
+system's /run/lock (`/run/lock/megatron-rl-sandbox-uids-<uid>`): node-wide for that user, not across users.
 """
 from __future__ import annotations
 
