@@ -212,11 +212,18 @@ def lease_dir(configured: str | None = None) -> str:
     except OSError as e:
         raise LeaseDirError(e.errno, f"sandbox uid lease folder {path!r} cannot be made or read ({e.strerror}); "
                                      f"{fix}") from None
+    _check_lease_dir(st, path)
+    return path
+
+
+def _check_lease_dir(st: os.stat_result, path: str) -> None:
+    uid = os.geteuid()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
         raise LeaseDirError(errno.EPERM, f"sandbox uid lease folder {path!r} is not a folder owned by uid {uid} "
                                          f"that only its owner can write (a link, another owner, or mode "
-                                         f"{stat.S_IMODE(st.st_mode):o}); {fix}")
-    return path
+                                         f"{stat.S_IMODE(st.st_mode):o}); remove it, or set sandbox.lease_dir to "
+                                         "a folder of this user that no other user can write (the same path for "
+                                         "every job on the node)")
 
 
 class UidLease:
@@ -229,6 +236,7 @@ class UidLease:
         self._fd = -1
         dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
+            _check_lease_dir(os.fstat(dfd), self.dir)  # the folder in use is the one checked (no swap after lstat)
             start = (os.getpid() * 7) % count  # spread processes over the range to make collisions rare
             for i in range(count):
                 uid = base + (start + i) % count
