@@ -423,3 +423,26 @@ def test_a_stored_image_whose_mounted_folder_is_a_link_is_refused(open_dir):
     with pytest.raises(ImageBuildError, match="/usr/local is a symlink, not a folder"):
         image_cache.ensure_cached(str(bad), str(open_dir / "cache"))
     assert os.listdir(open_dir / "cache") == ["1" * 64 + ".lock"]
+
+
+@needs_dpkg
+def test_attack_pip_scripts_never_follow_a_package_link(open_dir):
+    """A package whose /usr/bin is a link to a host folder: pip's console scripts (merged into /usr/local/bin
+    after pip ran) used to land in that host folder. The build refuses, naming pip, and the folder stays empty."""
+    host = open_dir / "host"
+    host.mkdir()
+    wheels = open_dir / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "mrl_scriptmod-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("mrl_scriptmod/__init__.py", "def main():\n    print('hi')\n")
+        z.writestr("mrl_scriptmod-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: mrl-scriptmod\nVersion: 1.0\n")
+        z.writestr("mrl_scriptmod-1.0.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("mrl_scriptmod-1.0.dist-info/entry_points.txt",
+                   "[console_scripts]\nmrl-script = mrl_scriptmod:main\n")
+        z.writestr("mrl_scriptmod-1.0.dist-info/RECORD", "")
+    debs = [payload_deb(open_dir, "mrl-binlink", {"usr/bin": ("link", str(host))})]
+    spec = _spec("pipscripts", debs, pip=["mrl-scriptmod"], pip_find_links=[str(wheels)], pip_no_index=True)
+    with pytest.raises(ImageBuildError, match="pip install mrl-scriptmod: /usr/local/bin is a symlink"):
+        build(spec, str(open_dir / "store"))
+    assert os.listdir(host) == []
