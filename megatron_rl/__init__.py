@@ -12,6 +12,10 @@ from megatron_rl.compat import deferred_compile as _deferred_compile  # noqa: E4
 
 _deferred_compile.install()  # Megatron's import without TorchDynamo (its torch.compile decorations wait for a call)
 
+from megatron_rl.compat import quiet as _quiet  # noqa: E402
+
+_quiet.install()  # Megatron's known-harmless CPU warnings (no TE/Apex) filtered, each named with its reason
+
 __all__ = ["load_config", "train", "export"]
 
 

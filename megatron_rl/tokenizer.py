@@ -187,6 +187,22 @@ class HFTokenizer:
             return self.encode(self.render(with_tools_system(messages, tools)))
         return self.encode(self.render(messages, tools))
 
+    def end_of_turn(self) -> str | None:
+        """The special token that closes an assistant turn in the chat template (SmolLM2: <|im_end|>), found by
+        rendering one; None without a template, when it fails to render, or when a turn ends in plain text."""
+        if not self.chat_template:
+            return None
+        mark = "\x01ASSISTANT\x01"
+        chat = [{"role": "user", "content": "U"}, {"role": "assistant", "content": mark}]
+        try:
+            text = self.render(chat, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 (a template may refuse this chat: raise_exception, missing variables)
+            return None
+        after = text.split(mark, 1)[1].lstrip() if mark in text else ""
+        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        return next((t for t in specials if after.startswith(t)), None)
+
     @property
     def template_renders_tools(self) -> bool:
         return bool(self.chat_template) and "tools" in self.chat_template

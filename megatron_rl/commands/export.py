@@ -4,7 +4,9 @@ Reads the run's checkpoint (the latest, or RL step N) and writes safetensors, co
 of the run's model: the model.init checkpoint's own config.json with the policy's dtype; or, for a model made
 from random weights, the first architecture whose config.json describes it exactly: Llama for a plain dense one,
 Mixtral for an MoE with every layer MoE, ...; `tools.convert.arch.describe`), the tokenizer files of the run's
-tokenizer and a generation_config.json whose eos ids are the tokenizer's stop ids. Only the policy's weights are
+tokenizer with the eos / bos / pad tokens and tokenizer class every HF tool reads alike
+(`megatron_rl.models.tokenizer_files`: eos = the chat template's end of turn, also in generation_config.json;
+a byte tokenizer's stop ids for a model without one). Only the policy's weights are
 read (the optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
 (default: <run>/export/hf-step-N). `--verify` loads it with transformers' `from_pretrained` and checks that
 every tensor is accounted for and that its logits equal the Megatron policy's on the checkpoint.
@@ -88,6 +90,7 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         fresh.rename(dest)
         return {**report, "out": str(dest), "replaced": True}
     from megatron_rl import config as C
+    from megatron_rl.models.tokenizer_files import normalize as normalize_tokenizer_files
     from megatron_rl.run_config import RunConfig
     from tools.convert import runtime
     from tools.convert.arch import for_hf_config
@@ -112,7 +115,10 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         report["tensors"] = len(writer.finish())
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         report["side_files"] = copy_side_files(Path(tok_dir), tmp) if tok_dir else []
-        _generation_config(tmp, cfg, hf)
+        if tok_dir:  # eos = the template's end of turn, bos, pad, tokenizer class: read alike by every HF tool
+            report["tokenizer_files_fixed"] = normalize_tokenizer_files(tmp)
+        else:
+            _generation_config(tmp, cfg, hf)
         if verify:
             from tools.convert import verify as V
 
@@ -122,7 +128,8 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
 
 
 def _generation_config(folder: Path, cfg, hf: dict) -> None:
-    """generation_config.json: the tokenizer's stop ids as eos (merged into one the model already had)."""
+    """generation_config.json of a model without an HF tokenizer folder (the byte tokenizer): its stop ids as
+    eos (merged into one the model already had)."""
     tok = cfg.tokenizer.build(cfg.model)
     f = folder / "generation_config.json"
     gen = json.loads(f.read_text()) if f.is_file() else {}

@@ -23,13 +23,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def _plot(ax, rows: list[dict], keys: list[str], title: str) -> None:
+    drawn = False
     for k in keys:
         pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
         if pts:
             ax.plot(*zip(*pts), marker=".", label=k)
+            drawn = True
     ax.set_title(title)
     ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+    if drawn:  # (an empty legend makes matplotlib warn at the end of a run)
+        ax.legend(fontsize=7)
 
 
 def make_report(run_dir: str | Path) -> list[Path]:

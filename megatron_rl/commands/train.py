@@ -69,9 +69,9 @@ def run(cfg: RunConfig) -> dict:
 
 
 def drive(cfg: RunConfig, run_dir: Path) -> int:
+    t0, cpu0 = time.time(), cpu_seconds()  # a baseline: what ran before (scripts/run.sh's set-up) is not counted
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
-    t0 = time.time()
     _say(f"run '{cfg.name}' -> {run_dir}  (layout tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}, "
          f"{cfg.launch.nproc_per_node} ranks; RL: {cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x "
          f"{cfg.rl.group_size} samples, max_staleness={cfg.rl.max_staleness})")
@@ -84,8 +84,18 @@ def drive(cfg: RunConfig, run_dir: Path) -> int:
         _say(f"training ranks failed (exit {rc}); see the output above")
         return rc
     export_dir = _export(cfg, run_dir) if cfg.export.enabled and cfg.rl.steps > 0 else None
-    summary(cfg, run_dir, time.time() - t0, export_dir)
+    summary(cfg, run_dir, time.time() - t0, cpu_seconds() - cpu0, export_dir)
     return 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that were waited for (the ranks, their
+    sandboxes). Both counters survive `exec`: scripts/run.sh's set-up (pip, the model import) is in them when
+    the run starts, so a run reports the difference from its start (`drive`)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:
@@ -204,7 +214,8 @@ def _call(cmd: list[str], env) -> int:
     return 3 if stopped and rc != 0 else rc
 
 
-def summary(cfg: RunConfig, run_dir: Path, seconds: float, export_dir: Path | None = None) -> None:
+def summary(cfg: RunConfig, run_dir: Path, seconds: float, cpu: float, export_dir: Path | None = None) -> None:
+    """Print the run's outcome and write summary.json; `seconds` and `cpu`: the run's own wall and CPU time."""
     from megatron_rl.commands.report import read_metrics
 
     rows = read_metrics(run_dir)
@@ -212,10 +223,6 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float, export_dir: Path | No
     sft_eval = [r for r in rows if r["kind"] == "sft_eval"]
     rl = [r for r in rows if r["kind"] == "rl"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    import resource
-
-    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for f in ("ru_utime", "ru_stime"))
     _say(f"finished in {seconds:.0f} s wall, {cpu:.0f} s CPU (this process and the ranks, sandboxes included)")
     write_summary(cfg, run_dir, rows, seconds, cpu, export_dir)
     if sft:

@@ -156,9 +156,15 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     tok = cfg.tokenizer.build(cfg.model)
     tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
+    t0 = time.monotonic()
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
     engine, sync = build_engine(cfg, ctx, tok.vocab_size)
+    if rank0:
+        source = "the warm-up's weights" if warm is not None else cfg.model.init or "random weights"
+        print(f"[megatron-rl] policy ({source}, {cfg.model.num_layers} layers) and rollout engine ready in "
+              f"{time.monotonic() - t0:.0f} s; {sum(map(len, tasks['rl'].values()))} RL tasks, "
+              f"{len(tasks['eval'])} held-out eval tasks", flush=True)
     runner = episode_runner(cfg, run_dir) if scores_episodes(cfg, ctx) else None
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
