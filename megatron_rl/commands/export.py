@@ -3,7 +3,7 @@
 Reads the run's checkpoint (the latest, or RL step N) and writes safetensors, config.json (the architecture
 of the run's model: the model.init checkpoint's own config.json with the policy's dtype; or, for a model made
 from random weights, the first architecture whose config.json describes it exactly: Llama for a plain dense one,
-Mixtral for an MoE with every layer MoE, ...; `tools.convert.arch.describe`), the tokenizer files of the run's
+Mixtral for an MoE with every layer MoE, ...; `megatron_rl.convert.arch.describe`), the tokenizer files of the run's
 tokenizer and a generation_config.json whose eos ids are the tokenizer's stop ids. Only the policy's weights are
 read (the optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
 (default: <run>/export/hf-step-N). `--verify` loads it with transformers' `from_pretrained` and checks that
@@ -30,7 +30,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.convert.arch.base import ConvertError
+    from megatron_rl.convert.arch.base import ConvertError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -60,8 +60,8 @@ def default_out(run_dir: Path, ckpt: Path) -> Path:
 
 def hf_config_of(cfg) -> tuple[dict, str]:
     """(config.json of the exported folder, tokenizer folder or '') for a run config."""
-    from megatron_rl.models import source
-    from tools.convert.arch import describe
+    from megatron_rl.convert import source
+    from megatron_rl.convert.arch import describe
 
     if cfg.model.init:
         hf = dict(source.hf_config(cfg.model.init))
@@ -88,11 +88,11 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         fresh.rename(dest)
         return {**report, "out": str(dest), "replaced": True}
     from megatron_rl import config as C
+    from megatron_rl.convert import runtime
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.convert.convert import all_rules, ckpt_layout, export_hf
+    from megatron_rl.convert.hf_io import HFWriter, copy_side_files
     from megatron_rl.run_config import RunConfig
-    from tools.convert import runtime
-    from tools.convert.arch import for_hf_config
-    from tools.convert.convert import all_rules, ckpt_layout, export_hf
-    from tools.convert.hf_io import HFWriter, copy_side_files
 
     cfg = C.load(RunConfig, run_dir / "config.yaml")
     ckpt = checkpoint_of(run_dir, step)
@@ -114,7 +114,7 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         report["side_files"] = copy_side_files(Path(tok_dir), tmp) if tok_dir else []
         _generation_config(tmp, cfg, hf)
         if verify:
-            from tools.convert import verify as V
+            from megatron_rl.convert import verify as V
 
             copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
             report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol, copies)

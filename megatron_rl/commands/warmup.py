@@ -206,7 +206,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
     (same data order: the sampler is replayed up to that step). Checkpoints every train.checkpoint_every steps,
     at the end, and when `stop` (driver.StopFlag) reports a signal. Returns (the Policy, the stop reason or
     None); (None, reason) when stopped before its end."""
-    from megatron_rl.models.source import initializer
+    from megatron_rl.convert.source import initializer
     from megatron_rl.trainer.policy import Policy
 
     tok = cfg.tokenizer.build(cfg.model)

@@ -496,6 +496,10 @@ def _server_configs(path: str | None, vocab_size: int):
         return ModelConfig(vocab_size=vocab_size), EngineConfig(), ByteTokenizer(vocab_size)
     data = read_yaml_mapping(path)
     model = from_dict(ModelConfig, data.get("model", {}))
+    if model.init:
+        from megatron_rl.convert.source import resolve
+
+        resolve(model)  # the resolve step: the checkpoint's shape
     tok = from_dict(TokenizerConfig, data.get("tokenizer", {})).build(model)
     return model, from_dict(EngineConfig, data.get("engine", {})), tok
 

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tools.convert.arch.base import ConvertError
+from megatron_rl.convert.arch.base import ConvertError
 
 
 def gguf_in_package(package: str) -> Path:
