@@ -21,8 +21,9 @@ from envs.base import (
     SingleTurnEnvironment,
     Task,
 )
-from envs.rewards import extract_tag, reward, sandbox_problem
+from envs.rewards import extract_tag, reward
 from envs.sandbox.base import Limits
+from envs.workspace import sandbox_problem
 
 PROMPT = ("Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
           "operations (+, -, *, /) and each number can be used at most once. Show your work in <think> </think> "
