@@ -114,6 +114,17 @@ class CountdownEnv(SingleTurnEnvironment):
         return RewardSpec([RewardComponent("correct", "countdown", 1.0),
                            RewardComponent("format", "format", 0.1, {"kind": "answer_tag"})])
 
+    def compact_prompt(self, task: Task) -> str:
+        """`3 5 25 -> 75`: the numbers and the target, for tiny byte-level models."""
+        return f"{' '.join(map(str, task.payload['numbers']))} -> {task.payload['target']}\n"
+
+    def reference_response(self, task: Task, corrupt: bool = False) -> str | None:
+        """`<answer>solution</answer>`; corrupt: `<answer>1 + solution</answer>` (off the target by one)."""
+        solution = task.payload.get("solution")
+        if not isinstance(solution, str):
+            return None
+        return f"<answer>{'1 + ' if corrupt else ''}{solution}</answer>"
+
 
 # ------------------------------------------------------------------------------------------- generator
 def _random_solution(rng: random.Random, numbers: list[int]) -> tuple[str, int] | None:
