@@ -1,4 +1,6 @@
-"""Checkpoint conversion HF <-> Megatron-Core `dist_checkpointing` (torch_dist), and resharding.
+"""Checkpoint conversion HF <-> Megatron-Core `dist_checkpointing` (torch_dist), and resharding: a library of the
+product (`model.init` and the end-of-run export use it: `source.py`, `commands/export.py`); the operator CLI
+on top is `tools/convert/cli.py`.
 
     megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--verify]
     megatron-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config DIR_or_ARCH] [--verify]
