@@ -28,7 +28,7 @@ setup(
         "jsonschema>=4.18",  # tool-call arguments are validated against each tool's JSON schema
         "math-verify>=0.7",  # math answers (LaTeX and expression equivalence)
         "aiohttp>=3.9",  # rollout server (megatron_rl.rollout.server); handler_cancellation needs 3.9
-        "safetensors>=0.4",  # HF checkpoint conversion (tools/convert)
+        "safetensors>=0.4",  # HF checkpoint conversion (megatron_rl/convert)
         "matplotlib>=3.7",  # megatron-rl report (plots of a run)
         "tensorboard>=2.14",  # TensorBoard metrics of the RL loop (torch.utils.tensorboard needs it)
         "tokenizers>=0.19",  # HF tokenizers of real models (megatron_rl/tokenizer.py), no transformers needed

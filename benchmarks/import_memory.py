@@ -62,7 +62,7 @@ class _MmapFile:
 def _previous_path() -> None:
     """Swap the memory-mapped reader, the randomly initialised build and the heap kept after each tensor back into
     the converter."""
-    from tools.convert import convert, hf_io, layout, runtime
+    from megatron_rl.convert import convert, hf_io, layout, runtime
 
     hf_io.SafetensorsFile = _MmapFile
     runtime.release_freed_memory = lambda: None
@@ -77,8 +77,8 @@ def _child(side: str, hf: str, out: str) -> None:
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
-    from tools.convert import runtime
-    from tools.convert.convert import hf_to_mcore
+    from megatron_rl.convert import runtime
+    from megatron_rl.convert.convert import hf_to_mcore
 
     runtime.start()
     if side == "mmap_init":
@@ -91,7 +91,7 @@ def _child(side: str, hf: str, out: str) -> None:
 
 def model_bytes(hf: str) -> int:
     """Bytes of every tensor in the folder's safetensors (from their headers)."""
-    from tools.convert.hf_io import SafetensorsFile
+    from megatron_rl.convert.hf_io import SafetensorsFile
 
     total = 0
     for f in sorted(Path(hf).glob("*.safetensors")):

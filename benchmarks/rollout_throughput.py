@@ -72,9 +72,9 @@ def build_ours():
     from megatron.core import tensor_parallel
 
     from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.convert.source import initializer
     from megatron_rl.distributed import init_distributed
     from megatron_rl.models.gpt import build_gpt
-    from megatron_rl.models.source import initializer
     from megatron_rl.parallel import ParallelConfig
 
     ctx = init_distributed(ParallelConfig(), source="single")
@@ -269,9 +269,11 @@ def main() -> None:
     if args.hf_model:
         global CFG, HF_DIR
         from megatron_rl import config as C
+        from megatron_rl.convert.source import resolve
 
         HF_DIR = args.hf_model
         CFG = C.from_dict(ModelConfig, {"init": f"hf:{args.hf_model}", "max_seq_length": 512})
+        resolve(CFG)  # the checkpoint's shape
     CFG = dataclasses.replace(CFG, params_dtype=args.dtype)
     model, pgs = build_ours()
     hf = HFWorker(model, args.threads, args.hf_dtype or args.dtype)

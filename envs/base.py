@@ -173,6 +173,16 @@ class Environment(abc.ABC):
     def render_prompt(self, task: Task) -> str:
         return f"{task.prompt}\n\n{self.instructions}" if self.instructions else task.prompt
 
+    def compact_prompt(self, task: Task) -> str:
+        """The short prompt of tiny byte-level models (a tokenizer without a chat template): the task's prompt."""
+        return task.prompt + "\n"
+
+    def reference_response(self, task: Task, corrupt: bool = False) -> str | None:
+        """A response giving the task's reference answer (`payload.solution`) in this environment's answer format,
+        which the supervised warm-up trains on; with `corrupt`, a wrong answer made from it (the warm-up checks
+        that the reward rejects it). None: the environment has no such format (its tasks are not warmed up on)."""
+        return None
+
     def run_agent(self, session, observation):
         """Run the black-box agent `self.agent` for the episode just reset, reaching the policy through
         `session` (an `envs.agents.session.AgentSession`); returns when the agent has ended."""

@@ -1,12 +1,22 @@
-"""Rewards as named, weighted components of registered reward functions (`envs.rewards.REWARDS`)."""
+"""Rewards as named, weighted components of registered reward functions, and that registry (`REWARDS`).
+
+The generic reward functions and helpers live in `envs.rewards`; a domain's own (the code domain's unit tests,
+the terminal domain's verifier) live next to its verifier and are registered by its package.
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from envs.sandbox.base import Sandbox
-from envs.types import EnvError, RewardResult, Task
+from envs.types import EnvError, RewardOutput, RewardResult, Task
+from megatron_rl.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -16,7 +26,7 @@ class RewardComponent:
     name: str
     """Component name (a column in the trajectory shard)."""
     fn: str
-    """Name of the reward function in `envs.rewards.REWARDS`."""
+    """Name of the reward function in `REWARDS`."""
     weight: float = 1.0
     """Weight in the total."""
     params: dict = field(default_factory=dict)
@@ -64,8 +74,6 @@ class RewardSpec:
                            for c in self.components])
 
     def compute(self, ctx: RewardContext) -> RewardResult:
-        from envs.rewards import REWARDS, run_reward
-
         out = RewardResult(total=0.0)
         for comp in self.components:
             r = run_reward(REWARDS.get(comp.fn), ctx, comp.params)
@@ -78,3 +86,30 @@ class RewardSpec:
                 out.status = r.status
             out.total += comp.weight * float(r.score)
         return out
+
+
+RewardFn = Callable[..., RewardOutput]
+REWARDS: Registry[RewardFn] = Registry("reward function", entry_point_group="megatron_rl.rewards")
+
+
+def reward(name: str, version: str = "1"):
+    """Register a reward function under `name`, stamping `version` into its provenance."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        fn.reward_name, fn.reward_version = name, version
+        return REWARDS.register(name, fn)
+
+    return deco
+
+
+def run_reward(fn: RewardFn, ctx: RewardContext, params: dict) -> RewardOutput:
+    """Call a reward function; an exception (a bug) becomes an invalid zero with the reason, logged."""
+    try:
+        out = fn(ctx, **params)
+    except Exception as e:
+        log.exception("reward function %s failed on task %s", getattr(fn, "reward_name", fn), ctx.task.id)
+        out = RewardOutput(0.0, f"reward function error: {e.__class__.__name__}: {e}", status="error")
+    out.provenance.setdefault("version", getattr(fn, "reward_version", "?"))
+    if not math.isfinite(out.score):
+        out.score, out.reason = 0.0, f"non-finite score ({out.reason})"
+    return out

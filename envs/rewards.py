@@ -1,7 +1,9 @@
-"""Reward functions (the `REWARDS` registry), answer extraction helpers and the LLM-judge client.
+"""Generic reward functions, answer extraction helpers and the LLM-judge client.
 
 A reward function has the signature `fn(ctx: RewardContext, **params) -> RewardOutput` and is registered
-with `@reward(name, version)`; the version goes into every result's provenance, so a change of verifier
+with `@reward(name, version)` into `REWARDS` (both defined in `envs.reward_spec`, re-exported here; a domain's
+own rewards, `unit_tests` in `envs.code.rewards` and `verifier` in `envs.terminal.rewards`, sit next to their
+verifiers and are registered by their package); the version goes into every result's provenance, so a change of verifier
 is visible in the trajectory shards. Reward functions take untrusted model output: they return a zero
 score with a reason rather than raise. Code runs only in the sandbox, never in the worker.
 
@@ -38,42 +40,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.base import RewardContext, RewardOutput, sandbox_problem
-from envs.sandbox.base import Limits
-from megatron_rl.registry import Registry
+from envs.reward_spec import REWARDS, RewardContext, RewardFn, reward, run_reward  # noqa: F401 (the registry's home)
+from envs.types import RewardOutput
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[..., RewardOutput]
-REWARDS: Registry[RewardFn] = Registry("reward function", entry_point_group="megatron_rl.rewards")
-
-
-def reward(name: str, version: str = "1"):
-    """Register a reward function under `name`, stamping `version` into its provenance."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        fn.reward_name, fn.reward_version = name, version
-        return REWARDS.register(name, fn)
-
-    return deco
-
-
-def run_reward(fn: RewardFn, ctx: RewardContext, params: dict) -> RewardOutput:
-    """Call a reward function; an exception (a bug) becomes an invalid zero with the reason, logged."""
-    try:
-        out = fn(ctx, **params)
-    except Exception as e:
-        log.exception("reward function %s failed on task %s", getattr(fn, "reward_name", fn), ctx.task.id)
-        out = RewardOutput(0.0, f"reward function error: {e.__class__.__name__}: {e}", status="error")
-    out.provenance.setdefault("version", getattr(fn, "reward_version", "?"))
-    if not math.isfinite(out.score):
-        out.score, out.reason = 0.0, f"non-finite score ({out.reason})"
-    return out
-
 
 # --------------------------------------------------------------------------------- text extraction
 def extract_boxed(text: str) -> str | None:
@@ -232,37 +205,6 @@ def answer_match_reward(ctx: RewardContext, answer_key: str = "answer", rel_tol:
     return RewardOutput(float(ok), f"answer {ans[:60]!r} ({fmt}) {'matches' if ok else 'does not match'}", {})
 
 
-# -------------------------------------------------------------------------------------- unit tests
-def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,
-                   per_test_s: float = 2.0, site: bool = False) -> tuple[list[tuple[bool, str]], str, str]:
-    """Run `tests` against `code`: candidate and verifier in separate sandboxes (`envs.code.verifier`)."""
-    from envs.code.verifier import run_unit_tests as run
-
-    return run(sandbox, code, tests, limits, per_test_s, site)
-
-
-@reward("unit_tests", version="2")
-def unit_tests_reward(ctx: RewardContext, tests_key: str = "tests", per_test_s: float = 2.0,
-                      site: bool = False) -> RewardOutput:
-    """Fraction of the payload's unit tests that pass against the code extracted from the response (`site`:
-    the solution may import site packages, as it always may in a domain image; else the standard library only)."""
-    tests = list(ctx.task.payload.get(tests_key, []))
-    code = ctx.state.get("code") if "code" in ctx.state else extract_code(ctx.response)
-    if not tests:
-        return RewardOutput(0.0, f"task has no {tests_key!r}", status="error")
-    if not code:
-        return RewardOutput(0.0, "no code found (put it in a ```python block)")
-    if ctx.sandbox is None:
-        return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
-    site = site or getattr(ctx.sandbox, "layer", None) is not None
-    results, reason, status = run_unit_tests(ctx.sandbox, code, tests, ctx.state.get("limits"), per_test_s, site)
-    passed = sum(p for p, _ in results)
-    fails = "; ".join(dict.fromkeys(m for p, m in results if not p))[:300]
-    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"), "tests": len(tests)}
-    return RewardOutput(passed / len(tests), f"{passed}/{len(tests)} tests passed. {reason} {fails}".strip(),
-                        prov, status)
-
-
 # ------------------------------------------------------------------------------------ rule checks
 def parse_json_answer(text: str) -> dict | None:
     """A JSON object from the <answer> tag, a ```json block, or the whole text; None if there is none."""
@@ -322,39 +264,6 @@ def rule_checks_reward(ctx: RewardContext, rules_key: str = "checks") -> RewardO
     failed = "; ".join(m for ok, m in results if not ok)
     return RewardOutput(passed / len(rules), f"{passed}/{len(rules)} checks passed. {failed}".strip(),
                         {"rules": len(rules)})
-
-
-# ---------------------------------------------------------------------------------- verifier script
-@reward("verifier", version="2")
-def verifier_reward(ctx: RewardContext, verify_key: str = "verify") -> RewardOutput:
-    """1 if the task's verifier passes over the final workspace, run in a sandbox of its own after the model's
-    last command: the pristine unittest files under a harness that never imports the workspace
-    (`envs.terminal.verifier`), or a custom command's exit status."""
-    from envs.terminal import verifier
-
-    spec = ctx.task.payload.get(verify_key) or {}
-    ws = ctx.state.get("workspace")
-    if not spec.get("command") or ws is None:
-        return RewardOutput(0.0, "task has no verifier or no workspace", status="error")
-    if ctx.sandbox is None:
-        return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
-    prov = {"sandbox": getattr(ctx.sandbox, "name", "?"),
-            "verifier_sha256": _sha(json.dumps(spec, sort_keys=True))[:16]}
-    if verifier.is_unittest_spec(spec):
-        passed, reason, res = verifier.run_verifier(ctx.sandbox, ws.files, spec, ctx.state.get("limits"))
-        problem = sandbox_problem(res)
-        if problem and problem[1] != "ok":
-            return RewardOutput(0.0, problem[0], prov, problem[1])
-        return RewardOutput(float(passed), reason, prov)
-    files = dict(ws.files)
-    files.update(spec.get("files", {}))
-    res = ctx.sandbox.run(spec["command"], files=files, limits=ctx.state.get("limits"))
-    problem = sandbox_problem(res)
-    if problem and problem[1] != "ok":
-        return RewardOutput(0.0, problem[0], prov, problem[1])
-    tail = (res.stdout + res.stderr)[-300:]
-    return RewardOutput(float(res.exit_code == 0 and not res.violations),
-                        f"verifier exit {res.exit_code} {res.violations or ''}: {tail}", prov)
 
 
 # --------------------------------------------------------------------------------------- LLM judge

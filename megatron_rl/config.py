@@ -7,7 +7,8 @@ on the line after the field). This module turns plain data (YAML) into those dat
 - values are type-checked against the annotations (int, float, bool, str, Optional, Literal, list, tuple,
   dict, Enum and nested dataclasses); an int is accepted for a float, nothing else is coerced;
 - after construction every dataclass's `validate()` (if it has one) runs, innermost first, so impossible
-  combinations fail before any work starts.
+  combinations fail before any work starts. `validate()` is pure; what a config names outside itself (the
+  checkpoint of model.init) is read in the dataclass's `resolve_sources()`, which runs just before it.
 
 Overrides use dotted keys: `train.lr=1e-6 parallel.tp=2 model.moe.num_experts=8`; values are parsed as
 YAML scalars (with `1e-6`-style floats accepted).
@@ -220,17 +221,22 @@ def _unknown_key_message(cls: type, prefix: str, key: str, known: list[str]) -> 
 
 
 def _validate_one(obj: Any, prefix: str) -> None:
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
+    """The resolve step (`resolve_sources()`: read what the config names on disk, e.g. a checkpoint's shape),
+    then the pure `validate()`, of one config object that defines them."""
+    for step in ("resolve_sources", "validate"):
+        method = getattr(obj, step, None)
+        if not callable(method):
+            continue
         try:
-            validate()
+            method()
         except ConfigError as e:
             where = f"config section '{prefix}': " if prefix else ""
             raise ConfigError(f"{where}{e}") from None
 
 
 def validate(obj: Any, prefix: str = "") -> None:
-    """Run `validate()` on `obj` and every nested dataclass, innermost first (for objects built in code)."""
+    """Run `resolve_sources()` and `validate()` on `obj` and every nested dataclass, innermost first (for objects
+    built in code)."""
     for f in dataclasses.fields(obj):
         sub = getattr(obj, f.name)
         if dataclasses.is_dataclass(sub):

@@ -7,11 +7,8 @@ from functools import cache
 
 
 def compact_prompt(task) -> str:
-    """A short prompt for tiny byte-level models; the full task prompt otherwise."""
-    p = task.payload
-    if task.domain == "countdown":
-        return f"{' '.join(map(str, p['numbers']))} -> {p['target']}\n"
-    return task.prompt + "\n"
+    """A short prompt for tiny byte-level models: the environment's own (`Environment.compact_prompt`)."""
+    return environment(task.domain).compact_prompt(task)
 
 
 @cache

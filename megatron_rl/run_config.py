@@ -154,6 +154,17 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     """The HF export at the end of the run."""
 
+    def resolve_sources(self) -> None:
+        """The run's resolve step (before `validate`): read model.init's checkpoint and fill the model's shape in."""
+        if not self.model.init:
+            return
+        from megatron_rl.convert.source import resolve
+
+        try:
+            resolve(self.model)
+        except ConfigError as e:
+            raise ConfigError(f"config section 'model': {e}") from None
+
     def _resolve_domains(self) -> None:
         """`envs.domains` empty: the one domain data.domain with rl.reward_weights (the single-domain form)."""
         if not self.envs.domains:
@@ -195,8 +206,8 @@ class RunConfig:
         """The end-of-run HF export of a random model needs an HF architecture that describes it."""
         if not self.export.enabled or self.model.init:
             return
-        from tools.convert.arch import describe
-        from tools.convert.arch.base import ConvertError
+        from megatron_rl.convert.arch import describe
+        from megatron_rl.convert.arch.base import ConvertError
 
         try:
             describe(self.model, {"layernorm_epsilon": self.model.norm_epsilon, "kv_channels": self.model.head_dim})

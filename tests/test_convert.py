@@ -152,8 +152,8 @@ def test_safetensors_reader_equals_safe_open_for_every_dtype_and_names_a_truncat
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tools.convert.arch.base import ConvertError
-    from tools.convert.hf_io import SafetensorsFile
+    from megatron_rl.convert.arch.base import ConvertError
+    from megatron_rl.convert.hf_io import SafetensorsFile
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"t.{dt}".replace("torch.", ""): torch.randn(3, 5, generator=g).to(dt)

@@ -26,7 +26,7 @@ def hf_logits(path: Path, **config_changes) -> torch.Tensor:
     """Logits of the HF model in `path` on the verify tokens, with config entries changed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tools.convert.verify import tokens
+    from megatron_rl.convert.verify import tokens
 
     cfg = AutoConfig.from_pretrained(path, **config_changes)
     model = AutoModelForCausalLM.from_pretrained(path, config=cfg, torch_dtype=torch.float32,
@@ -45,8 +45,8 @@ def assert_same_inv_freq(hf: Path, capsys) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tools.convert import layout, runtime
-    from tools.convert.arch import for_hf_config
+    from megatron_rl.convert import layout, runtime
+    from megatron_rl.convert.arch import for_hf_config
 
     src = json.loads((hf / "config.json").read_text())
     cfg, extra = for_hf_config(src).model_config(src)
@@ -190,8 +190,8 @@ def test_qwen3_moe_without_topk_renormalisation_exports_it(tmp_path, capsys):
 
 
 def test_written_config_is_compared_with_the_source(tmp_path):
-    from tools.convert.arch.base import ConvertError
-    from tools.convert.verify import check_written_config
+    from megatron_rl.convert.arch.base import ConvertError
+    from megatron_rl.convert.verify import check_written_config
 
     hf = make_hf_model("qwen3_moe", tmp_path / "hf", norm_topk_prob=False)
     src = json.loads((hf / "config.json").read_text())
@@ -300,7 +300,7 @@ def ref_logits(path: Path, zero_bias: bool = False, **config_changes) -> torch.T
     """HF logits read through the converter's reference config (Kimi-K2's model_type kimi_k2 included)."""
     from transformers import AutoModelForCausalLM
 
-    from tools.convert.verify import reference_config, tokens
+    from megatron_rl.convert.verify import reference_config, tokens
 
     cfg = reference_config({**json.loads((path / "config.json").read_text()), **config_changes})
     model = AutoModelForCausalLM.from_pretrained(path, config=cfg, torch_dtype=torch.float32,
@@ -383,7 +383,7 @@ def hf_mtp_logits(hf: Path, toks: torch.Tensor) -> torch.Tensor:
     transformers' own decoder layer: lm_head(norm(layer(eh_proj([enorm(emb(x_t+1)); hnorm(h_t)]))))."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    from tools.convert.verify import load_hf
+    from megatron_rl.convert.verify import load_hf
 
     model = load_hf(hf)[0].eval()
     n, t, s = model.config.num_hidden_layers, hf_tensors(hf), toks.shape[1]
@@ -423,22 +423,21 @@ def test_deepseek_v3_mtp_layer_from_hf_predicts_as_deepseek_defines_it(tmp_path)
     config.json declares MTP but holds no MTP tensors (saved by transformers) loads without them."""
     from megatron.core import tensor_parallel
 
+    from megatron_rl.convert.runtime import start
+    from megatron_rl.convert.source import initializer, resolve
     from megatron_rl.models.gpt import ModelConfig, build_gpt
     from megatron_rl.models.mtp import emit_mtp, split
-    from megatron_rl.models.source import initializer
-    from tools.convert.runtime import start
 
     ctx = start()
     plain = make_hf_model("deepseek_v3", tmp_path / "plain")
     (plain / "config.json").write_text(json.dumps({**json.loads((plain / "config.json").read_text()),
                                                    "num_nextn_predict_layers": 1}))
-    assert ModelConfig(init=f"hf:{plain}", max_seq_length=64).validate() is None
     cfg = ModelConfig(init=f"hf:{plain}", max_seq_length=64)
-    cfg.validate()
+    resolve(cfg)
     assert cfg.mtp_num_layers == 0
     hf = add_mtp_layer(make_hf_model("deepseek_v3", tmp_path / "hf"))
     cfg = ModelConfig(init=f"hf:{hf}", max_seq_length=64)
-    cfg.validate()
+    resolve(cfg)
     assert cfg.mtp_num_layers == 1
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = build_gpt(cfg, ctx.parallel, ctx.pgs).eval()
@@ -492,10 +491,10 @@ def test_random_models_export_as_the_architecture_that_describes_them():
     decoder.layers.mlp.linear_fc1.weight"); a model no architecture describes is refused up front, by
     `megatron-rl train`'s config check, naming export.enabled."""
     from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.convert.arch import describe
+    from megatron_rl.convert.arch.base import ConvertError
     from megatron_rl.models.gpt import ModelConfig, MoEConfig
     from megatron_rl.run_config import RunConfig
-    from tools.convert.arch import describe
-    from tools.convert.arch.base import ConvertError
 
     moe = MoEConfig(num_experts=8, topk=2, ffn_hidden_size=32)
     assert describe(ModelConfig())[0].name == "llama"

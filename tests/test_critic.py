@@ -77,7 +77,7 @@ def _trainer(lr: float = 3e-3):
 def _critic_values(critic, cols) -> np.ndarray:
     """float64 [T] V(s_t) by an unpacked forward of the critic per sample, label side (token t's value is the
     head on the hidden state at t - 1; 0 at each sample's first token)."""
-    from megatron_rl.trainer.output_head import emit_hidden
+    from megatron_rl.models.output_head import emit_hidden
 
     model = critic.model.chunks[0].module
     out = np.zeros(len(cols.tokens))

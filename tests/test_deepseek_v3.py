@@ -33,7 +33,7 @@ def tiny_dsv3(**moe_changes) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def ctx():
-    from tools.convert.runtime import start
+    from megatron_rl.convert.runtime import start
 
     return start()
 
@@ -59,7 +59,7 @@ def build(cfg: ModelConfig, ctx, bias_seed: int = 3):
 
 
 def logits(model, ctx) -> torch.Tensor:
-    from tools.convert.runtime import megatron_logits
+    from megatron_rl.convert.runtime import megatron_logits
 
     toks = torch.randint(128, (2, 48), generator=torch.Generator().manual_seed(0))
     return megatron_logits(model, toks, ctx)  # [b, s, V]
@@ -171,15 +171,15 @@ def test_model_init_from_a_deepseek_v3_folder_gives_transformers_logits(tmp_path
     (expert bias included) and the model's logits equal DeepseekV3ForCausalLM's."""
     from megatron.core import tensor_parallel
 
+    from megatron_rl.convert.runtime import megatron_logits
+    from megatron_rl.convert.source import initializer, resolve
+    from megatron_rl.convert.verify import load_hf
     from megatron_rl.models.gpt import build_gpt
-    from megatron_rl.models.source import initializer
     from tests.mp.convert_models import make_hf_model
-    from tools.convert.runtime import megatron_logits
-    from tools.convert.verify import load_hf
 
     hf = make_hf_model("deepseek_v3", tmp_path / "hf")
     cfg = ModelConfig(init=f"hf:{hf}", max_seq_length=64)
-    cfg.validate()
+    resolve(cfg)
     assert cfg.mla == MLAConfig(kv_lora_rank=16, q_lora_rank=24, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
     assert (cfg.moe.router_num_groups, cfg.moe.router_group_topk, cfg.moe.layer_pattern) == (4, 2, [0, 1, 1])
     assert cfg.rope_scaling.kind == "yarn" and cfg.moe.routed_scaling_factor == 2.5
@@ -192,7 +192,7 @@ def test_model_init_from_a_deepseek_v3_folder_gives_transformers_logits(tmp_path
         ref = load_hf(hf)[0](toks).logits
     assert (mine - ref).abs().max().item() < 1e-4 and ref.std().item() > 0.1
     with pytest.raises(ConfigError, match=r"model.mla=.* disagrees with the checkpoint"):
-        ModelConfig(init=f"hf:{hf}", max_seq_length=64, mla=MLAConfig(kv_lora_rank=32)).validate()
+        resolve(ModelConfig(init=f"hf:{hf}", max_seq_length=64, mla=MLAConfig(kv_lora_rank=32)))
 
 
 def test_rollout_engine_serves_mla_on_the_local_spec_only():

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def checked(monkeypatch):
     from megatron_rl.compat import device_check
-    from tools.convert.runtime import start
+    from megatron_rl.convert.runtime import start
 
     ctx = start()  # a gloo world of one, compat.cpu applied (reused when another test started it)
     monkeypatch.setenv(device_check.ENV, "nccl")

@@ -238,6 +238,25 @@ def test_countdown_rewards_and_evaluation_in_sandbox(sandbox):
     assert total == pytest.approx(0.1) and "division by zero" in reason
 
 
+def test_countdown_owns_its_compact_prompt_and_reference_answer_format(sandbox):
+    """The warm-up's reference responses and the byte-level prompt are countdown's own format, reached through
+    the environment's interface (generic code no longer writes `<answer>` or reads countdown's payload)."""
+    from megatron_rl.prompts import compact_prompt
+
+    env = make_env("countdown", sandbox=sandbox)
+    t = Task("cd", "countdown", "p", {"numbers": [3, 5, 25], "target": 60, "solution": "(25 - 5) * 3"})
+    assert compact_prompt(t) == env.compact_prompt(t) == "3 5 25 -> 60\n"
+    scores = []
+    for corrupt in (False, True):
+        env.reset(t)
+        scores.append(env.step(env.reference_response(t, corrupt)).reward_result.components["correct"])
+    assert scores == [1.0, 0.0]
+    assert env.reference_response(Task("x", "countdown", "p", {"numbers": [1], "target": 1})) is None
+    math = make_env("math")
+    m = Task("m", "math", "What is 2 + 2?", {"answer": "4", "solution": "4"})
+    assert math.reference_response(m) is None and compact_prompt(m) == "What is 2 + 2?\n"
+
+
 # ------------------------------------------------------------------------------------------------ code
 def test_code_correct_partial_and_broken_solutions(sandbox):
     env = make_env("code", sandbox=sandbox)

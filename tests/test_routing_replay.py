@@ -127,8 +127,8 @@ def _policy(ctx=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.convert.runtime import start
     from megatron_rl.trainer.policy import OptimConfig, Policy
-    from tools.convert.runtime import start
 
     ctx = ctx or start()
     torch.manual_seed(3)

@@ -90,8 +90,8 @@ def test_engine_never_samples_padding_ids():
     import torch
     from megatron.core import tensor_parallel
 
+    from megatron_rl.convert.runtime import start
     from megatron_rl.rollout import RolloutEngine, SamplingParams
-    from tools.convert.runtime import start
 
     ctx = start()  # one process (reused when another test started it)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.models import tokenizer_files as TF
+from megatron_rl.convert import tokenizer_files as TF
 from megatron_rl.tokenizer import HFTokenizer
 from tests.hf_tiny import tiny_tokenizer
 
@@ -139,7 +139,7 @@ def test_export_writes_a_folder_whose_chat_turns_stop_at_their_end(tmp_path):
     from megatron_rl import config as C
     from megatron_rl.commands.export import export_run
     from megatron_rl.run_config import RunConfig
-    from tools.convert.convert import hf_to_mcore
+    from megatron_rl.convert.convert import hf_to_mcore
 
     src, run = tmp_path / "src", tmp_path / "run"
     tok = tiny_tokenizer(src)

@@ -106,7 +106,7 @@ def test_hidden_head_keeps_parameter_names_and_state_dict(ctx):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_rl.models.gpt import build_gpt
-    from megatron_rl.trainer.output_head import emit_hidden, install_hidden_head
+    from megatron_rl.models.output_head import emit_hidden, install_hidden_head
 
     plain = build_gpt(model_config(2, False), ctx.parallel, ctx.pgs)
     headed = build_gpt(model_config(2, False), ctx.parallel, ctx.pgs)

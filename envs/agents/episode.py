@@ -30,15 +30,13 @@ from collections.abc import Generator
 
 from envs.agents.session import AgentSession
 from envs.base import Environment, RewardResult, Task
-from envs.episode import SEGMENT_KEYS
+from envs.episode_result import SEGMENT_KEYS, EpisodeResult
 
 log = logging.getLogger(__name__)
 
 
 def agent_episode(env: Environment, task: Task, tok, max_tokens: int, prompt: list[int] | None = None
                   ) -> Generator[list[int], tuple, object]:
-    from envs.episode import EpisodeResult
-
     obs = env.reset(task)
     session = AgentSession(tok, max_tokens, call_timeout_s=env.agent_wall_s() + 60.0)
     box: dict = {}

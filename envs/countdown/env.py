@@ -21,8 +21,9 @@ from envs.base import (
     SingleTurnEnvironment,
     Task,
 )
-from envs.rewards import extract_tag, reward, sandbox_problem
+from envs.rewards import extract_tag, reward
 from envs.sandbox.base import Limits
+from envs.workspace import sandbox_problem
 
 PROMPT = ("Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
           "operations (+, -, *, /) and each number can be used at most once. Show your work in <think> </think> "
@@ -112,6 +113,17 @@ class CountdownEnv(SingleTurnEnvironment):
     def reward_spec(self) -> RewardSpec:
         return RewardSpec([RewardComponent("correct", "countdown", 1.0),
                            RewardComponent("format", "format", 0.1, {"kind": "answer_tag"})])
+
+    def compact_prompt(self, task: Task) -> str:
+        """`3 5 25 -> 75`: the numbers and the target, for tiny byte-level models."""
+        return f"{' '.join(map(str, task.payload['numbers']))} -> {task.payload['target']}\n"
+
+    def reference_response(self, task: Task, corrupt: bool = False) -> str | None:
+        """`<answer>solution</answer>`; corrupt: `<answer>1 + solution</answer>` (off the target by one)."""
+        solution = task.payload.get("solution")
+        if not isinstance(solution, str):
+            return None
+        return f"<answer>{'1 + ' if corrupt else ''}{solution}</answer>"
 
 
 # ------------------------------------------------------------------------------------------- generator

@@ -125,10 +125,10 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     import torch
     from megatron.core import tensor_parallel
 
+    from megatron_rl.convert.source import initializer
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.setup import build_engine, engine_weights, episode_runner, heldout_run, rollouts_for
-    from megatron_rl.models.source import initializer
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.trainer.checkpoint import load_checkpoint
     from megatron_rl.trainer.policy import Policy

@@ -3,9 +3,9 @@
 Reads the run's checkpoint (the latest, or RL step N) and writes safetensors, config.json (the architecture
 of the run's model: the model.init checkpoint's own config.json with the policy's dtype; or, for a model made
 from random weights, the first architecture whose config.json describes it exactly: Llama for a plain dense one,
-Mixtral for an MoE with every layer MoE, ...; `tools.convert.arch.describe`), the tokenizer files of the run's
+Mixtral for an MoE with every layer MoE, ...; `megatron_rl.convert.arch.describe`), the tokenizer files of the run's
 tokenizer with the eos / bos / pad tokens and tokenizer class every HF tool reads alike
-(`megatron_rl.models.tokenizer_files`: eos = the chat template's end of turn, also in generation_config.json;
+(`megatron_rl.convert.tokenizer_files`: eos = the chat template's end of turn, also in generation_config.json;
 a byte tokenizer's stop ids for a model without one). Only the policy's weights are
 read (the optimizer state in the checkpoint is ignored), one layer at a time. The folder is written atomically
 (default: <run>/export/hf-step-N). `--verify` loads it with transformers' `from_pretrained` and checks that
@@ -32,7 +32,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.convert.arch.base import ConvertError
+    from megatron_rl.convert.arch.base import ConvertError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -62,8 +62,8 @@ def default_out(run_dir: Path, ckpt: Path) -> Path:
 
 def hf_config_of(cfg) -> tuple[dict, str]:
     """(config.json of the exported folder, tokenizer folder or '') for a run config."""
-    from megatron_rl.models import source
-    from tools.convert.arch import describe
+    from megatron_rl.convert import source
+    from megatron_rl.convert.arch import describe
 
     if cfg.model.init:
         hf = dict(source.hf_config(cfg.model.init))
@@ -90,12 +90,12 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         fresh.rename(dest)
         return {**report, "out": str(dest), "replaced": True}
     from megatron_rl import config as C
-    from megatron_rl.models.tokenizer_files import normalize as normalize_tokenizer_files
+    from megatron_rl.convert import runtime
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.convert.convert import all_rules, ckpt_layout, export_hf
+    from megatron_rl.convert.hf_io import HFWriter, copy_side_files
+    from megatron_rl.convert.tokenizer_files import normalize as normalize_tokenizer_files
     from megatron_rl.run_config import RunConfig
-    from tools.convert import runtime
-    from tools.convert.arch import for_hf_config
-    from tools.convert.convert import all_rules, ckpt_layout, export_hf
-    from tools.convert.hf_io import HFWriter, copy_side_files
 
     cfg = C.load(RunConfig, run_dir / "config.yaml")
     ckpt = checkpoint_of(run_dir, step)
@@ -120,7 +120,7 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
         else:
             _generation_config(tmp, cfg, hf)
         if verify:
-            from tools.convert import verify as V
+            from megatron_rl.convert import verify as V
 
             copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
             report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol, copies)

@@ -38,6 +38,7 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     from megatron_rl.data.shards import write_shard
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.setup import task_lists
+    from megatron_rl.prompts import environment
 
     tok, shard_dir = cfg.tokenizer.build(cfg.model), run_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -47,9 +48,9 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     try:
         for split, n, name in (("train", cfg.data.train_tasks, TRAIN_SHARD),
                                ("heldout", cfg.data.heldout_tasks, HELDOUT_SHARD)):
-            answers = [(t, f"<answer>{t.payload['solution']}</answer>") for t in tasks[split][:n]]
-            futs = [(t, a, runner.submit(t, a), runner.submit(t, a.replace("<answer>", "<answer>1 + ")))
-                    for t, a in answers]
+            answers = [(t, environment(t.domain).reference_response(t)) for t in tasks[split][:n]]
+            futs = [(t, a, runner.submit(t, a), runner.submit(t, environment(t.domain).reference_response(t, True)))
+                    for t, a in answers if a is not None]
             trajs = []
             for task, answer, good_f, bad_f in futs:
                 good, bad = good_f.result(), bad_f.result()
@@ -206,7 +207,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
     (same data order: the sampler is replayed up to that step). Checkpoints every train.checkpoint_every steps,
     at the end, and when `stop` (driver.StopFlag) reports a signal. Returns (the Policy, the stop reason or
     None); (None, reason) when stopped before its end."""
-    from megatron_rl.models.source import initializer
+    from megatron_rl.convert.source import initializer
     from megatron_rl.trainer.policy import Policy
 
     tok = cfg.tokenizer.build(cfg.model)

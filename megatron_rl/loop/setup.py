@@ -148,7 +148,7 @@ def monitor_config(cfg: RunConfig):
 
 def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from envs.sampler import DomainSampler
-    from megatron_rl.models.source import initializer
+    from megatron_rl.convert.source import initializer
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer

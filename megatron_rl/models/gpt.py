@@ -187,7 +187,8 @@ class ModelConfig:
 
     init: str = ""
     """Pretrained weights: hf:DIR (HF folder) or mcore:DIR (converted checkpoint); the shape then comes from
-    the checkpoint's config.json (models/source.py). '' = random weights of the shape below."""
+    the checkpoint's config.json, filled in by the run's resolve step (megatron_rl/convert/source.py: `resolve`,
+    run by `RunConfig.resolve_sources`); `validate` reads nothing. '' = random weights of the shape below."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -242,10 +243,6 @@ class ModelConfig:
     """Multi-token-prediction depth (DeepSeek-V3's num_nextn_predict_layers: 1); 0: none (models/mtp.py)."""
 
     def validate(self) -> None:
-        if self.init:
-            from megatron_rl.models.source import resolve
-
-            resolve(self)
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "

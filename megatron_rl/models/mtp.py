@@ -5,7 +5,7 @@ transformer layer like the model's last, final norm; the embedding and the outpu
 on the last pipeline stage. MTP depth k at position t predicts token t + 1 + k from the main model's hidden
 state at t and the embedding of token t + k.
 
-The forward returns the main head's output only (logits, or the hidden states of trainer/output_head), exactly
+The forward returns the main head's output only (logits, or the hidden states of models/output_head), exactly
 as without MTP (the converter's verify, the rollout engine and the log-prob passes never run the MTP layers),
 unless `emit_mtp(model)` is active: then it returns the main head's output followed by each depth's, stacked
 along the sequence ([b, (1 + D) s, V/tp or h]); `split(output, s, D)` takes them apart. In that pass the MTP
@@ -127,7 +127,7 @@ def emit_mtp(model, enabled: bool = True):
 def split(output, seq_len: int, depths: int) -> tuple:
     """(main output, [depth k's output]) of an `emit_mtp` forward: logits [1, (1 + D) S, V/tp] or a HeadOutput
     (hidden [(1 + D) S, 1, h], weight): the pieces have the main head's layout, S each."""
-    from megatron_rl.trainer.output_head import HeadOutput
+    from megatron_rl.models.output_head import HeadOutput
 
     if isinstance(output, HeadOutput):
         parts = torch.split(output.hidden, seq_len, dim=0)  # each [S, 1, h]

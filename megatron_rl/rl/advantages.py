@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_rl.registry import Registry
-from megatron_rl.rl.config import AdvantageConfig
+from megatron_rl.rl.config import ADVANTAGES, AdvantageConfig  # noqa: F401  (the registry lives with its config)
 
 
 @dataclass
@@ -93,7 +92,6 @@ class AdvantageOutput:
 
 
 AdvantageFn = Callable[[AdvantageInputs, AdvantageConfig], AdvantageOutput]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator", entry_point_group="megatron_rl.advantages")
 
 
 def _check_finite(rewards: Tensor, group_ids: Tensor, what: str) -> None:

@@ -1,6 +1,7 @@
 """Configs of the RL policy loss (`LossConfig`) and the advantage estimator (`AdvantageConfig`).
 
-Both name an entry of a registry (`megatron_rl.rl.losses.LOSSES`, `megatron_rl.rl.advantages.ADVANTAGES`);
+Both name an entry of a registry defined here (`LOSSES`, `ADVANTAGES`; the built-ins register themselves in
+`megatron_rl.rl.losses` and `megatron_rl.rl.advantages`, which the package `megatron_rl.rl` imports);
 `validate()` raises `ConfigError` for an unknown name (listing the known ones) and for impossible values.
 Loss fields left at None take the chosen loss's own default (e.g. DAPO's clip-higher eps_high=0.28);
 `LossConfig.resolved()` returns the config with those filled in.
@@ -10,17 +11,51 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl.config import ConfigError
-from megatron_rl.registry import RegistryError
+from megatron_rl.registry import Registry, RegistryError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 IS_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+LOSSES: Registry[Callable] = Registry("loss", entry_point_group="megatron_rl.losses")
+"""Policy losses: `fn(batch: LossInputs, cfg: LossConfig) -> LossOutput` (`megatron_rl.rl.losses`)."""
+ADVANTAGES: Registry[Callable] = Registry("advantage estimator", entry_point_group="megatron_rl.advantages")
+"""Advantage estimators: `fn(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutput`."""
+
+
+@dataclass(frozen=True)
+class LossDefaults:
+    """What a loss uses for LossConfig fields left at None, and which aggregations it accepts."""
+
+    aggregation: str = "token-mean"
+    """Aggregation used when LossConfig.aggregation is None."""
+    aggregations: tuple[str, ...] = AGGREGATIONS
+    """Aggregations this loss accepts (the others contradict its definition)."""
+    eps_low: float = 0.2
+    """Default lower clip epsilon."""
+    eps_high: float = 0.2
+    """Default upper clip epsilon."""
+
+
+def register_loss(name: str, defaults: LossDefaults = LossDefaults()):
+    """Decorator: register `fn(batch, cfg) -> LossOutput` under `name` with its `LossDefaults`."""
+    def deco(fn: Callable) -> Callable:
+        fn.loss_defaults = defaults  # type: ignore[attr-defined]
+        return LOSSES.register(name, fn)
+    return deco
+
+
+def loss_defaults(name: str) -> LossDefaults:
+    """The defaults of registered loss `name` (a plugin loss without any gets `LossDefaults()`)."""
+    return getattr(LOSSES.get(name), "loss_defaults", LossDefaults())
+
 
 
 @dataclass
@@ -58,8 +93,6 @@ class LossConfig:
 
     def resolved(self, defaults=None) -> LossConfig:
         """This config with None fields filled from `defaults` (a LossDefaults; None: those of loss `name`)."""
-        from megatron_rl.rl.losses import loss_defaults
-
         d = defaults if defaults is not None else loss_defaults(self.name)
         return dataclasses.replace(
             self,
@@ -69,8 +102,6 @@ class LossConfig:
         )
 
     def validate(self) -> None:
-        from megatron_rl.rl.losses import LOSSES, loss_defaults
-
         _check_name(LOSSES, "loss.name", self.name)
         r = self.resolved()
         _check_choice("loss.aggregation", r.aggregation, AGGREGATIONS)
@@ -101,8 +132,6 @@ class LossConfig:
 
     def build(self):
         """The loss as `fn(batch: LossInputs) -> LossOutput`, with this (validated) config bound."""
-        from megatron_rl.rl.losses import LOSSES
-
         self.validate()
         return functools.partial(LOSSES.get(self.name), cfg=self)
 
@@ -129,8 +158,6 @@ class AdvantageConfig:
     """gae: normalise advantages to mean 0, std 1 over the batch's loss tokens."""
 
     def validate(self) -> None:
-        from megatron_rl.rl.advantages import ADVANTAGES
-
         _check_name(ADVANTAGES, "advantage.name", self.name)
         if not self.eps > 0:
             raise ConfigError(f"advantage.eps must be > 0 (it guards divisions), got {self.eps}")
@@ -140,8 +167,6 @@ class AdvantageConfig:
 
     def build(self):
         """The estimator as `fn(inputs: AdvantageInputs) -> AdvantageOutput`, with this config bound."""
-        from megatron_rl.rl.advantages import ADVANTAGES
-
         self.validate()
         return functools.partial(ADVANTAGES.get(self.name), cfg=self)
 

@@ -54,8 +54,14 @@ import torch
 from torch import Tensor
 
 from megatron_rl.config import ConfigError
-from megatron_rl.registry import Registry
-from megatron_rl.rl.config import AGGREGATIONS, LossConfig
+from megatron_rl.rl.config import (  # noqa: F401  (LOSSES and its helpers live with the configs that name them)
+    AGGREGATIONS,
+    LOSSES,
+    LossConfig,
+    LossDefaults,
+    loss_defaults,
+    register_loss,
+)
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to [-20, 20] before exp(): no inf/NaN from a token whose log-prob collapsed."""
@@ -108,36 +114,8 @@ class LossOutput:
     """Detached 0-d tensors: clip_fraction, approx_kl, ratio_*, is_weight_*, entropy_mean, num_tokens, ..."""
 
 
-@dataclass(frozen=True)
-class LossDefaults:
-    """What a loss uses for LossConfig fields left at None, and which aggregations it accepts."""
-
-    aggregation: str = "token-mean"
-    """Aggregation used when LossConfig.aggregation is None."""
-    aggregations: tuple[str, ...] = AGGREGATIONS
-    """Aggregations this loss accepts (the others contradict its definition)."""
-    eps_low: float = 0.2
-    """Default lower clip epsilon."""
-    eps_high: float = 0.2
-    """Default upper clip epsilon."""
-
-
 LossFn = Callable[[LossInputs, LossConfig], LossOutput]
-LOSSES: Registry[LossFn] = Registry("loss", entry_point_group="megatron_rl.losses")
 Objective = Callable[[LossInputs, LossConfig, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
-
-
-def register_loss(name: str, defaults: LossDefaults = LossDefaults()):
-    """Decorator: register `fn(batch, cfg) -> LossOutput` under `name` with its `LossDefaults`."""
-    def deco(fn: LossFn) -> LossFn:
-        fn.loss_defaults = defaults  # type: ignore[attr-defined]
-        return LOSSES.register(name, fn)
-    return deco
-
-
-def loss_defaults(name: str) -> LossDefaults:
-    """The defaults of registered loss `name` (a plugin loss without any gets `LossDefaults()`)."""
-    return getattr(LOSSES.get(name), "loss_defaults", LossDefaults())
 
 
 # ------------------------------------------------------------------------------------- segment helpers

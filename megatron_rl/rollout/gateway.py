@@ -20,12 +20,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from envs.agents.recorder import Recorder, chat_response
+from megatron_rl.rollout.http_api import BadRequest, sampling_from
+from megatron_rl.rollout.http_api import error_response as _error
+from megatron_rl.rollout.http_api import json_body as _json_body
 
 
 # ------------------------------------------------------------------------------------ routes
 async def chat(request: web.Request) -> web.Response:
-    from megatron_rl.rollout.server import BadRequest, _error, _json_body, sampling_from
-
     st, rec, episode = request.app["state"], request.app["gateway"], request.match_info["episode"]
     try:
         body = await _json_body(request)

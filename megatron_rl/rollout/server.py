@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -52,6 +51,10 @@ from aiohttp import web
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.rollout.compression import CompressionConfig
 from megatron_rl.rollout.engine import RequestOutput, RolloutEngine
+from megatron_rl.rollout.http_api import BadRequest, sampling_from
+from megatron_rl.rollout.http_api import error_response as _error
+from megatron_rl.rollout.http_api import json_body as _json_body
+from megatron_rl.rollout.http_api import token_list as _token_list
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.tokenizer import ByteTokenizer
 
@@ -59,10 +62,6 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
 """Environment variable holding the job's token for mutating endpoints (never put it on a command line)."""
-
-
-class BadRequest(ValueError):
-    """A client error: answered with 400 and this message."""
 
 
 class EngineLoop:
@@ -140,45 +139,6 @@ class EngineLoop:
 
 
 # ------------------------------------------------------------------------------------ request parsing
-_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "n": int, "seed": int}
-
-
-def _token_list(value, what: str, tokenizer) -> list[int]:
-    """A list of token ids, or text encoded with the tokenizer."""
-    if isinstance(value, str):
-        return tokenizer.encode(value)
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return list(value)
-    raise BadRequest(f"{what} must be a string or a list of integer token ids")
-
-
-def sampling_from(body: dict, tokenizer) -> SamplingParams:
-    """SamplingParams from an OpenAI-style body; BadRequest names the bad field."""
-    kw = {}
-    for name, typ in _SAMPLING_FIELDS.items():
-        if body.get(name) is not None:
-            value = body[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and value != int(value)):
-                raise BadRequest(f"field {name!r} must be a number of type {typ.__name__}, got {value!r}")
-            kw[name] = typ(value)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        raise BadRequest(f"field 'max_tokens' must be an integer, got {max_tokens!r}")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list):
-        raise BadRequest("field 'stop' must be a string or a list of strings / token-id lists")
-    stop_ids = body.get("stop_token_ids") or []
-    stop = [_token_list(s, "each stop entry", tokenizer) for s in stop]
-    params = SamplingParams(max_new_tokens=max_tokens, stop=stop,
-                            stop_token_ids=_token_list(stop_ids, "stop_token_ids", tokenizer), **kw)
-    try:
-        params.validate()
-    except ConfigError as e:
-        raise BadRequest(str(e)) from e
-    return params
-
-
 def completion_prompt(body: dict, tokenizer) -> list[int]:
     if body.get("prompt_token_ids") is not None:
         return _token_list(body["prompt_token_ids"], "prompt_token_ids", tokenizer)
@@ -263,10 +223,6 @@ def render(out: RequestOutput, chat: bool, body: dict, tokenizer, model_name: st
     return res
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
 # ------------------------------------------------------------------------------------ the app
 @dataclass
 class ServerState:
@@ -276,16 +232,6 @@ class ServerState:
     """Text <-> ids for text prompts and the 'text' field of responses."""
     model_name: str
     """Reported in responses."""
-
-
-async def _json_body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 async def _generate(request: web.Request, chat: bool) -> web.Response:
@@ -496,6 +442,10 @@ def _server_configs(path: str | None, vocab_size: int):
         return ModelConfig(vocab_size=vocab_size), EngineConfig(), ByteTokenizer(vocab_size)
     data = read_yaml_mapping(path)
     model = from_dict(ModelConfig, data.get("model", {}))
+    if model.init:
+        from megatron_rl.convert.source import resolve
+
+        resolve(model)  # the resolve step: the checkpoint's shape
     tok = from_dict(TokenizerConfig, data.get("tokenizer", {})).build(model)
     return model, from_dict(EngineConfig, data.get("engine", {})), tok
 

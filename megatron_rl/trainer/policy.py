@@ -16,7 +16,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.distributed import DistContext
 from megatron_rl.models.gpt import ModelConfig, build_gpt, transformer_config
 from megatron_rl.models.mtp import emit_mtp
-from megatron_rl.trainer.output_head import HeadOutput, emit_hidden, install_hidden_head
+from megatron_rl.models.output_head import HeadOutput, emit_hidden, install_hidden_head
 
 
 @dataclass

@@ -77,13 +77,13 @@ import torch
 from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.models import mtp
+from megatron_rl.models.output_head import HeadOutput
 from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
 from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
 from megatron_rl.rl.value import explained_variance
 from megatron_rl.trainer.critic import CriticConfig, ValueModel
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
-from megatron_rl.trainer.output_head import HeadOutput
 from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
 
 MEAN_METRICS = ("clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "is_weight_mean", "behaviour_kl",

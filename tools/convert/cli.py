@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.convert.arch import ARCHS
+from megatron_rl.convert.arch.base import ConvertError
 from megatron_rl.slurm_env import under_launcher
-from tools.convert.arch import ARCHS
-from tools.convert.arch.base import ConvertError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,8 +54,8 @@ def launched() -> bool:
 
 def spawn_torchrun(args, argv: list[str]) -> int:
     """Re-run this command under torchrun with tp*pp*ep ranks; clean the temporary folder on failure."""
+    from megatron_rl.convert.runtime import TMP_TAG_ENV
     from megatron_rl.distributed import free_port
-    from tools.convert.runtime import TMP_TAG_ENV
 
     n = args.tp * args.pp * args.ep
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--nnodes=1",
@@ -71,10 +71,10 @@ def spawn_torchrun(args, argv: list[str]) -> int:
 
 
 def run(args) -> dict:
-    from tools.convert import convert
+    from megatron_rl.convert import convert
 
     if args.op == "gguf-to-hf":
-        from tools.convert.gguf import gguf_in_package, gguf_to_hf
+        from megatron_rl.convert.gguf import gguf_in_package, gguf_to_hf
 
         return gguf_to_hf(args.gguf or gguf_in_package(args.package), args.out)
     if args.op == "hf-to-mcore":
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as e:
         print(f"megatron-rl convert {args.op}: error: {e}", file=sys.stderr)
         return 1
+    from megatron_rl.convert.runtime import gather_report, is_rank0
     from megatron_rl.distributed import world_group
-    from tools.convert.runtime import gather_report, is_rank0
 
     world = world_group()  # the command owns the job's group: every rank it started converts
     report = gather_report(report, world)

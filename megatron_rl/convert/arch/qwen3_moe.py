@@ -4,7 +4,7 @@
 Layers in `mlp_only_layers` or off `decoder_sparse_step` are dense (`mlp.{gate,up,down}_proj`, intermediate_size):
 Megatron's moe_layer_freq list. `use_sliding_window` applies to every layer.
 """
-from tools.convert.arch.base import Arch, MoENames
+from megatron_rl.convert.arch.base import Arch, MoENames
 
 ARCH = Arch(
     name="qwen3_moe", hf_architectures=("Qwen3MoeForCausalLM",), model_type="qwen3_moe",

@@ -4,7 +4,7 @@ shared_experts with moe_shared_expert_gate). norm_topk_prob defaults to false (p
 dense/MoE layers as Qwen3-MoE. Sliding windows are refused (HF applies them differently per attention
 implementation for this model).
 """
-from tools.convert.arch.base import Arch, MoENames
+from megatron_rl.convert.arch.base import Arch, MoENames
 
 ARCH = Arch(
     name="qwen2_moe", hf_architectures=("Qwen2MoeForCausalLM",), model_type="qwen2_moe",

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config import ConfigError
+from megatron_rl.convert.arch.base import Arch, ConvertError, MoENames, Rule, hf_dtype, hf_rope_scaling, rope_scaling
 from megatron_rl.models.gpt import MLAConfig, ModelConfig, MoEConfig
-from tools.convert.arch.base import Arch, ConvertError, MoENames, Rule, hf_dtype, hf_rope_scaling, rope_scaling
 
 _HF_NORM_EPS = 1e-6
 """transformers' DeepseekV3 builds q_a_layernorm / kv_a_layernorm with this eps whatever rms_norm_eps says."""
@@ -106,7 +106,7 @@ class DeepseekV3Arch(Arch):
         shared = moe.shared_expert_ffn_hidden_size or 0
         if shared % moe.ffn_hidden_size:
             raise ConvertError(f"{self.name}: shared expert size {shared} is not a multiple of the expert size")
-        from tools.convert.arch.base import DTYPE_HF
+        from megatron_rl.convert.arch.base import DTYPE_HF
 
         return {"architectures": [self.hf_architectures[0]], "model_type": self.model_type,
                 "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tools.convert import checks, layout, runtime
-from tools.convert.arch.base import ConvertError, to_hf
-from tools.convert.hf_io import read_config
+from megatron_rl.convert import checks, layout, runtime
+from megatron_rl.convert.arch.base import ConvertError, all_rules, to_hf
+from megatron_rl.convert.hf_io import read_config
 
 DEFAULT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -35,7 +35,7 @@ def tokens(vocab: int) -> torch.Tensor:
 
 
 def _model_cfg(hf: dict):
-    from tools.convert.arch import for_hf_config
+    from megatron_rl.convert.arch import for_hf_config
 
     return for_hf_config(hf).model_config(hf)[0]
 
@@ -78,7 +78,7 @@ def reference_config(hf: dict):
     (Kimi-K2's kimi_k2 = deepseek_v3) is read as that architecture."""
     from transformers import AutoConfig
 
-    from tools.convert.arch import for_hf_config
+    from megatron_rl.convert.arch import for_hf_config
 
     arch = for_hf_config(hf)
     rest = {k: v for k, v in hf.items() if k not in ("architectures", "model_type", "auto_map")}
@@ -125,7 +125,7 @@ def load_hf_dequantized(path: Path):
     loading needs a GPU): the architecture from config.json without quantization_config."""
     from transformers import AutoModelForCausalLM
 
-    from tools.convert.hf_io import HFReader
+    from megatron_rl.convert.hf_io import HFReader
 
     reader = HFReader(path)
     hf = {k: v for k, v in reader.config.items() if k != "quantization_config"}
@@ -153,7 +153,7 @@ def verify_hf_folder(out: Path, ckpt: Path, cfg, extra: dict, rules: dict, tol: 
     layers', which it ignores); it holds exactly the table's tensors and `copies`."""
     from safetensors import safe_open
 
-    from tools.convert.hf_io import HFReader
+    from megatron_rl.convert.hf_io import HFReader
 
     model, info = load_hf(out)
     unexpected = info.get("unexpected_keys") or []
@@ -181,8 +181,6 @@ def hf_reference(ckpt: Path, model, arch, hf: dict, group):
     """An HF model (transformers, from config) holding the tensors of checkpoint `ckpt`; collective over
     `group` (the ranks holding `model`'s parts: `DistContext.world`)."""
     from transformers import AutoModelForCausalLM
-
-    from tools.convert.convert import all_rules
 
     parts: list = [None] * dist.get_world_size(group)
     pattern = model.config.moe_layer_freq if isinstance(model.config.moe_layer_freq, list) else None

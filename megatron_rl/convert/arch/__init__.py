@@ -1,8 +1,8 @@
 """Registry of architecture tables (one module per architecture)."""
 from __future__ import annotations
 
-from tools.convert.arch import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
-from tools.convert.arch.base import Arch, ConvertError
+from megatron_rl.convert.arch import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from megatron_rl.convert.arch.base import ARCH_FIELDS, Arch, ConvertError
 
 ARCHS: dict[str, Arch] = {m.ARCH.name: m.ARCH for m in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
                                                   deepseek_v3)}
@@ -31,8 +31,6 @@ def for_hf_config(hf: dict) -> Arch:
 def describe(cfg, extra: dict | None = None) -> tuple[Arch, dict]:
     """(architecture, config.json) of the first table whose config.json describes `cfg` (a ModelConfig of random
     weights) exactly: written, then read back to the same shape. Raises naming why each kind does not fit."""
-    from megatron_rl.models.source import ARCH_FIELDS
-
     why, want = {}, _effective(cfg)
     for arch in ARCHS.values():
         try:

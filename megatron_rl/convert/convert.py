@@ -6,22 +6,15 @@ from pathlib import Path
 
 import torch
 
-from tools.convert import checks, layout, runtime
-from tools.convert.arch import by_name, for_hf_config
-from tools.convert.arch.base import ConvertError, Rule, to_hf, to_mcore
-from tools.convert.hf_io import HFReader, HFWriter, copy_side_files, read_config
+from megatron_rl.convert import checks, layout, runtime
+from megatron_rl.convert.arch import by_name, for_hf_config
+from megatron_rl.convert.arch.base import ConvertError, Rule, all_rules, to_hf, to_mcore  # noqa: F401 (all_rules: used by callers of this module)
+from megatron_rl.convert.hf_io import HFReader, HFWriter, copy_side_files, read_config
 
 META = "megatron_rl_convert.json"
 """Side file of a converted Megatron checkpoint: architecture and HF config.json (for mcore-to-hf/reshard)."""
 SIDE_DIR = "hf_files"
 """Tokenizer and other HF side files carried inside a Megatron checkpoint."""
-
-
-def all_rules(arch, hf: dict) -> dict[str, Rule]:
-    rules = dict(arch.global_rules(hf))
-    for layer in range(hf["num_hidden_layers"]):
-        rules.update(arch.layer_rules(hf, layer))
-    return rules
 
 
 def fill_rule(arch, hf: dict, rules: dict[str, Rule], name: str) -> Rule:
@@ -112,7 +105,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
             write_meta(tmp, arch, reader.config, Path(hf_dir))
         runtime.barrier(ctx.world)
         if verify:
-            from tools.convert import verify as V
+            from megatron_rl.convert import verify as V
 
             report["verify"] = V.verify_mcore_against_hf(tmp, cfg, extra, ctx, hf_dir, tol)
             report["verify"]["config"] = V.check_arch_round_trip(arch, cfg, extra)
@@ -229,7 +222,7 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         report["side_files"] = copy_side_files(side, tmp) if side else []
         if verify:
-            from tools.convert import verify as V
+            from megatron_rl.convert import verify as V
 
             copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
             report["verify"] = V.verify_hf_folder(tmp, ckpt_p, cfg, extra, all_rules(arch, hf), tol, copies)
@@ -258,7 +251,7 @@ def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_confi
             copy_side_files(side, tmp / SIDE_DIR) if side else None
         runtime.barrier(ctx.world)
         if verify:
-            from tools.convert import verify as V
+            from megatron_rl.convert import verify as V
 
             report["verify"] = V.verify_mcore_against_ckpt(tmp, cfg, extra, ctx, ckpt_p, arch, hf, tol)
     return report

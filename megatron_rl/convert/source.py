@@ -7,7 +7,7 @@
 
 The model's shape (layers, width, heads, query groups, head_dim, ffn size, rope base and scaling, sliding
 window, norm eps, tied embeddings, vocab, QKV bias, QK norm, MoE, MLA) comes from the checkpoint's config.json
-through the converter's architecture tables (`tools/convert/arch`), never from hand-copied sizes:
+through the converter's architecture tables (`megatron_rl/convert/arch`), never from hand-copied sizes:
 `resolve(model_cfg)` fills them in, and refuses a run config that sets one of them to a different value.
 What stays the run's choice: max_seq_length (at most the checkpoint's max_position_embeddings), params_dtype,
 transformer_impl, fp8.
@@ -24,26 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
-
-KINDS = ("hf", "mcore")
-ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
-               "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
-               "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
-               "position_embedding", "moe", "mla", "mtp_num_layers")
-META = "megatron_rl_convert.json"
-
-
-def parse(init: str) -> tuple[str, Path]:
-    """('hf' | 'mcore', folder) of a model.init value; errors name the value and the fix."""
-    kind, sep, path = init.partition(":")
-    if not sep or kind not in KINDS or not path:
-        raise ConfigError(f"model.init={init!r}: use hf:DIR (an HF folder), mcore:DIR (a converted checkpoint) "
-                          f"or '' for random weights")
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        hint = " (the main job's model is made by scripts/setup.sh)" if "SmolLM2" in path else ""
-        raise ConfigError(f"model.init={init!r}: folder {folder} does not exist{hint}")
-    return kind, folder
+from megatron_rl.convert.arch.base import ARCH_FIELDS
+from megatron_rl.model_init import META, parse
 
 
 def hf_config(init: str) -> dict:
@@ -53,8 +35,8 @@ def hf_config(init: str) -> dict:
         f = folder / "config.json"
         if not f.is_file():
             raise ConfigError(f"model.init={init!r}: {f} not found; an HF model folder needs config.json")
-        from tools.convert.arch.base import ConvertError
-        from tools.convert.hf_io import HFReader
+        from megatron_rl.convert.arch.base import ConvertError
+        from megatron_rl.convert.hf_io import HFReader
 
         try:
             return HFReader(folder).config  # as its weights have it (DeepSeek-V3 MTP layers saved or not)
@@ -67,19 +49,10 @@ def hf_config(init: str) -> dict:
     return json.loads(f.read_text())["hf_config"]
 
 
-def tokenizer_folder(init: str) -> str:
-    """The folder holding the checkpoint's tokenizer files ('' when there is none or no checkpoint)."""
-    if not init:
-        return ""
-    kind, folder = parse(init)
-    folder = folder if kind == "hf" else folder / "hf_files"
-    return str(folder) if (folder / "tokenizer.json").is_file() else ""
-
-
 def checkpoint_model_config(init: str, params_dtype: str):
     """(ModelConfig of the checkpoint's architecture, the converter's Arch) from its config.json."""
-    from tools.convert.arch import for_hf_config
-    from tools.convert.arch.base import ConvertError
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.convert.arch.base import ConvertError
 
     hf = hf_config(init)
     try:
@@ -94,7 +67,8 @@ def checkpoint_model_config(init: str, params_dtype: str):
 
 
 def resolve(cfg) -> None:
-    """Fill `cfg` (a ModelConfig with `init` set) with the checkpoint's architecture, in place."""
+    """The resolve step of a ModelConfig with `init` set: read the checkpoint, fill `cfg` with its architecture in
+    place, then validate the result (`ModelConfig.validate` itself reads nothing)."""
     from megatron_rl.models.gpt import ModelConfig
 
     src, _ = checkpoint_model_config(cfg.init, cfg.params_dtype)
@@ -110,6 +84,7 @@ def resolve(cfg) -> None:
     if limit and cfg.max_seq_length > limit:
         raise ConfigError(f"model.max_seq_length={cfg.max_seq_length} exceeds the checkpoint's "
                           f"max_position_embeddings={limit}")
+    cfg.validate()
 
 
 def _check_tensors(init: str) -> None:
@@ -117,11 +92,11 @@ def _check_tensors(init: str) -> None:
     kind, folder = parse(init)
     if kind != "hf":
         return
-    from tools.convert import checks
-    from tools.convert.arch import for_hf_config
-    from tools.convert.arch.base import ConvertError
-    from tools.convert.convert import all_rules
-    from tools.convert.hf_io import HFReader
+    from megatron_rl.convert import checks
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.convert.arch.base import ConvertError
+    from megatron_rl.convert.convert import all_rules
+    from megatron_rl.convert.hf_io import HFReader
 
     try:
         reader = HFReader(folder)
@@ -140,10 +115,10 @@ def initializer(cfg) -> Callable | None:
 
 
 def _hf_loader(folder: Path) -> Callable:
-    from tools.convert import checks
-    from tools.convert.arch import for_hf_config
-    from tools.convert.convert import all_rules, fill_model
-    from tools.convert.hf_io import HFReader
+    from megatron_rl.convert import checks
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.convert.convert import all_rules, fill_model
+    from megatron_rl.convert.hf_io import HFReader
 
     reader = HFReader(folder)
     arch = for_hf_config(reader.config)
@@ -158,7 +133,7 @@ def _hf_loader(folder: Path) -> Callable:
 
 def _mcore_loader(folder: Path) -> Callable:
     def load(model) -> None:
-        from tools.convert.layout import load_model
+        from megatron_rl.convert.layout import load_model
 
         load_model(model, folder)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.convert.arch.base import ConvertError
 from megatron_rl.distributed import group_leader, group_rank, group_size
-from tools.convert.arch.base import ConvertError
 
 TMP_TAG_ENV = "MRL_CONVERT_TMP_TAG"
 """Set by the launcher that spawns torchrun: the suffix of the temporary output folder (its pid)."""

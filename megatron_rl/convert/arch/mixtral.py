@@ -2,7 +2,7 @@
 `experts.E.w1` (gate), `w3` (up), `w2` (down). Routing = softmax over the top-k logits (Megatron's default;
 at top-1 every token's weight is 1). `sliding_window` (every layer) maps to Megatron's window_size.
 """
-from tools.convert.arch.base import Arch, MoENames
+from megatron_rl.convert.arch.base import Arch, MoENames
 
 ARCH = Arch(
     name="mixtral", hf_architectures=("MixtralForCausalLM",), model_type="mixtral", qkv_bias=lambda hf: False,

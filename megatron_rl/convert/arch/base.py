@@ -17,6 +17,11 @@ from megatron_rl.models.gpt import ModelConfig, MoEConfig, RopeScaling
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPE_HF = {v: k for k, v in _DTYPE_NAMES.items()}
+# the ModelConfig fields a checkpoint's config.json decides (model.init: the run may not set them differently)
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim", "norm_epsilon",
+               "ffn_hidden_size", "vocab_size", "rotary_base", "rope_scaling", "sliding_window",
+               "sliding_window_layers", "tie_embeddings", "qkv_bias", "qk_layernorm", "normalization", "activation",
+               "position_embedding", "moe", "mla", "mtp_num_layers")
 
 
 class ConvertError(ValueError):
@@ -383,3 +388,11 @@ def to_hf(rule: Rule, tensor: torch.Tensor, hf: dict) -> list[torch.Tensor]:
     t = tensor.reshape(groups, (heads // groups + 2) * d, *rest)
     q, k, v = torch.split(t, [heads // groups * d, d, d], dim=1)
     return [x.reshape(-1, *rest) for x in (q, k, v)]
+
+
+def all_rules(arch: Arch, hf: dict) -> dict[str, Rule]:
+    """Every rule of `arch` for the HF config `hf`: the global tensors' and each layer's."""
+    rules = dict(arch.global_rules(hf))
+    for layer in range(hf["num_hidden_layers"]):
+        rules.update(arch.layer_rules(hf, layer))
+    return rules

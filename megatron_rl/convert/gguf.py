@@ -4,7 +4,7 @@ transformers reads GGUF itself (`from_pretrained(folder, gguf_file=NAME)`, with 
 `accelerate`) and dequantizes every tensor to fp32; `save_pretrained` of the model and its tokenizer then
 writes safetensors, config.json, tokenizer.json, tokenizer_config.json and the chat template. The tokenizer
 files are then made to state the GGUF's own special tokens and add_bos_token, with the chat template's end of
-turn as eos and a tokenizer class that transformers 4 and 5 load alike (`megatron_rl.models.tokenizer_files`).
+turn as eos and a tokenizer class that transformers 4 and 5 load alike (`megatron_rl.convert.tokenizer_files`).
 Nothing is fetched from a hub. The folder is written atomically (a temporary sibling renamed at the end).
 
     megatron-rl convert gguf-to-hf --gguf FILE.gguf --out models/NAME
@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tools.convert.arch.base import ConvertError
+from megatron_rl.convert.arch.base import ConvertError
 
 
 def gguf_in_package(package: str) -> Path:
@@ -62,7 +62,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> dic
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        from megatron_rl.models import tokenizer_files
+        from megatron_rl.convert import tokenizer_files
 
         facts = tokenizer_files.gguf_facts(gguf)
         (tmp / tokenizer_files.SOURCE).write_text(json.dumps({"gguf": str(gguf.name), "tokenizer": facts}) + "\n")

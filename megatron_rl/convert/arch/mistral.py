@@ -1,5 +1,5 @@
 """Mistral (dense): the Llama layout; `sliding_window` (every layer) maps to Megatron's window_size."""
-from tools.convert.arch.base import Arch
+from megatron_rl.convert.arch.base import Arch
 
 ARCH = Arch(name="mistral", hf_architectures=("MistralForCausalLM",), model_type="mistral",
             qkv_bias=lambda hf: False, window="all")

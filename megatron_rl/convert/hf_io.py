@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tools.convert.arch.base import ConvertError
+from megatron_rl.convert.arch.base import ConvertError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,7 +38,7 @@ class HFReader:
         self.config = read_config(self.path)
         self._open: dict[str, SafetensorsFile] = {}
         self.weight_map = self._weight_map()
-        from tools.convert.arch.deepseek_v3 import drop_absent_mtp
+        from megatron_rl.convert.arch.deepseek_v3 import drop_absent_mtp
 
         self.config = drop_absent_mtp(self.config, self.weight_map)  # (a DeepSeek-V3 saved by transformers)
 
@@ -131,7 +131,7 @@ def fp8_block(hf: dict) -> tuple[int, int]:
 
 
 def _torch_dtype(hf: dict) -> torch.dtype:
-    from tools.convert.arch.base import hf_dtype
+    from megatron_rl.convert.arch.base import hf_dtype
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[hf_dtype(hf)]
 
