@@ -61,13 +61,16 @@ class DataConfig:
     """Sandbox backend that checks each reference solution and runs the rewards (registry name)."""
     sandbox_workers: int = 2
     """Concurrent sandbox slots (a SandboxPool above 1)."""
+    sandbox_lease_dir: str = ""
+    """bwrap as root: the node-wide registry of slot uid leases ('' = /run/megatron-rl/sandbox-uids); name a folder
+    every job on the node sees where jobs run in containers with a private /run (never a per-job TMPDIR)."""
     episode_workers: int = 4
     """Threads running episodes' env steps and rewards on rank 0."""
 
     def sandbox_config(self):
         from envs.sandbox import SandboxConfig
 
-        return SandboxConfig(backend=self.sandbox, workers=self.sandbox_workers)
+        return SandboxConfig(backend=self.sandbox, workers=self.sandbox_workers, lease_dir=self.sandbox_lease_dir)
 
     def validate(self) -> None:
         import envs  # noqa: F401  (registers the built-in environments)

@@ -827,8 +827,14 @@ def test_lease_registry_that_others_could_write_or_redirect_is_refused(tmp_path)
 
 @needs_root
 def test_sandbox_config_lease_dir_holds_the_slot_uids(tmp_path):
+    """Set from the run config (`data.sandbox_lease_dir`), as a job in a container with a private /run would."""
+    from megatron_rl import config as C
+    from megatron_rl.run_config import RunConfig
+
     leases = tmp_path / "leases"
-    with build_sandbox(SandboxConfig(lease_dir=str(leases), prespawn=False)) as s:
+    cfg = C.load(RunConfig, None, [f"data.sandbox_lease_dir={leases}", "data.sandbox_workers=1"]).data.sandbox_config()
+    cfg.prespawn = False
+    with build_sandbox(cfg) as s:
         assert sorted(os.listdir(leases)) == [str(u) for u in s.uids] and s.run(["id", "-u"]).stdout == "1000\n"
     assert os.listdir(leases) == []
 
