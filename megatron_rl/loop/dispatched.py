@@ -264,7 +264,8 @@ class DispatchRollouts(Rollouts):
                 report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name).run(todo)
                 counters.update(dispatch_failed_tasks=len(report.failures), dispatch_rounds=len(report.rounds))
             unreadable: list[str] = []
-            episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable)
+            episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable,
+                                     vocab_size=getattr(self.tok, "vocab_size", None))
             counters.update(episodes_missing=len(specs) - len(episodes), unreadable_shards=len(unreadable))
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
@@ -343,18 +344,19 @@ def batch_name(groups: list[Group]) -> str:
     return f"g{groups[0].gid:07d}-g{groups[-1].gid:07d}"
 
 
-def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
+def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None,
+                  vocab_size: int | None = None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
     components, status, the engine's experts of its tokens (routing replay; None when not recorded) for the
-    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
-    is skipped with a logged reason and appended to `unreadable` ("path: reason"); its episodes count as
-    missing."""
+    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard, or one whose values break the
+    shard contract (`ShardReader`: token ids below `vocab_size`, finite bounded rewards, ...), is skipped with a
+    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
     from megatron_rl.data.shards import ShardError, read_shard
 
     out: dict[str, dict] = {}
     for p in sorted(shard_dir.glob("*.h5")) if shard_dir.is_dir() else []:
         try:
-            trajs = read_shard(p)
+            trajs = read_shard(p, vocab_size=vocab_size)
         except (ShardError, OSError) as e:
             log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
             if unreadable is not None:
