@@ -64,7 +64,7 @@ class RewardSpec:
                            for c in self.components])
 
     def compute(self, ctx: RewardContext) -> RewardResult:
-        from envs.rewards import REWARDS, run_reward
+        from envs.rewards import JUDGE_UNPARSED, REWARDS, run_reward
 
         out = RewardResult(total=0.0)
         for comp in self.components:
@@ -74,6 +74,8 @@ class RewardSpec:
             out.weights[comp.name] = comp.weight
             out.reasons[comp.name] = r.reason
             out.provenance[comp.name] = r.provenance
+            if r.provenance.get(JUDGE_UNPARSED):  # a marker (weight 0) that reaches the step metrics, even from shards
+                out.components[JUDGE_UNPARSED], out.weights[JUDGE_UNPARSED] = 1.0, 0.0
             if out.status == "ok" and r.status != "ok":
                 out.status = r.status
             out.total += comp.weight * float(r.score)
