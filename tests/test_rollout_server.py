@@ -250,3 +250,22 @@ def test_a_server_configured_for_localhost_listens_on_loopback_only(pgs, tmp_pat
             socket.create_connection((other, port), timeout=5).close()
     finally:
         close()
+
+
+def test_the_token_file_is_private_and_never_written_through_a_planted_link(tmp_path):
+    import os
+    import stat
+
+    from megatron_rl.rollout.client import read_token_file, write_token_file
+
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    path = tmp_path / "rollout_token"
+    os.symlink(target, f"{path}.{os.getpid()}.tmp")  # planted where the writer stages the file
+    write_token_file(path, "tok-1")
+    assert read_token_file(path) == "tok-1" and target.read_text() == "untouched"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not path.is_symlink()
+    client = RolloutClient("http://127.0.0.1:9", token_file=str(path))
+    assert client.token == "tok-1"
+    write_token_file(path, "tok-2")  # a restarted driver: the client picks it up after a 401
+    assert client._token_changed() and client.token == "tok-2" and not client._token_changed()

@@ -74,8 +74,9 @@ class DispatchRollouts(Rollouts):
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             write_token_file(self.token_file, self.token)
-        self.worker_cfg = dataclasses.replace(worker_cfg, generator=dataclasses.replace(
-            worker_cfg.generator, token_file=worker_cfg.generator.token_file or str(self.token_file.resolve())))
+        self.worker_cfg = worker_cfg if worker_cfg is None else dataclasses.replace(worker_cfg, generator=(
+            dataclasses.replace(worker_cfg.generator,
+                                token_file=worker_cfg.generator.token_file or str(self.token_file.resolve()))))
         self.serve_group = tp_group
         """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
         eval are driven from rank 0 over the world; with it at TP=1 and 2+ ranks, rank 1 never got them)."""

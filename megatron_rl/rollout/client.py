@@ -114,7 +114,9 @@ def write_token_file(path, token: str) -> None:
     """Write the job's token to `path`, readable by its owner only (mode 600), atomically."""
     path = os.fspath(path)
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    if os.path.lexists(tmp):  # a leftover (or someone's planted file or link): never write through it
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, token.encode())
