@@ -19,6 +19,10 @@ from megatron_rl.registry import Registry
 log = logging.getLogger(__name__)
 
 
+JUDGE_UNPARSED = "judge_unparsed"
+"""Provenance key (count of judge answers without a parsable final score) and the weight-0 reward component
+that marks such a masked sample (`RewardSpec.compute`), counted per step as `judge_unparsed[_frac]`."""
+
 @dataclass
 class RewardComponent:
     """One named reward component: a registered reward function, its weight and parameters."""
@@ -82,6 +86,8 @@ class RewardSpec:
             out.weights[comp.name] = comp.weight
             out.reasons[comp.name] = r.reason
             out.provenance[comp.name] = r.provenance
+            if r.provenance.get(JUDGE_UNPARSED):  # a marker (weight 0) that reaches the step metrics, even from shards
+                out.components[JUDGE_UNPARSED], out.weights[JUDGE_UNPARSED] = 1.0, 0.0
             if out.status == "ok" and r.status != "ok":
                 out.status = r.status
             out.total += comp.weight * float(r.score)

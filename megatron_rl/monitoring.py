@@ -33,13 +33,18 @@ class AlertConfig:
     """Alert when the step's mean reward falls below this fraction of the best 5-step mean so far (0 disables)."""
     reward_collapse_min_best: float = 0.2
     """The collapse rule applies only after the best 5-step mean reward exceeded this."""
+    judge_unparsed_frac: float = 0.05
+    """Alert when more than this fraction of the step's samples were masked because the LLM judge's answer did not
+    end with exactly one 'Score: N' line (a judge that stopped following the format, or responses that make it
+    quote scores: either way those samples are not trained on)."""
     stall_s: float = 300.0
     """Alert when episodes are pending but none finished for this many seconds (stalled workers)."""
     mismatch_kl: float | None = None
     """Alert when the train/rollout log-prob mismatch KL exceeds this (None: off); the RL loop sets it from
     rl.mismatch_alert_kl, so set that one in a run config."""
     stop_on: list[str] = field(default_factory=lambda: ["nan"])
-    """Rules that stop the run (after a checkpoint): any of nan, sandbox_errors, reward_collapse, stall, mismatch."""
+    """Rules that stop the run (after a checkpoint): any of nan, sandbox_errors, judge_unparsed, reward_collapse,
+    stall, mismatch."""
 
 
 @dataclass
@@ -127,6 +132,10 @@ class Monitor:
         if m.get("sandbox_error_rate", 0.0) > a.sandbox_error_rate:
             fired.append(("sandbox_errors", f"sandbox error rate {m['sandbox_error_rate']:.2f} > "
                                             f"{a.sandbox_error_rate}"))
+        if m.get("judge_unparsed_frac", 0.0) > a.judge_unparsed_frac:
+            fired.append(("judge_unparsed", f"{m['judge_unparsed_frac']:.2f} of the step's samples masked: the "
+                                            f"judge's answer had no parsable final 'Score: N' line (> "
+                                            f"{a.judge_unparsed_frac})"))
         fired += self._collapse(m.get("reward_mean"))
         if m.get("episodes_stalled_s", 0.0) > a.stall_s:
             fired.append(("stall", f"no episode finished for {m['episodes_stalled_s']:.0f} s with work pending"))

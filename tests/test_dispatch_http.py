@@ -39,7 +39,8 @@ TASKS = load_domain("countdown", split="train")
 
 
 def start_server() -> ServerThread:
-    """A real rollout server on 127.0.0.1 (free port): tiny random policy, weights updated to VERSION."""
+    """A real rollout server on 127.0.0.1 (free port): tiny random policy, weights updated to VERSION; its token
+    (which every endpoint but /health needs) in `srv.token_file`, as the driver hands it to the workers."""
     from megatron_rl.compat.testing import init_weights_by_name
 
     pgs = _init_single()
@@ -51,13 +52,23 @@ def start_server() -> ServerThread:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    from megatron_rl.rollout.client import write_token_file
+
     srv = start_server()
+    srv.token_file = tmp_path_factory.mktemp("token") / "rollout_token"
+    write_token_file(srv.token_file, srv.token)
+    _TOKENS[srv.url] = str(srv.token_file)
     yield srv
     srv.stop()
 
 
+_TOKENS: dict[str, str] = {}
+"""Server URL -> its token file."""
+
+
 def http_worker(url: str, **gen) -> WorkerConfig:
+    gen.setdefault("token_file", _TOKENS.get(url, ""))
     return WorkerConfig(threads=2, generator=GeneratorConfig(kind="http", url=url, **gen))
 
 
@@ -74,8 +85,9 @@ def replay(url: str, prompt: list[int], seed: int) -> dict:
     the same draws, so this is what the server answered the worker."""
     body = {"prompt_token_ids": prompt, "max_tokens": MAX_NEW, "temperature": 1.0, "top_p": 0.95, "seed": seed,
             "stop_token_ids": [258], "logprobs": True, "return_token_ids": True}
+    token = open(_TOKENS[url]).read()
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=60) as r:
         (choice,) = json.loads(r.read())["choices"]
     return choice
@@ -176,3 +188,18 @@ def test_rejected_and_timed_out_requests_fail_the_episode_not_the_worker(server,
     res = run_episode_batch(WorkerSpec(episodes=slow, shard_dir=str(tmp_path / "b"), worker=worker))
     assert res.finished == [] and list(res.failed) == [slow[0].episode_id]
     assert res.failed[slow[0].episode_id].startswith("timeout: ") and "timed out" in res.failed[slow[0].episode_id]
+
+
+def test_a_worker_without_the_token_is_refused_and_the_episode_fails_with_the_reason(server, tmp_path):
+    """Generation needs the job's token: a worker given none (or a wrong one) gets 401, never tokens."""
+    eps = episodes_from_tasks(TASKS[:1], sampling=SAMPLING, prefix="anon")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    for token_file in ("", str(wrong)):
+        res = run_episode_batch(WorkerSpec(episodes=eps, shard_dir=str(tmp_path / f"s{len(token_file)}"),
+                                           worker=http_worker(server.url, token_file=token_file)))
+        (t,) = [t for name in res.shards for t in read_shard(tmp_path / f"s{len(token_file)}" / name)]
+        assert t.status == "error" and "401" in t.provenance["error"] and not t.loss_mask.any()
+    missing = http_worker(server.url, token_file=str(tmp_path / "absent"))
+    with pytest.raises(Exception, match="token_file .*absent.*cannot read"):
+        run_episode_batch(WorkerSpec(episodes=eps, shard_dir=str(tmp_path / "m"), worker=missing))

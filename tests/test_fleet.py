@@ -363,3 +363,37 @@ def _exit_within(proc: subprocess.Popen, timeout: float) -> int | None:
         proc.kill()
         proc.wait()
         return None
+
+
+def test_the_queue_endpoint_refuses_requests_without_the_fleet_token_and_odd_bodies():
+    """Every route needs X-Fleet-Token (a missing, wrong or non-ASCII one gets 403, never a crashed handler);
+    a JSON body that is not an object gets 400."""
+    import http.client
+    import json
+
+    from megatron_rl.dispatch.fleet_server import TOKEN_HEADER, FleetState, serve
+    from megatron_rl.dispatch.lease_queue import LeaseQueue
+
+    httpd = serve(FleetState(LeaseQueue(60.0)), "s3cret", "127.0.0.1")
+    port = httpd.server_address[1]
+
+    def call(method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.putrequest(method, path)
+        for k, v in {**headers, "Content-Length": str(len(body or b""))}.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+
+    try:
+        for headers in ({}, {TOKEN_HEADER: "wrong"}, {TOKEN_HEADER: "s3cr\u00e9t".encode().decode("latin-1")}):
+            assert call("GET", "/status", None, headers)[0] == 403
+            assert call("POST", "/lease", b'{"worker": "w"}', headers)[0] == 403
+        ok = {TOKEN_HEADER: "s3cret"}
+        assert call("GET", "/status", None, ok)[0] == 200
+        status, out = call("POST", "/heartbeat", b"[1, 2]", ok)
+        assert status == 400 and "worker" in out["error"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

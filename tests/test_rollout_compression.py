@@ -107,7 +107,7 @@ def test_server_compression_field(model):
     ids, bounds = _prompt()
     srv = ServerThread(RolloutEngine(model, EngineConfig(num_blocks=64, block_size=4), pgs.tp, pgs.cp)).start()
     try:
-        client = RolloutClient(srv.url, timeout=60, retries=0)
+        client = RolloutClient(srv.url, timeout=60, retries=0, token=srv.token)
         out = client.complete(ids, max_tokens=4, temperature=0, turn_boundaries=bounds,
                               compression={"keep_first": 1, "keep_last": 1, "marker_token_ids": "[.]"})
         expected, rec = compress_turns(ids, bounds, CompressionConfig(1, 1, marker_token_ids=list(b"[.]")))

@@ -105,7 +105,8 @@ def test_malformed_requests_get_400_with_a_reason(server, body, reason):
 
 def test_invalid_json_gets_400(server):
     srv, _ = server
-    req = urllib.request.Request(srv.url + "/v1/completions", data=b"{not json", method="POST")
+    req = urllib.request.Request(srv.url + "/v1/completions", data=b"{not json", method="POST",
+                                 headers={"Authorization": f"Bearer {srv.token}"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=10)
     assert err.value.code == 400 and "not valid JSON" in json.loads(err.value.read())["error"]["message"]
@@ -116,6 +117,7 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
     body = json.dumps({"prompt_token_ids": [257, 5, 6], "max_tokens": 1000, "temperature": 1.0}).encode()
     sock = socket.create_connection((srv.host, srv.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer %s\r\n" % srv.token.encode() +
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert _wait_for(lambda: client.metrics()["rollout_kv_cache_blocks_used"] > 0)
     sock.close()
@@ -167,19 +169,26 @@ def test_update_weights_from_a_weight_file_reads_into_the_engines_parameters(pgs
     srv.stop()
 
 
-def test_mutating_endpoints_need_the_job_token(server, tmp_path, monkeypatch):
-    """Anyone on the cluster network could replace the policy through /update_weights: without the job's
-    token (missing or wrong) it answers 401 and the weights stay; read-only and generation endpoints stay open."""
+def test_every_endpoint_but_health_needs_the_job_token(server, tmp_path, monkeypatch):
+    """Anyone on the cluster network could replace the policy through /update_weights, run it (read the model
+    out, starve the workers) or read its metrics: without the job's token (missing or wrong) every endpoint but
+    /health answers 401, and nothing runs."""
     srv, client = server
     monkeypatch.delenv("MEGATRON_RL_ROLLOUT_TOKEN", raising=False)
     assert len(srv.token) >= 32
-    for token in (None, "wrong", srv.token + "x"):
+    for token in (None, "wrong", srv.token + "x", srv.token[:-1]):
         intruder = RolloutClient(srv.url, timeout=30, retries=0, token=token)
-        with pytest.raises(RolloutError) as err:
-            intruder.update_weights(7, str(tmp_path / "evil.pt"))
-        assert err.value.status == 401 and "token" in str(err.value)
+        calls = {"update_weights": lambda c=intruder: c.update_weights(7, str(tmp_path / "evil.pt")),
+                 "completions": lambda c=intruder: c.complete([257, 40], max_tokens=2, temperature=0),
+                 "chat": lambda c=intruder: c.chat([{"role": "user", "content": "hi"}], max_tokens=2),
+                 "metrics": intruder.metrics}
+        for name, call in calls.items():
+            with pytest.raises(RolloutError) as err:
+                call()
+            assert err.value.status == 401 and "token" in str(err.value), name
         assert intruder.health()["policy_version"] == 0
-        assert len(intruder.complete([257, 40], max_tokens=2, temperature=0)["choices"][0]["token_ids"]) == 2
+    assert client.metrics()["rollout_generated_tokens_total"] == 0  # nothing ran for the intruders
+    assert len(client.complete([257, 40], max_tokens=2, temperature=0)["choices"][0]["token_ids"]) == 2
     monkeypatch.setenv("MEGATRON_RL_ROLLOUT_TOKEN", srv.token)  # how the driver hands it to its clients
     with pytest.raises(RolloutError) as err:
         RolloutClient(srv.url, retries=0).update_weights(7, str(tmp_path / "missing.pt"))
@@ -189,6 +198,74 @@ def test_mutating_endpoints_need_the_job_token(server, tmp_path, monkeypatch):
 def test_server_binds_the_node_address_not_all_interfaces():
     from megatron_rl.loop.dispatched import node_address
 
-    assert node_address("localhost") == "0.0.0.0"  # loopback only: warned, token still required
-    assert node_address("127.0.0.1") == "0.0.0.0"
+    assert node_address("localhost") == "127.0.0.1"  # loopback only: warned, and loopback it stays
+    assert node_address("127.0.0.1") == "127.0.0.1"
     assert node_address("10.1.2.3") == "10.1.2.3"
+    assert node_address("no-such-host.invalid") == "127.0.0.1"  # never 0.0.0.0
+
+
+def _other_interface_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (the route a UDP socket would take; nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        addr = s.getsockname()[0]
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+@pytest.mark.parametrize("which", ["rollout_server", "fleet_queue"])
+def test_a_server_configured_for_localhost_listens_on_loopback_only(pgs, tmp_path, which):
+    """serve_host=localhost under Slurm (the workers are told to use localhost): the rollout server and the fleet
+    queue bind loopback, and the machine's other interface does not answer (it did: they bound 0.0.0.0)."""
+    from megatron_rl.dispatch import DispatchConfig, WorkerConfig
+    from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+    from megatron_rl.dispatch.fleet_server import FleetState, serve
+    from megatron_rl.dispatch.lease_queue import LeaseQueue
+    from megatron_rl.loop.config import EpisodesConfig
+    from megatron_rl.loop.dispatched import server_hosts
+
+    other = _other_interface_address()
+    if other is None:
+        pytest.skip("this machine has no non-loopback interface to try")
+    if which == "rollout_server":
+        bind, public = server_hosts(EpisodesConfig(runner="dispatch", serve_host="localhost",
+                                                   dispatch=DispatchConfig(executor="slurm")))
+        engine = RolloutEngine(_model(pgs, 3), EngineConfig(num_blocks=16, block_size=16), pgs.tp, pgs.cp)
+        srv = ServerThread(engine, host=bind).start()
+        port, close = srv.port, srv.stop
+    else:
+        bind, public = Fleet(FleetConfig(executor="slurm", serve_host="localhost"), WorkerConfig(), tmp_path)._hosts()
+        httpd = serve(FleetState(LeaseQueue(60.0)), "t", bind)
+        port = httpd.server_address[1]
+
+        def close():
+            httpd.shutdown()
+            httpd.server_close()
+    assert bind == "127.0.0.1" and public == "localhost"
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # it is up
+        with pytest.raises(OSError):
+            socket.create_connection((other, port), timeout=5).close()
+    finally:
+        close()
+
+
+def test_the_token_file_is_private_and_never_written_through_a_planted_link(tmp_path):
+    import os
+    import stat
+
+    from megatron_rl.rollout.client import read_token_file, write_token_file
+
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    path = tmp_path / "rollout_token"
+    os.symlink(target, f"{path}.{os.getpid()}.tmp")  # planted where the writer stages the file
+    write_token_file(path, "tok-1")
+    assert read_token_file(path) == "tok-1" and target.read_text() == "untouched"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and not path.is_symlink()
+    client = RolloutClient("http://127.0.0.1:9", token_file=str(path))
+    assert client.token == "tok-1"
+    write_token_file(path, "tok-2")  # a restarted driver: the client picks it up after a 401
+    assert client._token_changed() and client.token == "tok-2" and not client._token_changed()

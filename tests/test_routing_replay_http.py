@@ -35,13 +35,24 @@ def pgs():
 
 @pytest.fixture(scope="module")
 def served(pgs):
-    """(model, a server whose engine records routes, a server whose engine does not) on the same weights."""
+    """(model, a server whose engine records routes, a server whose engine does not) on the same weights; the
+    job's token in the environment, where the servers and the workers' clients read it."""
+    import os
+
+    from megatron_rl.rollout.client import TOKEN_ENV
+
+    before = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = "routing-replay-test-token"
     model = _model(pgs, dataclasses.replace(MOE, max_seq_length=512))  # room for countdown's prompts
     cfg = EngineConfig(num_blocks=128, block_size=4)
     srv = [ServerThread(RolloutEngine(model, cfg, pgs.tp, pgs.cp, moe_layers=moe)).start() for moe in ([0, 2], None)]
     yield model, *srv
     for s in srv:
         s.stop()
+    if before is None:
+        del os.environ[TOKEN_ENV]
+    else:
+        os.environ[TOKEN_ENV] = before
 
 
 def test_routes_wire_format_round_trips_and_rejects_malformed():

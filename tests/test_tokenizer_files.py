@@ -138,8 +138,8 @@ def test_export_writes_a_folder_whose_chat_turns_stop_at_their_end(tmp_path):
 
     from megatron_rl import config as C
     from megatron_rl.commands.export import export_run
-    from megatron_rl.run_config import RunConfig
     from megatron_rl.convert.convert import hf_to_mcore
+    from megatron_rl.run_config import RunConfig
 
     src, run = tmp_path / "src", tmp_path / "run"
     tok = tiny_tokenizer(src)

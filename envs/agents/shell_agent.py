@@ -8,7 +8,8 @@ stops when the policy replies without a tool call, after --max-turns calls, or w
 call (the episode's context budget is spent). It keeps the chat history as the gateway returned it, so the
 episode stays one exact token sequence. `--task` is the instruction as text (the agent adds its shell tool),
 or a JSON file {"messages": [...], "tools": [...]} used as the first call as it is. With --episode the calls
-go to the rollout server's gateway routes (/episodes/EP/v1/...); without, to an episode's own socket.
+go to the rollout server's gateway routes (/episodes/EP/v1/...), with the episode's token from
+$MEGATRON_RL_GATEWAY_TOKEN (`megatron_rl.rollout.gateway.episode_token`); without, to an episode's own socket.
 
 Long histories (`--history`, against `--context-budget` tokens, measured from the gateway's `usage`):
 - `full`: keep everything; a tool output keeps its last --max-output-chars characters (the gateway refuses
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -61,7 +63,10 @@ def complete(sock: str, episode: str, messages: list, tools: list, max_tokens: i
     conn = UnixHTTPConnection(sock)
     body = json.dumps({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 1.0})
     path = f"/episodes/{episode}/v1/chat/completions" if episode else "/v1/chat/completions"
-    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("MEGATRON_RL_GATEWAY_TOKEN"):  # the gateway routes' episode token (never on argv)
+        headers["Authorization"] = "Bearer " + os.environ["MEGATRON_RL_GATEWAY_TOKEN"]
+    conn.request("POST", path, body, headers)
     resp = conn.getresponse()
     data = json.loads(resp.read())
     if resp.status != 200:

@@ -65,6 +65,20 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = "megatron-rl/trajectory"
 SCHEMA_VERSION = 1
+KNOWN_SCHEMA_VERSIONS = (1,)
+"""Schema versions this reader understands (an integer attribute; anything else is refused)."""
+MAX_TOKEN_ID = (1 << 24) - 1
+"""Largest token id accepted when the vocabulary is not known (no tokenizer has 16.7M entries); readers given
+`vocab_size` refuse ids >= vocab_size."""
+MAX_POLICY_VERSION = (1 << 24) - 1
+"""Largest policy version accepted when the current version is not known (a version is an optimizer step: 16.7M
+of them is beyond any run, and far from overflowing `current - version` arithmetic)."""
+REWARD_LIMIT = 1e6
+"""Largest |reward| (and |reward component|) accepted: finite is not enough, 1e300 would swamp a batch."""
+LOGPROB_SLACK = 1e-4
+"""Log-probs above this are impossible (log of a probability <= 1; float rounding stays below it)."""
+TIMING_LIMIT = 1e9
+"""Largest timing accepted (seconds; NaN = absent)."""
 STATUSES = ("ok", "truncated", "sandbox_error", "timeout", "error")
 COMPRESSIONS = ("blosc-lz4", "none")
 TMP_SUFFIX = ".tmp"
@@ -167,14 +181,15 @@ def _check_names(kind: str, names: Iterable[str], ident: str) -> None:
             raise TrajectoryError(f"trajectory {ident}: {kind} name {name!r} must be a non-empty str without '/'")
 
 
-def _float_dict(kind: str, value: dict, ident: str) -> dict[str, float]:
+def _float_dict(kind: str, value: dict, ident: str, limit: float) -> dict[str, float]:
     if not isinstance(value, dict):
         raise TrajectoryError(f"trajectory {ident}: {kind}s must be a dict name -> float, got {type(value).__name__}")
     _check_names(kind, value, ident)
     out = {k: float(v) for k, v in value.items()}
-    bad = [k for k, v in out.items() if not math.isfinite(v)]
+    bad = [k for k, v in out.items() if not math.isfinite(v) or abs(v) > limit]
     if bad:
-        raise TrajectoryError(f"trajectory {ident}: {kind} {bad} not finite (NaN marks 'absent' in a shard)")
+        raise TrajectoryError(f"trajectory {ident}: {kind} {bad} not finite or beyond +-{limit:g} (NaN marks "
+                              f"'absent' in a shard)")
     return out
 
 
@@ -222,8 +237,8 @@ class Trajectory:
         self._check_strings()
         self._check_arrays()
         self._check_scalars()
-        self.reward_components = _float_dict("reward component", self.reward_components, self._ident)
-        self.timings = _float_dict("timing", self.timings, self._ident)
+        self.reward_components = _float_dict("reward component", self.reward_components, self._ident, REWARD_LIMIT)
+        self.timings = _float_dict("timing", self.timings, self._ident, TIMING_LIMIT)
         if not isinstance(self.provenance, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.provenance.items()):
             raise TrajectoryError(f"trajectory {self._ident}: provenance must map str -> str")
@@ -246,7 +261,11 @@ class Trajectory:
 
     def _check_arrays(self) -> None:
         self.tokens = _int_array("tokens", self.tokens, self._ident)
+        if self.tokens.size and (self.tokens.min() < 0 or self.tokens.max() > MAX_TOKEN_ID):
+            raise TrajectoryError(f"trajectory {self._ident}: tokens must be ids in [0, {MAX_TOKEN_ID}]")
         self.logprobs = _float_array("logprobs", self.logprobs, self._ident)
+        if self.logprobs.size and not (np.isfinite(self.logprobs).all() and self.logprobs.max() <= LOGPROB_SLACK):
+            raise TrajectoryError(f"trajectory {self._ident}: logprobs must be finite and <= 0")
         self.loss_mask = _mask_array(self.loss_mask, self._ident)
         if self.token_versions is not None:
             self.token_versions = _int_array("token_versions", self.token_versions, self._ident)
@@ -274,8 +293,12 @@ class Trajectory:
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float, np.number)):
             raise TrajectoryError(f"trajectory {self._ident}: reward must be a number, got {self.reward!r}")
         self.reward = float(self.reward)
-        if not math.isfinite(self.reward):
-            raise TrajectoryError(f"trajectory {self._ident}: reward {self.reward} is not finite")
+        if not math.isfinite(self.reward) or abs(self.reward) > REWARD_LIMIT:
+            raise TrajectoryError(f"trajectory {self._ident}: reward {self.reward} is not finite or beyond "
+                                  f"+-{REWARD_LIMIT:g}")
+        if self.policy_version_last > MAX_POLICY_VERSION:
+            raise TrajectoryError(f"trajectory {self._ident}: policy_version_last {self.policy_version_last} > "
+                                  f"{MAX_POLICY_VERSION}")
 
 
 # ------------------------------------------------------------------------------------------------ columns
@@ -394,15 +417,21 @@ class TrajectoryColumns:
             tv = np.concatenate([_versions_or_fill(t) for t in trajs])
         return cls(**ragged, offsets=offsets, token_versions=tv, **meta, routed_experts=_concat_routes(trajs))
 
-    def validate(self) -> None:
-        """Vectorised check of the shard contract (what Trajectory checks one sample at a time)."""
+    def validate(self, vocab_size: int | None = None, max_version: int | None = None) -> None:
+        """Vectorised check of the shard contract (what Trajectory checks one sample at a time): structure, dtypes
+        and values. Token ids must be < `vocab_size` (else <= MAX_TOKEN_ID), policy versions <= `max_version`
+        (else <= MAX_POLICY_VERSION). Raises TrajectoryError naming the field."""
         _check_csr(self)
         _check_per_sample(self)
-        for kind, group in (("reward component", self.reward_components), ("timing", self.timings)):
+        for kind, group, limit in (("reward component", self.reward_components, REWARD_LIMIT),
+                                   ("timing", self.timings, TIMING_LIMIT)):
             _check_names(kind, group, "columns")
-            bad = [k for k, v in group.items() if v.shape != (len(self),) or np.isinf(v).any()]
+            bad = [k for k, v in group.items() if v.shape != (len(self),) or np.asarray(v).dtype.kind != "f"
+                   or np.any(np.abs(v[~np.isnan(v)]) > limit)]
             if bad:
-                raise TrajectoryError(f"columns: {kind}s {bad} need shape [{len(self)}] and no inf (NaN = absent)")
+                raise TrajectoryError(f"columns: {kind}s {bad} need float shape [{len(self)}], values within "
+                                      f"+-{limit:g} (NaN = absent)")
+        _check_values(self, vocab_size, max_version)
 
 
 def _concat_routes(trajs: Sequence[Trajectory]) -> np.ndarray | None:
@@ -448,6 +477,13 @@ def _check_per_sample(c: TrajectoryColumns) -> None:
     bad = [k for k in INT_COLUMNS + ("reward",) + STR_COLUMNS if np.shape(getattr(c, k)) != (n,)]
     if bad:
         raise TrajectoryError(f"columns: per-sample columns {bad} must have shape [{n}]")
+    dtypes = {k: np.asarray(getattr(c, k)).dtype for k in INT_COLUMNS + ("reward",)}
+    bad = [f"{k} {dt}" for k, dt in dtypes.items() if dt.kind not in ("f" if k == "reward" else "iu")]
+    if bad:
+        raise TrajectoryError(f"columns: {bad}: {', '.join(INT_COLUMNS)} must be integers, reward a float")
+    bad = [k for k in STR_COLUMNS if not all(isinstance(x, str) for x in getattr(c, k).tolist())]
+    if bad:
+        raise TrajectoryError(f"columns: {bad} must hold strings")
     if np.any(c.prompt_len < 0) or np.any(c.prompt_len > c.lengths):
         raise TrajectoryError("columns: prompt_len must be in [0, sample length]")
     if np.any(c.policy_version_first < 0) or np.any(c.policy_version_first > c.policy_version_last):
@@ -459,6 +495,32 @@ def _check_per_sample(c: TrajectoryColumns) -> None:
         raise TrajectoryError(f"columns: status values {sorted(unknown)} not in {STATUSES}")
     if not all(isinstance(e, str) and e for e in c.episode_id.tolist()):
         raise TrajectoryError("columns: episode_id must be non-empty strings")
+
+
+def _check_values(c: TrajectoryColumns, vocab_size: int | None, max_version: int | None) -> None:
+    """Value ranges no sample may leave (a reader refuses them: never a silently wrong sample)."""
+    top = MAX_TOKEN_ID if vocab_size is None else int(vocab_size) - 1
+    if len(c.tokens) and (c.tokens.min() < 0 or c.tokens.max() > top):
+        raise TrajectoryError(f"columns: tokens must be ids in [0, {top}]"
+                              f"{'' if vocab_size is None else f' (vocabulary of {vocab_size})'}, got "
+                              f"[{c.tokens.min()}, {c.tokens.max()}]")
+    if len(c.logprobs) and not (np.isfinite(c.logprobs).all() and c.logprobs.max() <= LOGPROB_SLACK):
+        raise TrajectoryError("columns: logprobs must be finite and <= 0 (log of a probability)")
+    if len(c) and np.abs(c.reward).max() > REWARD_LIMIT:
+        raise TrajectoryError(f"columns: reward beyond +-{REWARD_LIMIT:g}: {np.abs(c.reward).max():g}")
+    vmax = MAX_POLICY_VERSION if max_version is None else int(max_version)
+    for name in ("policy_version_last", "token_versions"):
+        a = getattr(c, name)
+        if a is not None and len(a) and int(a.max()) > vmax:
+            raise TrajectoryError(f"columns: {name} {int(a.max())} above {vmax} (the current policy version)"
+                                  if max_version is not None else f"columns: {name} {int(a.max())} above {vmax}")
+    for i, text in enumerate(c.provenance.tolist()):
+        try:
+            prov = json.loads(text)
+        except (TypeError, ValueError):
+            prov = None
+        if not isinstance(prov, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prov.items()):
+            raise TrajectoryError(f"columns: provenance of sample {i} is not a JSON object of strings")
 
 
 # ------------------------------------------------------------------------------------------------- writer
@@ -822,17 +884,24 @@ def _read_full(ds: h5py.Dataset) -> np.ndarray:
 
 
 class ShardReader:
-    """Opens a shard read-only and checks its schema and layout; a context manager.
+    """Opens a shard read-only and checks its schema and layout; a context manager. What it returns is checked
+    as the writer checks it (`TrajectoryColumns.validate`: dtypes, finite and bounded rewards, token ids in the
+    vocabulary, 0/1 loss mask, monotonic offsets, sane policy versions): a shard is written by a worker, which
+    runs the policy's episodes, so its values are not trusted.
 
-    Raises ShardSchemaError for another schema or a newer schema version, ShardError for anything else that
-    makes the shard unusable (the message names the file).
+    Raises ShardSchemaError for another schema or an unknown schema version, ShardError for anything else that
+    makes the shard unusable (the message names the file and the field).
     """
 
     REQUIRED = RAGGED + ("offsets", "reward") + INT_COLUMNS + STR_COLUMNS
 
-    def __init__(self, path: str | os.PathLike, threads: int = 0):
+    def __init__(self, path: str | os.PathLike, threads: int = 0, vocab_size: int | None = None,
+                 max_version: int | None = None):
+        """`vocab_size`: token ids must be below it (None: <= MAX_TOKEN_ID); `max_version`: policy versions must
+        not exceed it (None: <= MAX_POLICY_VERSION)."""
         self.path = Path(path)
         self.threads = threads  # chunk decoding threads, 0 = one per usable core (at most 4)
+        self.vocab_size, self.max_version = vocab_size, max_version
         try:
             self._file = h5py.File(self.path, "r", locking=False)  # published shards are immutable: see H5_LOCKING
         except OSError as e:
@@ -871,10 +940,12 @@ class ShardReader:
         if schema != SCHEMA:
             raise ShardSchemaError(f"shard {self.path}: schema attribute is {schema!r}, expected {SCHEMA!r}")
         version = self._file.attrs.get("schema_version")
-        if version is None or int(version) > SCHEMA_VERSION or int(version) < 1:
+        known = isinstance(version, (int, np.integer)) and not isinstance(version, (bool, np.bool_))
+        if not known or int(version) not in KNOWN_SCHEMA_VERSIONS:
             raise ShardSchemaError(
-                f"shard {self.path}: schema_version {version} but this megatron-rl reads versions 1..{SCHEMA_VERSION};"
-                " upgrade megatron-rl to read it (or re-write the shard)")
+                f"shard {self.path}: schema_version {int(version) if known else repr(version)} but this megatron-rl "
+                f"reads versions {min(KNOWN_SCHEMA_VERSIONS)}..{max(KNOWN_SCHEMA_VERSIONS)}; upgrade megatron-rl to "
+                "read it (or re-write the shard)")
 
     def _check_layout(self) -> None:
         f = self._file
@@ -900,8 +971,9 @@ class ShardReader:
     def _offsets(self) -> np.ndarray:
         offsets = _read_full(self._file["offsets"])
         t = self._file["tokens"].shape[0]
-        if offsets[0] != 0 or offsets[-1] != t or np.any(np.diff(offsets) < 0):
-            raise ShardError(f"shard {self.path}: offsets are not a valid CSR over {t} tokens")
+        if offsets.dtype.kind not in "iu" or offsets[0] != 0 or offsets[-1] != t or np.any(np.diff(offsets) < 0):
+            raise ShardError(f"shard {self.path}: offsets are not a valid CSR over {t} tokens (integers, starting "
+                             f"at 0, non-decreasing, ending at {t})")
         return offsets
 
     def read_arrays(self) -> TrajectoryColumns:
@@ -914,10 +986,20 @@ class ShardReader:
                 per_sample = self._per_sample()
                 per_token = {k: _read_full(f[k]) if wait is None else wait() for k, wait in waits.items()}
             tv = per_token.pop("token_versions", None)
-            return TrajectoryColumns(**per_token, offsets=self._offsets(), token_versions=tv, **per_sample,
+            cols = TrajectoryColumns(**per_token, offsets=self._offsets(), token_versions=tv, **per_sample,
                                      routed_experts=self._routes())
-        except (OSError, ValueError, KeyError) as e:
+        except ShardError:
+            raise
+        except Exception as e:  # OSError, a decode error, odd dtypes: whatever it is, the shard is unusable
             raise ShardError(f"shard {self.path}: read failed ({type(e).__name__}: {e})") from e
+        self._validate(cols)
+        return cols
+
+    def _validate(self, cols: TrajectoryColumns) -> None:
+        try:
+            cols.validate(self.vocab_size, self.max_version)
+        except Exception as e:  # TrajectoryError names the field; anything else is just as fatal
+            raise ShardError(f"shard {self.path}: invalid values: {e}") from e
 
     def _routes(self, s: int = 0, e: int | None = None) -> np.ndarray | None:
         """routed_experts [e - s, L_moe, k] as int16 with -1 where not recorded; None when the shard has none."""
@@ -945,31 +1027,46 @@ class ShardReader:
         if not -n <= i < n:
             raise IndexError(f"shard {self.path} has {n} samples, index {i}")
         i %= n
-        s, e = (int(x) for x in self._file["offsets"][i:i + 2])
+        try:
+            cols = self._one(i)
+        except ShardError:
+            raise
+        except Exception as e:  # odd dtypes where strings or numbers belong
+            raise ShardError(f"shard {self.path}: read failed ({type(e).__name__}: {e})") from e
+        self._validate(cols)
+        return self._rows(cols)[0]
+
+    def _one(self, i: int) -> TrajectoryColumns:
+        s, e = (int(x) for x in self._offsets()[i:i + 2])
         one = np.array([0, e - s], np.int64)
         f = self._file
-        cols = TrajectoryColumns(
+        return TrajectoryColumns(
             **{k: f[k][s:e] for k in RAGGED}, offsets=one,
             token_versions=f["token_versions"][s:e] if "token_versions" in f else None,
             **{k: f[k][i:i + 1] for k in INT_COLUMNS + ("reward",)},
             **{k: f[k].asstr()[i:i + 1] for k in STR_COLUMNS},
             reward_components={k: v[i:i + 1] for k, v in f.get("reward_components", {}).items()},
             timings={k: v[i:i + 1] for k, v in f.get("timing", {}).items()}, routed_experts=self._routes(s, e))
-        return cols.trajectory(0)
 
     def read(self) -> list[Trajectory]:
-        return self.read_arrays().to_trajectories()
+        return self._rows(self.read_arrays())
+
+    def _rows(self, cols: TrajectoryColumns) -> list[Trajectory]:
+        try:
+            return cols.to_trajectories()
+        except Exception as e:  # a value the column checks let through but the row checks refuse
+            raise ShardError(f"shard {self.path}: invalid values: {e}") from e
 
 
-def read_shard(path: str | os.PathLike) -> list[Trajectory]:
-    """All trajectories of a shard."""
-    with ShardReader(path) as r:
+def read_shard(path: str | os.PathLike, **checks) -> list[Trajectory]:
+    """All trajectories of a shard; `checks`: vocab_size, max_version (ShardReader)."""
+    with ShardReader(path, **checks) as r:
         return r.read()
 
 
-def read_arrays(path: str | os.PathLike) -> TrajectoryColumns:
-    """All trajectories of a shard, columnar."""
-    with ShardReader(path) as r:
+def read_arrays(path: str | os.PathLike, **checks) -> TrajectoryColumns:
+    """All trajectories of a shard, columnar; `checks`: vocab_size, max_version (ShardReader)."""
+    with ShardReader(path, **checks) as r:
         return r.read_arrays()
 
 
@@ -992,6 +1089,12 @@ class ShardDirectoryConfig:
     """Episode ids remembered for duplicate dropping (the most recent ones; retries re-publish recent episodes)."""
     read_threads: int = 0
     """Threads decoding a shard's per-token chunks (data/chunk_io.py); 0 = one per usable core, at most 4."""
+    vocab_size: int | None = None
+    """The policy's vocabulary: a shard holding a token id >= it is quarantined (None: ids up to MAX_TOKEN_ID)."""
+    max_version_ahead: int | None = None
+    """Quarantine a shard with a policy version more than this above the current one (0: none above it); None:
+    only the absolute bound MAX_POLICY_VERSION (a trainer restarted from an older checkpoint legitimately finds
+    shards of versions it has not reached again yet)."""
 
     def validate(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -1002,12 +1105,17 @@ class ShardDirectoryConfig:
             raise ConfigError(f"shard read_threads {self.read_threads} must be >= 0 (0 = one per core, at most 4)")
         if not self.quarantine_dir or "/" in self.quarantine_dir:
             raise ConfigError(f"shard quarantine_dir {self.quarantine_dir!r} must be a plain folder name")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"shard vocab_size {self.vocab_size} must be >= 1 (or None: not checked)")
+        if self.max_version_ahead is not None and self.max_version_ahead < 0:
+            raise ConfigError(f"shard max_version_ahead {self.max_version_ahead} must be >= 0 (or None: off)")
 
     def build(self) -> ShardDirectory:
         self.validate()
         return ShardDirectory(self.root, self.max_staleness, prefetch=self.prefetch,
                               quarantine_dir=self.quarantine_dir, dedup_window=self.dedup_window,
-                              read_threads=self.read_threads)
+                              read_threads=self.read_threads, vocab_size=self.vocab_size,
+                              max_version_ahead=self.max_version_ahead)
 
 
 @dataclass
@@ -1095,17 +1203,21 @@ class ShardDirectory:
     A shard counts as consumed when `next_batch` returns it; checkpoint `state_dict()` together with any
     samples the trainer still buffers. Only one consumer per folder: the first read takes a lock on the folder
     (`.consumer.lock`, released by `close()`, or when the object or its process goes), and a second
-    ShardDirectory on the same folder raises ShardError naming the holder. Unreadable shards are quarantined and
-    skipped, never raised. Files ending in `.tmp` (unfinished writers) are ignored. Consumed shards are
-    remembered by file name, so writers must use a new name per write attempt; an episode re-written by a
+    ShardDirectory on the same folder raises ShardError naming the holder. Unreadable shards, and shards whose
+    values break the contract (ShardReader's checks; with `max_version_ahead`, a policy version too far above the
+    current one), are quarantined
+    with the reason and skipped, never raised. Files ending in `.tmp` (unfinished writers) are ignored. Consumed
+    shards are remembered by file name, so writers must use a new name per write attempt; an episode re-written by a
     retry under another name is dropped as a duplicate by its episode_id (the last `dedup_window` kept ids
     are remembered, so memory stays bounded on long runs).
     """
 
     def __init__(self, root: str | os.PathLike, max_staleness: int | None = None, *, prefetch: bool = True,
-                 quarantine_dir: str = "quarantine", dedup_window: int = 1_000_000, read_threads: int = 0):
+                 quarantine_dir: str = "quarantine", dedup_window: int = 1_000_000, read_threads: int = 0,
+                 vocab_size: int | None = None, max_version_ahead: int | None = None):
         self.root = Path(root)
         self.read_threads = read_threads
+        self.vocab_size, self.max_version_ahead = vocab_size, max_version_ahead
         self.max_staleness = max_staleness
         self.prefetch = prefetch
         self.quarantine_root = self.root / quarantine_dir
@@ -1172,6 +1284,8 @@ class ShardDirectory:
             if self.prefetch and len(pending) > 1:
                 self._start_prefetch(pending[1])
             self._consumed.add(path.name)
+            if not isinstance(columns, BaseException) and self.max_version_ahead is not None:
+                columns = _not_ahead(path, columns, current_version + self.max_version_ahead)
             if isinstance(columns, BaseException):
                 self._quarantine(path, columns)
                 continue
@@ -1185,12 +1299,12 @@ class ShardDirectory:
             result = self._prefetched[1].get()
             self._prefetched = None
             return result
-        return _load(path, self.read_threads)
+        return _load(path, self.read_threads, self.vocab_size)
 
     def _start_prefetch(self, path: Path) -> None:
         box: queue.Queue = queue.Queue(maxsize=1)
-        threading.Thread(target=lambda: box.put(_load(path, self.read_threads)), name=f"shard-prefetch-{path.name}",
-                         daemon=True).start()
+        threading.Thread(target=lambda: box.put(_load(path, self.read_threads, self.vocab_size)),
+                         name=f"shard-prefetch-{path.name}", daemon=True).start()
         self._prefetched = (path.name, box)
 
     def _filter(self, path: Path, cols: TrajectoryColumns, current_version: int) -> ShardBatch:
@@ -1237,13 +1351,24 @@ class ShardDirectory:
         self.stats.quarantined += 1
 
 
-def _load(path: Path, threads: int = 0) -> TrajectoryColumns | BaseException:
+def _load(path: Path, threads: int = 0, vocab_size: int | None = None) -> TrajectoryColumns | BaseException:
     """Read a whole shard; any failure is returned (to be quarantined), never raised."""
     try:
-        with ShardReader(path, threads) as r:
+        with ShardReader(path, threads, vocab_size=vocab_size) as r:
             return r.read_arrays()
     except Exception as e:  # corrupt input of any kind must not crash the trainer
         return e
+
+
+def _not_ahead(path: Path, cols: TrajectoryColumns, limit: int) -> TrajectoryColumns | ShardError:
+    """`cols`, or the error to quarantine them with when a policy version is above `limit` (no policy that new
+    exists: the shard lies about where its tokens came from)."""
+    for name in ("policy_version_last", "token_versions"):
+        a = getattr(cols, name)
+        if a is not None and len(a) and int(a.max()) > limit:
+            return ShardError(f"shard {path}: invalid values: {name} {int(a.max())} is above {limit} (the current "
+                              f"policy version plus max_version_ahead)")
+    return cols
 
 
 __all__: Sequence[str] = (

@@ -151,7 +151,8 @@ def serve(state: FleetState, token: str, host: str) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def _authorised(self) -> bool:
-            if hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):
+            got = self.headers.get(TOKEN_HEADER, "").encode(errors="replace")
+            if hmac.compare_digest(got, token.encode()):  # bytes: a non-ASCII header is a mismatch, not a crash
                 return True
             self._reply(403, {"error": f"missing or wrong {TOKEN_HEADER} (the token is in the fleet folder)"})
             return False
@@ -169,7 +170,7 @@ def serve(state: FleetState, token: str, host: str) -> ThreadingHTTPServer:
                 return self._reply(404, {"error": f"no endpoint {self.path}"})
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if not isinstance(body.get("worker"), str):
+                if not isinstance(body, dict) or not isinstance(body.get("worker"), str):
                     raise ValueError("'worker' (a string) is required")
                 self._reply(200, routes[self.path](body))
             except (ValueError, KeyError, TypeError) as e:

@@ -194,7 +194,8 @@ class FleetWorker:
 
         if self.runner is None:
             self.runner = EpisodeRunner(spec, ShardPublisher(spec.shard_dir, "unused", 0))
-        elif self.runner.spec.worker.generator.url != spec.worker.generator.url:
+        elif (self.runner.spec.worker.generator.url, self.runner.spec.worker.generator.token_file) != (
+                spec.worker.generator.url, spec.worker.generator.token_file):
             self.runner.generator = build_generator(spec.worker.generator, self.runner.tok, spec.worker.max_tokens)
         return self.runner
 

@@ -8,7 +8,10 @@ log = logging.getLogger(__name__)
 
 
 def node_address(name: str) -> str:
-    """The first non-loopback IPv4 address `name` resolves to; 0.0.0.0 (with a warning) when there is none."""
+    """The address to bind for a server that workers reach as `name`: the first non-loopback IPv4 address `name`
+    resolves to; when it resolves to loopback only (e.g. `localhost`, or a node whose name maps to 127.0.1.1),
+    that loopback address (with a warning: workers on other nodes cannot reach it); when it does not resolve,
+    127.0.0.1 (warned). Never 0.0.0.0: a server asked for one address must not listen on every interface."""
     try:
         addrs = [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)]
     except OSError:
@@ -16,6 +19,8 @@ def node_address(name: str) -> str:
     for a in addrs:
         if not a.startswith("127."):
             return a
-    log.warning("server for workers: %r resolves to no non-loopback address (%s); listening on 0.0.0.0 "
-                "(mutating endpoints still need the job token)", name, addrs)
-    return "0.0.0.0"
+    bind = addrs[0] if addrs else "127.0.0.1"
+    log.warning("server for workers: %r resolves to no non-loopback address (%s); listening on %s only, which "
+                "workers on other nodes cannot reach (set serve_host to this node's cluster address)", name, addrs,
+                bind)
+    return bind

@@ -41,6 +41,9 @@ class GeneratorConfig:
     """http (the rollout engine's client; needs url) or scripted (a test policy answering from the task)."""
     url: str = ""
     """Rollout engine base URL (kind=http), e.g. http://gpunode:8000."""
+    token_file: str = ""
+    """kind=http: file holding the rollout server's token (mode 600, written by the driver: every endpoint but
+    /health needs it); '' = $MEGATRON_RL_ROLLOUT_TOKEN."""
     timeout_s: float = 120.0
     """HTTP request timeout (kind=http)."""
     retries: int = 2

@@ -110,8 +110,13 @@ class HttpGenerator:
         from megatron_rl.rollout.client import RolloutClient
 
         self.config, self.tok, self.max_tokens = config, tokenizer, max_tokens
-        self.client = RolloutClient(config.url, timeout=config.timeout_s, retries=config.retries,
-                                    backoff=config.backoff_s)
+        try:
+            self.client = RolloutClient(config.url, timeout=config.timeout_s, retries=config.retries,
+                                        backoff=config.backoff_s, token_file=config.token_file or None)
+        except (OSError, ValueError) as e:
+            raise GenerationError(f"generator.token_file {config.token_file}: cannot read the rollout server's "
+                                  f"token ({e}); the driver writes it in the run folder, which this worker must "
+                                  "see") from e
 
     def request(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None, turn: int) -> dict:
         """The sampling fields of the /v1/completions body."""

@@ -64,7 +64,19 @@ class DispatchRollouts(Rollouts):
         super().__init__(engine, runner, tok, prompt_fn, cfg, seed, max_tokens, group=group)
         self.rank0 = group_rank(group) == 0
         """This rank is the group's first: it dispatches, holds the fleet and the futures, and broadcasts."""
-        self.episodes_cfg, self.worker_cfg, self.run_dir = episodes_cfg, worker_cfg, run_dir
+        self.episodes_cfg, self.run_dir = episodes_cfg, run_dir
+        self.token = server.token if server is not None else secrets.token_urlsafe(32)
+        """The job's token of the rollout server (every endpoint but /health needs it): the separate server's,
+        or the one the colocated engine serves with; rank 0 writes it to `token_file` for the workers."""
+        self.token_file = Path(run_dir) / "rollout_token"
+        if self.rank0:
+            from megatron_rl.rollout.client import write_token_file
+
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            write_token_file(self.token_file, self.token)
+        self.worker_cfg = worker_cfg if worker_cfg is None else dataclasses.replace(worker_cfg, generator=(
+            dataclasses.replace(worker_cfg.generator,
+                                token_file=worker_cfg.generator.token_file or str(self.token_file.resolve()))))
         self.serve_group = tp_group
         """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
         eval are driven from rank 0 over the world; with it at TP=1 and 2+ ranks, rank 1 never got them)."""
@@ -87,7 +99,7 @@ class DispatchRollouts(Rollouts):
             if self.rank0:
                 from megatron_rl.dispatch.fleet import Fleet
 
-                self.fleet = Fleet(episodes_cfg.fleet, worker_cfg, run_dir / "fleet").start()
+                self.fleet = Fleet(episodes_cfg.fleet, self.worker_cfg, run_dir / "fleet").start()
         self.tool_stats: dict[tuple[str, str], list[float]] = {}
         """(domain, tool) -> [calls, errors, seconds] of the episodes taken since the last batch()."""
 
@@ -174,7 +186,7 @@ class DispatchRollouts(Rollouts):
         calls it); rank 0's result, None on the others."""
         box = {}
         work = (lambda url: box.update(self._dispatch(groups, shard_dir, url))) if self.rank0 else None
-        serve_while(self.engine, self.serve_group, work, self._hosts(), self.group)
+        serve_while(self.engine, self.serve_group, work, self._hosts(), self.group, token=self.token)
         return box if self.rank0 else None
 
     def _results(self, results: list, count: bool) -> dict[str, dict]:
@@ -264,7 +276,8 @@ class DispatchRollouts(Rollouts):
                 report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name).run(todo)
                 counters.update(dispatch_failed_tasks=len(report.failures), dispatch_rounds=len(report.rounds))
             unreadable: list[str] = []
-            episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable)
+            episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable,
+                                     vocab_size=getattr(self.tok, "vocab_size", None))
             counters.update(episodes_missing=len(specs) - len(episodes), unreadable_shards=len(unreadable))
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
@@ -343,18 +356,19 @@ def batch_name(groups: list[Group]) -> str:
     return f"g{groups[0].gid:07d}-g{groups[-1].gid:07d}"
 
 
-def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None) -> dict[str, dict]:
+def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None,
+                  vocab_size: int | None = None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
     components, status, the engine's experts of its tokens (routing replay; None when not recorded) for the
-    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard
-    is skipped with a logged reason and appended to `unreadable` ("path: reason"); its episodes count as
-    missing."""
+    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard, or one whose values break the
+    shard contract (`ShardReader`: token ids below `vocab_size`, finite bounded rewards, ...), is skipped with a
+    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
     from megatron_rl.data.shards import ShardError, read_shard
 
     out: dict[str, dict] = {}
     for p in sorted(shard_dir.glob("*.h5")) if shard_dir.is_dir() else []:
         try:
-            trajs = read_shard(p)
+            trajs = read_shard(p, vocab_size=vocab_size)
         except (ShardError, OSError) as e:
             log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
             if unreadable is not None:
@@ -395,10 +409,10 @@ def _segment(t) -> dict:
             "prompt_len": int(t.prompt_len)}
 
 
-def serve_while(engine, tp_group, work, hosts: tuple[str, str], group) -> None:
+def serve_while(engine, tp_group, work, hosts: tuple[str, str], group, token: str | None = None) -> None:
     """Serve `engine` over HTTP on the TP group of `group`'s first rank while `work(url)` runs (a thread on that
-    rank); ranks outside that TP group return at once. Every rank of the TP group returns when `work` has
-    returned."""
+    rank), every endpoint but /health behind `token` (None: $MEGATRON_RL_ROLLOUT_TOKEN, else random); ranks
+    outside that TP group return at once. Every rank of the TP group returns when `work` has returned."""
     from megatron_rl.rollout.tp_serve import serve_tp
 
     if group_leader(group) not in dist.get_process_group_ranks(tp_group):
@@ -418,7 +432,7 @@ def serve_while(engine, tp_group, work, hosts: tuple[str, str], group) -> None:
                 finished.set()
         threading.Thread(target=run, name="dispatch", daemon=True).start()
 
-    serve_tp(engine, tp_group, host=bind, port=0, ready=ready, until=finished)
+    serve_tp(engine, tp_group, host=bind, port=0, ready=ready, until=finished, token=token)
 
 
 class RolloutServerProcess:

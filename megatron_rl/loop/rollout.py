@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
+from envs.reward_spec import JUDGE_UNPARSED  # the component marking a sample masked for an unparsable judge answer
 from megatron_rl.data.shards import Trajectory, segment_rows
 from megatron_rl.distributed import group_leader, group_size
 from megatron_rl.rollout import SamplingParams
@@ -331,14 +332,18 @@ class Rollouts:
             seen += new
             keep += [g for g in new if self._keep(g)]
         dropped: dict[str, int] = {}  # samples never trained on (invalid reward), per status
+        unparsed = samples = 0  # samples masked because the LLM judge's answer had no parsable final score
         for g in seen:
             for i in range(len(g.samples)):
                 sampler.record(g.task, g.rewards[i][0], g.rewards[i][2], turns=g.turns[i] if g.turns else 1)
                 if g.rewards[i][2] != "ok":
                     dropped[g.rewards[i][2]] = dropped.get(g.rewards[i][2], 0) + 1
+                unparsed += bool(g.rewards[i][1].get(JUDGE_UNPARSED))
+                samples += 1
         stats = {"groups_seen": len(seen), "groups_filtered": len(seen) - len(keep), "oversampled_prompts": extra,
                  "groups_short": max(0, want - len(keep)), "dropped_samples": sum(dropped.values()),
-                 **{f"dropped_samples/{k}": v for k, v in sorted(dropped.items())}}
+                 **{f"dropped_samples/{k}": v for k, v in sorted(dropped.items())},
+                 "judge_unparsed": unparsed, "judge_unparsed_frac": unparsed / max(samples, 1)}
         return keep[:want], stats
 
     def _keep(self, g: Group) -> bool:

@@ -7,6 +7,10 @@
 Connection errors, timeouts and 5xx/429 answers are retried (`retries` times, exponential backoff);
 4xx answers are not (the request is wrong) and raise `RolloutError` with the server's reason.
 Standard library only (urllib), so workers in sandboxes need no extra packages.
+
+Every endpoint but /health needs the job's token (`Authorization: Bearer`): given, or read from `token_file`
+(mode 600, written by the driver with `write_token_file`; re-read once when the server answers 401, so a
+restarted driver's new token is picked up), else $MEGATRON_RL_ROLLOUT_TOKEN.
 """
 from __future__ import annotations
 
@@ -31,11 +35,14 @@ class RolloutClient:
     """Blocking JSON client of megatron_rl.rollout.server."""
 
     def __init__(self, base_url: str, timeout: float = 120.0, retries: int = 3, backoff: float = 0.5,
-                 token: str | None = None):
+                 token: str | None = None, token_file: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        self.token = token or os.environ.get(TOKEN_ENV) or None
-        """Bearer token sent with every request (mutating endpoints need it); default $MEGATRON_RL_ROLLOUT_TOKEN."""
+        self.token_file = token_file or None
+        """File holding the token (read now and again after a 401)."""
+        self.token = token or (read_token_file(token_file) if token_file else None) or os.environ.get(TOKEN_ENV) or None
+        """Bearer token sent with every request (every endpoint but /health needs it); default: `token_file`, else
+        $MEGATRON_RL_ROLLOUT_TOKEN."""
 
     def _once(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         data = json.dumps(body).encode() if body is not None else None
@@ -60,6 +67,8 @@ class RolloutClient:
             else:
                 if status < 400:
                     return payload
+                if status == 401 and self._token_changed():  # a restarted driver: try its token (once)
+                    return self.request(method, path, body, timeout)
                 reason = _reason(payload)
                 if status < 500 and status != 429:
                     raise RolloutError(f"{method} {path}: {status} {reason}", status)
@@ -67,6 +76,16 @@ class RolloutClient:
             if attempt < self.retries:
                 time.sleep(self.backoff * 2 ** attempt)
         raise RolloutError(f"{method} {path} failed after {self.retries + 1} attempts: {last}")
+
+    def _token_changed(self) -> bool:
+        if not self.token_file:
+            return False
+        try:
+            token = read_token_file(self.token_file)
+        except OSError:
+            return False
+        changed, self.token = token != self.token, token
+        return changed
 
     def _json(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         return json.loads(self.request(method, path, body, timeout))
@@ -89,6 +108,30 @@ class RolloutClient:
 
     def update_weights(self, version: int, path: str, policy: str = "continue") -> dict:
         return self._json("POST", "/update_weights", {"version": version, "path": path, "policy": policy})
+
+
+def write_token_file(path, token: str) -> None:
+    """Write the job's token to `path`, readable by its owner only (mode 600), atomically."""
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    if os.path.lexists(tmp):  # a leftover (or someone's planted file or link): never write through it
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_token_file(path) -> str:
+    """The token in `path` (OSError if it cannot be read; ValueError if it is empty)."""
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty (the driver writes the rollout server's token there)")
+    return token
 
 
 def _reason(payload: bytes) -> str:

@@ -4,6 +4,12 @@
     GET  /episodes/<episode>/trajectory            the recorded segments (token ids, log-probs, mask, versions)
     DELETE /episodes/<episode>                     forget it
 
+Authentication (the recorded trajectories are training data): the chat route needs the job's token or the
+episode's own token (`episode_token(job_token, episode)`: what an agent playing that one episode is given, in
+$MEGATRON_RL_GATEWAY_TOKEN; it cannot reach another episode with it); reading and deleting a trajectory need the
+job's token. Anything else gets 401. The per-episode Unix socket of `envs.agents.session` (one socket, one
+episode, bound into that episode's sandbox only) is a separate server and needs none.
+
 An agent program (running in a sandbox, reaching the gateway through a Unix socket bound into it) uses an
 OpenAI client with `base_url = http://gateway/episodes/<episode>/v1`. For every call the gateway records the
 exact prompt token ids, the completion's token ids, behaviour log-probs and policy versions.
@@ -17,16 +23,35 @@ the episode exact). Needs a tokenizer with a chat template (`HFTokenizer`).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from aiohttp import web
 
 from envs.agents.recorder import Recorder, chat_response
-from megatron_rl.rollout.http_api import BadRequest, sampling_from
+from megatron_rl.rollout.http_api import BadRequest, has_token, sampling_from, unauthorised
 from megatron_rl.rollout.http_api import error_response as _error
 from megatron_rl.rollout.http_api import json_body as _json_body
+
+EPISODE_TOKEN_ENV = "MEGATRON_RL_GATEWAY_TOKEN"
+"""Environment variable an agent reads its episode token from (envs/agents/shell_agent.py)."""
+
+
+def episode_token(job_token: str, episode: str) -> str:
+    """The token that opens the chat route of `episode` only (an HMAC of the episode under the job's token)."""
+    return hmac.new(job_token.encode(), b"gateway-episode:" + episode.encode(), hashlib.sha256).hexdigest()
+
+
+def _authorised(request: web.Request, episode_ok: bool) -> bool:
+    job = request.app["token"]
+    return has_token(request, job) or (episode_ok and has_token(request, episode_token(job, request.match_info[
+        "episode"])))
 
 
 # ------------------------------------------------------------------------------------ routes
 async def chat(request: web.Request) -> web.Response:
+    if not _authorised(request, episode_ok=True):
+        return unauthorised(request)
     st, rec, episode = request.app["state"], request.app["gateway"], request.match_info["episode"]
     try:
         body = await _json_body(request)
@@ -51,10 +76,14 @@ async def chat(request: web.Request) -> web.Response:
 
 
 async def trajectory(request: web.Request) -> web.Response:
+    if not _authorised(request, episode_ok=False):
+        return unauthorised(request)
     return web.json_response(request.app["gateway"].trajectory(request.match_info["episode"]))
 
 
 async def forget(request: web.Request) -> web.Response:
+    if not _authorised(request, episode_ok=False):
+        return unauthorised(request)
     request.app["gateway"].forget(request.match_info["episode"])
     return web.json_response({"status": "ok"})
 

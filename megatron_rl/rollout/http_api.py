@@ -2,12 +2,16 @@
 (`gateway.py`): a module of its own, so that neither imports the other's helpers."""
 from __future__ import annotations
 
+import hmac
 import json
 
 from aiohttp import web
 
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.sampling import SamplingParams
+
+TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
+"""Environment variable holding the job's token (the rollout server, its gateway and their clients)."""
 
 
 class BadRequest(ValueError):
@@ -67,3 +71,24 @@ async def json_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
+
+
+def has_token(request: web.Request, token: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <token>` (constant-time comparison)."""
+    got = request.headers.get("Authorization", "")
+    return hmac.compare_digest(got.encode(errors="replace"), ("Bearer " + token).encode())
+
+
+def unauthorised(request: web.Request) -> web.Response:
+    return error_response(401, f"{request.path[:100]} needs the job's token (Authorization: Bearer ...; {TOKEN_ENV})")
+
+
+def requires_token(handler):
+    """Wrap an endpoint: a request without the app's bearer token gets 401."""
+
+    async def checked(request: web.Request) -> web.Response:
+        if not has_token(request, request.app["token"]):
+            return unauthorised(request)
+        return await handler(request)
+
+    return checked

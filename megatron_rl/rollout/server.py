@@ -4,16 +4,18 @@
                                  "temperature", "top_p", "top_k", "n", "seed", "stop": ["text" | [ids]],
                                  "stop_token_ids": [ids], "logprobs": true, "return_token_ids": true}
     POST /v1/chat/completions   {"messages": [{"role", "content"}], ... same sampling fields ...}
-    GET  /health                {"status": "ok", "policy_version": v}
+    GET  /health                {"status": "ok", "policy_version": v}   (the only endpoint open without the token)
     GET  /metrics               Prometheus text: queue length, running, KV blocks used/total, tokens/s, ...
     POST /update_weights        {"version": v, "path": "state_dict.pt", "policy": "continue" | "abort"}
-                                (mutating: needs `Authorization: Bearer <job token>`, else 401)
 
-Authentication: mutating endpoints need the job's token - `create_app(token=...)`, else the environment
-variable MEGATRON_RL_ROLLOUT_TOKEN (how the driver passes it to a server process and its clients), else a
-random one generated at start (then nobody outside the process can change the weights). Read-only and
-generation endpoints stay open; bind to the job's node address, not 0.0.0.0, so that only the cluster
-network reaches it.
+Authentication: every endpoint but /health needs the job's token (`Authorization: Bearer <token>`, else 401):
+generation runs the policy and fills the engine (a stranger could read the model out or starve the workers),
+/update_weights replaces it, the gateway's routes (gateway.py) write and read training data. The token is
+`create_app(token=...)`, else the environment variable MEGATRON_RL_ROLLOUT_TOKEN (how the driver passes it to a
+server process), else a random one generated at start (then nobody outside the process can use the server).
+Workers get it from a mode-600 file the driver writes (`client.write_token_file`; GeneratorConfig.token_file).
+Bind to the job's node address (`dispatch.net.node_address`), never 0.0.0.0: a server asked for a loopback name
+listens on loopback only.
 
 Context compression (optional, per request): "turn_boundaries": [token offsets where each turn starts] and
 "compression": {"keep_first", "keep_last", "mode", "marker_token_ids": [ids] | "text", "min_prompt_tokens"}
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import secrets
@@ -51,7 +52,7 @@ from aiohttp import web
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.rollout.compression import CompressionConfig
 from megatron_rl.rollout.engine import RequestOutput, RolloutEngine
-from megatron_rl.rollout.http_api import BadRequest, sampling_from
+from megatron_rl.rollout.http_api import TOKEN_ENV, BadRequest, has_token, requires_token, sampling_from, unauthorised  # noqa: F401
 from megatron_rl.rollout.http_api import error_response as _error
 from megatron_rl.rollout.http_api import json_body as _json_body
 from megatron_rl.rollout.http_api import token_list as _token_list
@@ -60,7 +61,6 @@ from megatron_rl.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
 """Environment variable holding the job's token for mutating endpoints (never put it on a command line)."""
 
 
@@ -300,32 +300,19 @@ async def update_weights(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "policy_version": body["version"], "tensors": n})
 
 
-def requires_token(handler):
-    """Wrap a mutating endpoint: a request without the app's bearer token gets 401."""
-
-    async def checked(request: web.Request) -> web.Response:
-        got = request.headers.get("Authorization", "")
-        want = "Bearer " + request.app["token"]
-        if not hmac.compare_digest(got.encode(), want.encode()):
-            return _error(401, f"{request.path} needs the job's token (Authorization: Bearer ...; {TOKEN_ENV})")
-        return await handler(request)
-
-    return checked
-
-
 def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatron-rl-policy",
                loop: EngineLoop | None = None, token: str | None = None, gateway: bool = False) -> web.Application:
     """The aiohttp app; `loop` defaults to an EngineLoop (tp_serve.TPEngineLoop for tensor parallelism).
-    `token`: the bearer token of mutating endpoints (default: $MEGATRON_RL_ROLLOUT_TOKEN, else random).
+    `token`: the bearer token of every endpoint but /health (default: $MEGATRON_RL_ROLLOUT_TOKEN, else random).
     `gateway`: also serve the token-recording episode gateway (`gateway.py`; needs a chat-template tokenizer)."""
     app = web.Application(client_max_size=64 << 20)
     app["token"] = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     loop = loop or EngineLoop(engine)
     app["state"] = ServerState(loop, tokenizer or ByteTokenizer(engine.model.vocab_size), model_name)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", requires_token(completions))
+    app.router.add_post("/v1/chat/completions", requires_token(chat_completions))
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", requires_token(metrics))
     app.router.add_post("/update_weights", requires_token(update_weights))
     if gateway:
         from megatron_rl.rollout.gateway import add_routes
@@ -362,7 +349,7 @@ class ServerThread:
 
     @property
     def token(self) -> str:
-        """The bearer token of the mutating endpoints."""
+        """The bearer token of every endpoint but /health."""
         return self.app["token"]
 
     def start(self) -> ServerThread:

@@ -2,7 +2,7 @@
 
     # on every rank of the TP group (same model, same EngineConfig):
     engine = RolloutEngine.build(model_cfg, engine_cfg, parallel, pgs)
-    serve_tp(engine, pgs.tp, host="0.0.0.0", port=8000)   # returns when the server is stopped
+    serve_tp(engine, pgs.tp, host=node_address(name), port=8000, token=job_token)   # returns when stopped
 
 The engine's TP collectives (vocab all-gather, sampled-token broadcast) need every rank to run the same
 step over the same requests. So on rank 0 the HTTP handlers never touch the engine: they validate (and
