@@ -204,8 +204,21 @@ ATTACKS = {
                           "print(line)\nfor p in (os.getppid(), 1, 2):\n    try:\n"
                           "        open(f'/proc/{p}/fd/1', 'w').write(line + '\\n')\n"
                           "    except OSError:\n        pass"),
-    "kill test.sh": ("import os, signal\nopen('/logs/verifier/reward.txt', 'w').write('1')\n"
+    "kill test.sh": ("import os, signal\nopen('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')\n"
                      "os.kill(os.getppid(), signal.SIGKILL)"),
+    # a daemon holds a FIFO at the result path with '1' queued: test.sh's '0' lands behind it
+    "a FIFO at the result path": ("import os, time\np = '/work/.mrl_logs/verifier/reward.txt'\nos.mkfifo(p)\n"
+                                  "if os.fork() == 0:\n    os.setsid()\n    fd = os.open(p, os.O_RDWR)\n"
+                                  "    os.write(fd, b'1' + b'\\n' * 4095)\n    time.sleep(60)"),
+    # a daemon stops the harness, waits for test.sh to exit, writes 1 late, continues the harness
+    "a late write while the harness is stopped": (
+        "import os, signal, time\nbash = os.getppid()\n"
+        "st = lambda pid: open('/proc/%d/stat' % pid).read().rsplit(')', 1)[1].split()\n"
+        "harness = int(st(bash)[1])\n"
+        "if os.fork() == 0:\n    os.setsid()\n    os.kill(harness, signal.SIGSTOP)\n"
+        "    while st(bash)[0] != 'Z':\n        time.sleep(0.01)\n"
+        "    open('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')\n"
+        "    os.kill(harness, signal.SIGCONT)\n    time.sleep(60)"),
 }
 
 

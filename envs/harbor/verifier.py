@@ -12,19 +12,30 @@ every workspace file (the agent wrote or changed them) and every process that ru
   `reward.txt` or `.mrl_logs` in the workspace is not what runs or what is read.
 - A harness (`python3 -I -S`, non-dumpable: no /proc/<pid>/fd or mem access, no ptrace by the same uid) reads
   test.sh into memory before anything runs (a program that rewrites the file on disk while bash executes it
-  changes nothing), runs it with `bash -c` (the task's ENV and [verifier] env, stdin /dev/null, output to a log
-  file), reads the result file itself the moment test.sh exits, and prints the verdict on its own stdout, which
-  no test process holds. test.sh killed by a signal, timed out, or no verdict at all (the harness was killed)
-  scores 0; a missing or unparsable result scores 0 (never an infrastructure error, so an agent cannot turn a
-  failure into a dropped sample by breaking the tests); rewards are clamped to [0, 1].
+  changes nothing) and runs it with `bash -c` (the task's ENV and [verifier] env, stdin /dev/null, output to a log
+  file the harness keeps open). The harness is a child subreaper: every process test.sh or its programs start
+  (daemons, `setsid`, double forks) stays its descendant. The moment test.sh exits (or times out) the harness
+  kills every other process of the sandbox and reaps them (`envs.verdict.FENCE`); only then does it read the
+  result, so no process the agent started can write, rename or hold the result path afterwards. A result is
+  read only from a regular file (every path component opened without following links; fstat S_ISREG: a FIFO,
+  socket or device at the path is refused) of at most 4 KiB; anything else scores 0 with the reason.
+- The verdict is the harness's own line on the sandbox's stdout, which no test process holds, printed after the
+  kill, and carries a nonce from the harness's spec file (read and unlinked before test.sh starts; it lives
+  only in the harness's memory), so only the harness can write a line the worker accepts. A harness that was
+  stopped and continued (how a process could act between test.sh's exit and the kill) gives 0.
+- test.sh killed by a signal, timed out, or no verdict at all (the harness was killed) scores 0; a missing or
+  unparsable result scores 0 (never an infrastructure error, so an agent cannot turn a failure into a dropped
+  sample by breaking the tests); rewards are clamped to [0, 1].
 - Limits: [verifier] timeout_sec (capped by the environment), memory/cpus of task.toml; a verifier that hits a
   sandbox limit scores 0; a sandbox that cannot start is `sandbox_error` (dropped, not scored).
 Not covered: test.sh runs the agent's programs in the same sandbox and uid (that is what Harbor tests do), so a
-program it runs can write the result file itself; a test.sh that writes its reward last (the usual pattern)
-overwrites such a forgery, one that exits early (`set -e` before writing) does not. Such a program can also
-change test files not yet read and the other programs the tests call. A workspace on PATH (ENV PATH naming the
-workdir) lets the agent replace tools the tests call, as in Docker. test.sh runs as `bash -c` with $0 set to its
-path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text replaced by `$0` (the same file).
+program it runs can write the result file itself WHILE test.sh still runs - including a process it left behind
+that rewrites the result between test.sh's own write and test.sh's exit (e.g. watching the file), or that wins
+the microsecond race between test.sh's exit and the kill. A test.sh that writes its reward last and exits at
+once narrows this to that window; one that exits early (`set -e` before writing) does not write at all. Such a
+program can also change test files not yet read and the other programs the tests call. A workspace on PATH (ENV
+PATH naming the workdir) lets the agent replace tools the tests call, as in Docker. test.sh runs as `bash -c`
+with $0 set to its path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text replaced by `$0` (the same file).
 """
 from __future__ import annotations
 
@@ -35,12 +46,12 @@ from envs.base import sandbox_problem
 from envs.harbor import paths
 from envs.harbor.loader import decode_files
 from envs.sandbox.base import Limits, SandboxResult
+from envs.verdict import FENCE, new_nonce, verdict_line
 
 VERDICT = "MRL-HARBOR-VERDICT "
 
-_HARNESS = r'''
-import ctypes, json, os, re, subprocess, sys
-ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+_HARNESS = FENCE + r'''
+import re, subprocess
 with open(".mrl_verify.json") as f:
     spec = json.load(f)
 os.unlink(".mrl_verify.json")
@@ -48,44 +59,40 @@ with open(spec["script"], encoding="utf-8", errors="replace") as f:
     script = f.read()
 script = re.sub(r"\$\{BASH_SOURCE(\[0\])?\}|\$BASH_SOURCE\b", "$0", script)  # its own file, run as bash -c
 os.makedirs(os.path.dirname(spec["txt"]), exist_ok=True)
-
-def read(path, limit=4096):
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, limit).decode("utf-8", "replace")
-    finally:
-        os.close(fd)
-
+log_fd = os.open(spec["log"], os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 env = dict(os.environ, **spec["env"])
-with open(spec["log"], "wb") as log:
-    try:
-        rc = subprocess.run(["bash", "-c", script, spec["script"]], stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, env=env, timeout=spec["timeout"]).returncode
-    except subprocess.TimeoutExpired:
-        rc = None
-verdict = {"rc": rc, "txt": read(spec["txt"]), "json": read(spec["json"])}
 try:
-    with open(spec["log"], "rb") as f:
-        f.seek(max(0, os.path.getsize(spec["log"]) - 600))
-        verdict["log"] = f.read().decode("utf-8", "replace")
-except OSError:
-    verdict["log"] = ""
-sys.stdout.write("\n" + spec["prefix"] + json.dumps(verdict) + "\n")
-sys.stdout.flush()
+    rc = subprocess.run(["bash", "-c", script, spec["script"]], stdin=subprocess.DEVNULL, stdout=log_fd,
+                        stderr=subprocess.STDOUT, env=env, timeout=spec["timeout"]).returncode
+except subprocess.TimeoutExpired:
+    rc = None
+notes = []
+if not fence():
+    notes.append("a process the tests started could not be killed")
+verdict = {"rc": rc, "txt": None, "json": None}
+for key in ("txt", "json"):
+    verdict[key], why = read_result(spec[key], 4096)
+    if why:
+        notes.append(why)
+if STOPPED:
+    notes.append("the verifier harness was stopped and continued by a process of the tests")
+verdict["refused"] = notes
+end = os.lseek(log_fd, 0, os.SEEK_END)
+verdict["log"] = os.pread(log_fd, 600, max(0, end - 600)).decode("utf-8", "replace")
+print_verdict(spec["prefix"], spec["nonce"], verdict)
 '''
 
 
-def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Limits) -> dict[str, bytes | str]:
-    """The verifier's scratch: the workspace copy, the pristine tests and the harness (nothing else under .mrl_)."""
+def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Limits, nonce: str
+                   ) -> dict[str, bytes | str]:
+    """The verifier's scratch: the workspace copy, the pristine tests and the harness (nothing else under .mrl_);
+    the harness signs its verdict line with `nonce`."""
     files: dict[str, bytes | str] = {p: d for p, d in workspace_files.items() if not p.startswith(".mrl_")}
     files.update(decode_files(payload.get("tests") or {}, prefix=f"{paths.TESTS}/"))
     env = {**(payload.get("env") or {}), **(payload.get("verifier_env") or {})}
     spec = {"script": f"{paths.WORK}/{paths.TESTS}/test.sh", "txt": paths.REWARD_TXT, "json": paths.REWARD_JSON,
             "log": f"{paths.LOGS}/verifier/test-output.log", "env": {k: str(v) for k, v in env.items()},
-            "timeout": 0.9 * limits.wall_s, "prefix": VERDICT}
+            "timeout": 0.85 * limits.wall_s, "prefix": VERDICT, "nonce": nonce}
     files[".mrl_verify.py"] = _HARNESS
     files[".mrl_verify.json"] = json.dumps(spec)
     return files
@@ -110,17 +117,6 @@ def parse_reward(verdict: dict) -> tuple[float, str]:
     return min(max(value, 0.0), 1.0), f"{name} = {value:g}"
 
 
-def read_verdict(stdout: str) -> dict | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(VERDICT):
-            try:
-                v = json.loads(line[len(VERDICT):])
-            except ValueError:
-                return None
-            return v if isinstance(v, dict) else None
-    return None
-
-
 def score(verdict: dict | None) -> tuple[float, str]:
     """The reward of a verdict: 0 unless test.sh exited by itself in time and left a result."""
     if verdict is None:
@@ -128,6 +124,11 @@ def score(verdict: dict | None) -> tuple[float, str]:
     rc, log = verdict.get("rc"), str(verdict.get("log", ""))[-300:].strip()
     if rc is None or not isinstance(rc, int) or rc < 0:
         return 0.0, f"test.sh {'timed out' if rc is None else f'was killed (signal {-rc})'}: {log}"
+    refused = verdict.get("refused")
+    if not isinstance(refused, list):
+        return 0.0, "the verifier harness gave a malformed verdict"
+    if refused:
+        return 0.0, f"{'; '.join(map(str, refused))[:300]}; test.sh exit {rc}: {log}"
     reward, why = parse_reward(verdict)
     return reward, f"{why}; test.sh exit {rc}: {log}"
 
@@ -135,12 +136,13 @@ def score(verdict: dict | None) -> tuple[float, str]:
 def run_tests(sandbox, workspace_files: dict[str, bytes], payload: dict, limits: Limits
               ) -> tuple[float, str, str, SandboxResult]:
     """Run the task's tests over the workspace in a fresh sandbox: (reward, reason, status, result)."""
+    nonce = new_nonce()
     res = sandbox.run(["python3", "-I", "-S", ".mrl_verify.py"],
-                      files=verifier_files(workspace_files, payload, limits), limits=limits)
+                      files=verifier_files(workspace_files, payload, limits, nonce), limits=limits)
     problem = sandbox_problem(res)
     if problem and problem[1] != "ok":
         return 0.0, problem[0], problem[1], res
     if problem:
         return 0.0, f"{problem[0]}: {(res.stdout + res.stderr)[-300:]}", "ok", res
-    reward, why = score(read_verdict(res.stdout))
+    reward, why = score(verdict_line(res.stdout, VERDICT, nonce))
     return reward, why, "ok", res
