@@ -134,6 +134,20 @@ ATTACKS = {
 }
 
 
+# the module under test, imported by the pristine test, writes the test process's report itself / patches unittest
+ATTACKS["module_writes_the_report"] = [
+    "cat > stats.py <<'EOF'\nimport ast, json, os, sys\n"
+    "tree = ast.parse(open(sys.argv[1]).read())\n"
+    "n = sum(1 for c in tree.body if isinstance(c, ast.ClassDef) for d in c.body\n"
+    "        if isinstance(d, ast.FunctionDef) and d.name.startswith('test'))\n"
+    "os.write(int(sys.argv[2]), json.dumps({'run': n, 'failed': 0, 'skipped': 0, 'log': ''}).encode())\n"
+    "os._exit(0)\nEOF"]
+ATTACKS["module_patches_unittest"] = [
+    "cat > stats.py <<'EOF'\nimport unittest\n"
+    "unittest.TestCase.assertEqual = lambda *a, **k: None\n"
+    "def median(xs):\n    return 0\nEOF"]
+
+
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_terminal_verifier_cannot_be_forged(sandbox, attack):
     reward, reason = terminal_reward(sandbox, ATTACKS[attack])
