@@ -14,11 +14,16 @@ every workspace file (the agent wrote or changed them) and every process that ru
   test.sh into memory before anything runs (a program that rewrites the file on disk while bash executes it
   changes nothing) and runs it with `bash -c` (the task's ENV and [verifier] env, stdin /dev/null, output to a log
   file the harness keeps open). The harness is a child subreaper: every process test.sh or its programs start
-  (daemons, `setsid`, double forks) stays its descendant. The moment test.sh exits (or times out) the harness
-  kills every other process of the sandbox and reaps them (`envs.verdict.FENCE`); only then does it read the
-  result, so no process the agent started can write, rename or hold the result path afterwards. A result is
-  read only from a regular file (every path component opened without following links; fstat S_ISREG: a FIFO,
-  socket or device at the path is refused) of at most 4 KiB; anything else scores 0 with the reason.
+  (daemons, `setsid`, double forks) stays its descendant. Before each top-level command of test.sh whose text
+  names the result (`/logs/...`, `reward.txt`, `reward.json`: the usual `echo 1 > /logs/verifier/reward.txt`)
+  test.sh stops itself (a DEBUG trap, `TRAP`); the harness then kills every other process of the sandbox and
+  reaps them, and only then lets test.sh go on, so the result is written while no process the agent started
+  is alive (a loop rewriting the result, a FIFO held open at its path, a watcher). Any other stop or continue
+  of test.sh (another process's signal) scores 0. The moment test.sh exits (or times out) the harness kills
+  every remaining process again (`envs.verdict.FENCE`); only then does it read the result, so nothing can
+  write, rename or hold the result path afterwards. A result is read only from a regular file (every path
+  component opened without following links; fstat S_ISREG: a FIFO, socket or device is refused) of at most
+  4 KiB; anything else scores 0 with the reason.
 - The verdict is the harness's own line on the sandbox's stdout, which no test process holds, printed after the
   kill, and carries a nonce from the harness's spec file (read and unlinked before test.sh starts; it lives
   only in the harness's memory), so only the harness can write a line the worker accepts. A harness that was
@@ -28,14 +33,20 @@ every workspace file (the agent wrote or changed them) and every process that ru
   sample by breaking the tests); rewards are clamped to [0, 1].
 - Limits: [verifier] timeout_sec (capped by the environment), memory/cpus of task.toml; a verifier that hits a
   sandbox limit scores 0; a sandbox that cannot start is `sandbox_error` (dropped, not scored).
-Not covered: test.sh runs the agent's programs in the same sandbox and uid (that is what Harbor tests do), so a
-program it runs can write the result file itself WHILE test.sh still runs - including a process it left behind
-that rewrites the result between test.sh's own write and test.sh's exit (e.g. watching the file), or that wins
-the microsecond race between test.sh's exit and the kill. A test.sh that writes its reward last and exits at
-once narrows this to that window; one that exits early (`set -e` before writing) does not write at all. Such a
-program can also change test files not yet read and the other programs the tests call. A workspace on PATH (ENV
-PATH naming the workdir) lets the agent replace tools the tests call, as in Docker. test.sh runs as `bash -c`
-with $0 set to its path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text replaced by `$0` (the same file).
+Not covered: test.sh runs the agent's programs in the same sandbox and uid (that is what Harbor tests do), so
+what decides the result before it is written is theirs to influence: a program the tests run can change test
+files not yet read, the other programs the tests call, and the files the tests check. The fence covers results
+written by a top-level command of test.sh whose text names them; a result written from a function, subshell or
+a program whose own code names the path (`python3 write_reward.py`) is written while the agent's processes may
+still run, and one written through a variable only (`echo 1 > "$OUT"`) is not recognised. A background job
+test.sh started is killed by that fence too (a test.sh that writes a result and then still needs its server
+fails). Tests that import the agent's code in their own process (pytest over its modules) let that code decide their
+exit status; the shipped tasks converted from the terminal suite run theirs through a `run_tests.py` that
+never imports it (`envs.harbor.convert_terminal`). The pristine tests lie in /tests while the agent's
+programs run (they can read expected values there unless the tests remove them first, as run_tests.py
+does). A workspace on PATH (ENV PATH naming the workdir) lets the agent replace tools the tests call, as in
+Docker. test.sh runs as `bash -c` with $0 set to its path and `${BASH_SOURCE[0]}` / `$BASH_SOURCE` in its text
+replaced by `$0` (the same file); a test.sh that sets its own DEBUG trap replaces the fence's.
 """
 from __future__ import annotations
 
@@ -51,7 +62,7 @@ from envs.verdict import FENCE, new_nonce, verdict_line
 VERDICT = "MRL-HARBOR-VERDICT "
 
 _HARNESS = FENCE + r'''
-import re, subprocess
+import re
 with open(".mrl_verify.json") as f:
     spec = json.load(f)
 os.unlink(".mrl_verify.json")
@@ -60,13 +71,44 @@ with open(spec["script"], encoding="utf-8", errors="replace") as f:
 script = re.sub(r"\$\{BASH_SOURCE(\[0\])?\}|\$BASH_SOURCE\b", "$0", script)  # its own file, run as bash -c
 os.makedirs(os.path.dirname(spec["txt"]), exist_ok=True)
 log_fd = os.open(spec["log"], os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-env = dict(os.environ, **spec["env"])
-try:
-    rc = subprocess.run(["bash", "-c", script, spec["script"]], stdin=subprocess.DEVNULL, stdout=log_fd,
-                        stderr=subprocess.STDOUT, env=env, timeout=spec["timeout"]).returncode
-except subprocess.TimeoutExpired:
-    rc = None
 notes = []
+
+def spawn():
+    actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, log_fd, 1),
+               (os.POSIX_SPAWN_DUP2, log_fd, 2)]
+    argv = ["bash", "-c", spec["trap"] + script, spec["script"]]
+    return os.posix_spawnp("bash", argv, dict(os.environ, **spec["env"]), file_actions=actions)
+
+def fence_test_sh(pid):
+    # test.sh stopped itself before a command naming the result (or something stopped it): kill everything
+    # else, then let it go on alone; any other change of its state meanwhile is another process's signal
+    if not fence_except(pid):
+        notes.append("a process the tests started could not be killed")
+    if os.waitpid(pid, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)[0]:
+        notes.append("test.sh was continued or stopped by another process")
+    os.kill(pid, signal.SIGCONT)
+
+def run_test_sh(timeout):
+    pid, deadline, ours = spawn(), time.monotonic() + timeout, False
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)
+        if not got:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return None
+            time.sleep(0.002)
+        elif os.WIFSTOPPED(status):
+            fence_test_sh(pid)
+            ours = True
+        elif os.WIFCONTINUED(status):
+            if not ours:
+                notes.append("test.sh was continued by another process")
+            ours = False
+        else:
+            return os.waitstatus_to_exitcode(status)
+
+rc = run_test_sh(spec["timeout"])
 if not fence():
     notes.append("a process the tests started could not be killed")
 verdict = {"rc": rc, "txt": None, "json": None}
@@ -82,6 +124,12 @@ verdict["log"] = os.pread(log_fd, 600, max(0, end - 600)).decode("utf-8", "repla
 print_verdict(spec["prefix"], spec["nonce"], verdict)
 '''
 
+TRAP = ('__mrl_fence() { case "$BASH_COMMAND" in *"/.mrl_logs/"*|*reward.txt*|*reward.json*) kill -STOP $BASHPID;; '
+        'esac; }; trap __mrl_fence DEBUG\n')
+"""Prepended to test.sh: before each of its top-level commands that names the result (its text, unexpanded),
+test.sh stops itself; the harness then kills every other process and continues it, so the result is written
+while nothing else runs."""
+
 
 def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Limits, nonce: str
                    ) -> dict[str, bytes | str]:
@@ -92,7 +140,7 @@ def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Lim
     env = {**(payload.get("env") or {}), **(payload.get("verifier_env") or {})}
     spec = {"script": f"{paths.WORK}/{paths.TESTS}/test.sh", "txt": paths.REWARD_TXT, "json": paths.REWARD_JSON,
             "log": f"{paths.LOGS}/verifier/test-output.log", "env": {k: str(v) for k, v in env.items()},
-            "timeout": 0.85 * limits.wall_s, "prefix": VERDICT, "nonce": nonce}
+            "timeout": 0.85 * limits.wall_s, "prefix": VERDICT, "nonce": nonce, "trap": TRAP}
     files[".mrl_verify.py"] = _HARNESS
     files[".mrl_verify.json"] = json.dumps(spec)
     return files

@@ -108,58 +108,47 @@ for line in chan_in:
         view = view[os.write(chan_out, view):]
 """
 
-# The test process: runs one pristine test file with every workspace module replaced by a proxy that asks the
-# candidate's process; only plain values decoded into exact built-in types come back. It never imports anything
-# from the workspace and its report pipe is its own (non-inheritable, non-dumpable).
-_TESTER = _CODEC + r"""
-import ctypes, importlib.machinery, io, os, select, time, types, unittest
-ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
-report = os.dup(1)
-req_w, ans_r = int(sys.argv[1]), int(sys.argv[2])
-for fd in (report, req_w, ans_r):
-    os.set_inheritable(fd, False)
-os.write(report, b"R")  # ready: the candidate's process may start now
-spec = loads(os.fdopen(0, "rb").read().decode("utf-8"))
-null = os.open("/dev/null", os.O_RDWR)
-os.dup2(null, 0)
-os.dup2(null, 1)
-deadline = time.monotonic() + spec["total_s"]
+# The proxy side (`_TESTER`, and the converted Harbor tasks' run_tests.py): workspace modules imported by a
+# test are proxies; their attribute reads, writes and calls are requests to the candidate's process, answered with
+# plain values decoded into exact built-in types.
+_PROXY = r"""
+import importlib, importlib.machinery, os, select, time, types
 LOCAL = {"__spec__", "__loader__", "__package__", "__path__", "__file__", "__cached__", "__name__", "__doc__",
          "__builtins__", "__class__", "__dict__"}
-state = {"dead": None, "buf": b""}
+CHANNEL = {"dead": None, "buf": b""}  # req_w, ans_r, deadline, rpc_max: set by the script
 
 class CandidateError(RuntimeError):
     pass
 
 def rpc(msg):
-    if state["dead"]:
-        raise CandidateError(state["dead"])
+    if CHANNEL["dead"]:
+        raise CandidateError(CHANNEL["dead"])
     data = dumps(msg).encode() + b"\n"
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(req_w, view):]
-        while b"\n" not in state["buf"]:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([ans_r], [], [], left)[0]:
+            view = view[os.write(CHANNEL["req_w"], view):]
+        while b"\n" not in CHANNEL["buf"]:
+            left = CHANNEL["deadline"] - time.monotonic()
+            if left <= 0 or not select.select([CHANNEL["ans_r"]], [], [], left)[0]:
                 raise CandidateError("the candidate's process did not answer in time")
-            chunk = os.read(ans_r, 1 << 16)
+            chunk = os.read(CHANNEL["ans_r"], 1 << 16)
             if not chunk:
                 raise CandidateError("the candidate's process exited")
-            state["buf"] += chunk
-            if len(state["buf"]) > spec["rpc_max"]:
-                raise CandidateError("the candidate's answer is larger than " + str(spec["rpc_max"]) + " bytes")
+            CHANNEL["buf"] += chunk
+            if len(CHANNEL["buf"]) > CHANNEL["rpc_max"]:
+                raise CandidateError("the candidate's answer is larger than " + str(CHANNEL["rpc_max"]) + " bytes")
     except (OSError, CandidateError) as e:
-        state["dead"] = str(e) if isinstance(e, CandidateError) else "the candidate's process exited"
-        raise CandidateError(state["dead"]) from None
-    line, _, state["buf"] = state["buf"].partition(b"\n")
+        CHANNEL["dead"] = str(e) if isinstance(e, CandidateError) else "the candidate's process exited"
+        raise CandidateError(CHANNEL["dead"]) from None
+    line, _, CHANNEL["buf"] = CHANNEL["buf"].partition(b"\n")
     try:
         ans = loads(line.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError):
         ans = None
     if type(ans) is not list or not ans or type(ans[0]) is not str:
-        state["dead"] = "malformed answer from the candidate's process"
-        raise CandidateError(state["dead"])
+        CHANNEL["dead"] = "malformed answer from the candidate's process"
+        raise CandidateError(CHANNEL["dead"])
     if ans[0] == "raise" and len(ans) == 3 and type(ans[1]) is str and type(ans[2]) is str:
         cls = getattr(builtins, ans[1], None)
         if not (isinstance(cls, type) and issubclass(cls, Exception)):
@@ -229,6 +218,24 @@ class RemoteFinder:
             return None
         return importlib.machinery.ModuleSpec(name, RemoteLoader(), is_package=ans[1] is True)
 
+"""
+
+# The test process: runs one pristine test file with every workspace module replaced by a proxy that asks the
+# candidate's process; only plain values decoded into exact built-in types come back. It never imports anything
+# from the workspace and its report pipe is its own (non-inheritable, non-dumpable).
+_TESTER = _CODEC + _PROXY + r"""
+import ctypes, io, unittest
+ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+report = os.dup(1)
+req_w, ans_r = int(sys.argv[1]), int(sys.argv[2])
+for fd in (report, req_w, ans_r):
+    os.set_inheritable(fd, False)
+os.write(report, b"R")  # ready: the candidate's process may start now
+spec = loads(os.fdopen(0, "rb").read().decode("utf-8"))
+null = os.open("/dev/null", os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+CHANNEL.update(req_w=req_w, ans_r=ans_r, rpc_max=spec["rpc_max"], deadline=time.monotonic() + spec["total_s"])
 sys.meta_path.append(RemoteFinder())  # after the standard library's finders: it cannot be shadowed
 stream = io.StringIO()
 try:
