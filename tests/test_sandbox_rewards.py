@@ -96,6 +96,47 @@ def test_code_exceptions_mutation_and_partial_credit_still_judged_right(sandbox)
     assert reward == pytest.approx(4 / 5) and "AssertionError" in reason
 
 
+class _CountingSandbox:
+    """The sandbox, counting its runs (the candidate's; the verifier's zygote calls do not pass through run)."""
+
+    def __init__(self, sandbox):
+        self._sandbox, self.runs = sandbox, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self._sandbox.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sandbox, name)
+
+
+def test_code_results_file_is_never_parsed_in_the_worker(sandbox, monkeypatch):
+    """A 15 MB results file of nested empty lists (the old worker json.loads'ed it: ~400 MB, tens of seconds) is
+    refused by size unparsed; what the worker parses is the verifier's small verdict only."""
+    import envs.code.verifier as V
+
+    seen: list[int] = []
+    real = V.json.loads
+    monkeypatch.setattr(V.json, "loads", lambda s, *a, **k: seen.append(len(s)) or real(s, *a, **k))
+    flood = ("import os\nopen('.mrl_results.json', 'w').write('[' + '[],' * 5000000 + '[]]')\nos._exit(0)\n"
+             "def gcd(a, b):\n    return 1\n")
+    reward, reason = code_reward(sandbox, "code-gcd", flood)
+    assert reward == 0.0 and "larger than" in reason, reason
+    assert max(seen, default=0) < V.CLAIM_MAX_BYTES // 4, seen
+
+
+@pytest.mark.parametrize("claim", ['{"tests": 5}', "[[[", '{"tests": [["ok"]]}', "[]"])
+def test_code_malformed_results_end_the_replay_as_a_failed_attempt(sandbox, claim):
+    """A results file of the wrong shape is the candidate's doing: one candidate run, every test fails, the sample
+    stays valid (the old verifier crashed on some shapes, an infrastructure error that drops the sample, and
+    replayed others for every round)."""
+    counting = _CountingSandbox(sandbox)
+    solution = (f"import os\nopen('.mrl_results.json', 'w').write({claim!r})\nos._exit(0)\n"
+                "def gcd(a, b):\n    return 1\n")
+    reward, reason = code_reward(counting, "code-gcd", solution)
+    assert reward == 0.0 and "malformed" in reason and counting.runs == 1, (reason, counting.runs)
+
+
 # -------------------------------------------------------------------------------------------- terminal
 def call(command: str) -> str:
     return "<tool_call>" + json.dumps({"name": "shell", "arguments": {"command": command}}) + "</tool_call>"
