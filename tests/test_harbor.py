@@ -217,6 +217,11 @@ ATTACKS = {
         "            with open('/work/.mrl_logs/verifier/r', 'w') as f:\n                f.write('1')\n"
         "            os.replace('/work/.mrl_logs/verifier/r', '/work/.mrl_logs/verifier/reward.txt')\n"
         "        except OSError:\n            pass"),
+    # the result written early and made read-only (test.sh's own write then fails), or its folder
+    "a read-only result": ("import os\np = '/work/.mrl_logs/verifier/reward.txt'\nopen(p, 'w').write('1')\n"
+                           "os.chmod(p, 0o444)\nos.chmod(os.path.dirname(p), 0o555)"),
+    # a reward.txt planted next to the reward.json a test.sh writes (reward.txt is read first)
+    "a planted reward.txt": "open('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')",
     # a daemon stops the harness, waits for test.sh to exit, writes 1 late, continues the harness
     "a late write while the harness is stopped": (
         "import os, signal, time\nbash = os.getppid()\n"
@@ -239,6 +244,8 @@ def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, atta
 
     sh = ("#!/bin/bash\npython3 /app/prog.py\nsleep 0.2\nif [ -f /app/ok ]; then echo 1 > /logs/verifier/reward.txt;"
           " else echo 0 > /logs/verifier/reward.txt; fi\n")
+    if attack == "a planted reward.txt":
+        sh = "#!/bin/bash\npython3 /app/prog.py\necho '{\"reward\": 0}' > /logs/verifier/reward.json\n"
     d = _task_folder(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nCOPY prog.py /app/\n", test_sh=sh,
                      toml="[verifier]\ntimeout_sec = 4.0\n")
     (d / "environment" / "prog.py").write_text(ATTACKS[attack] + "\n")

@@ -17,13 +17,16 @@ every workspace file (the agent wrote or changed them) and every process that ru
   (daemons, `setsid`, double forks) stays its descendant. Before each top-level command of test.sh whose text
   names the result (`/logs/...`, `reward.txt`, `reward.json`: the usual `echo 1 > /logs/verifier/reward.txt`)
   test.sh stops itself (a DEBUG trap, `TRAP`); the harness then kills every other process of the sandbox and
-  reaps them, and only then lets test.sh go on, so the result is written while no process the agent started
-  is alive (a loop rewriting the result, a FIFO held open at its path, a watcher). Any other stop or continue
+  reaps them, makes the result folders real, writable folders again and removes a result that is not a
+  regular file (a read-only one is made writable), and only then lets test.sh go on, so its own write lands
+  while no process the agent started is alive (a loop rewriting the result, a FIFO held open at its path, a
+  watcher, a result made read-only so test.sh's write fails). Any other stop or continue
   of test.sh (another process's signal) scores 0. The moment test.sh exits (or times out) the harness kills
   every remaining process again (`envs.verdict.FENCE`); only then does it read the result, so nothing can
   write, rename or hold the result path afterwards. A result is read only from a regular file (every path
   component opened without following links; fstat S_ISREG: a FIFO, socket or device is refused) of at most
-  4 KiB; anything else scores 0 with the reason.
+  4 KiB; anything else scores 0 with the reason. A reward.txt and a reward.json that disagree score 0 (one is
+  not test.sh's).
 - The verdict is the harness's own line on the sandbox's stdout, which no test process holds, printed after the
   kill, and carries a nonce from the harness's spec file (read and unlinked before test.sh starts; it lives
   only in the harness's memory), so only the harness can write a line the worker accepts. A harness that was
@@ -38,7 +41,8 @@ what decides the result before it is written is theirs to influence: a program t
 files not yet read, the other programs the tests call, and the files the tests check. The fence covers results
 written by a top-level command of test.sh whose text names them; a result written from a function, subshell or
 a program whose own code names the path (`python3 write_reward.py`) is written while the agent's processes may
-still run, and one written through a variable only (`echo 1 > "$OUT"`) is not recognised. A background job
+still run, and one written through a variable only (`echo 1 > "$OUT"`) is not recognised. A test.sh that writes a result
+only on success (no `else` writing 0) keeps a result the agent's programs planted earlier on failure. A background job
 test.sh started is killed by that fence too (a test.sh that writes a result and then still needs its server
 fails). Tests that import the agent's code in their own process (pytest over its modules) let that code decide their
 exit status; the shipped tasks converted from the terminal suite run theirs through a `run_tests.py` that
@@ -79,11 +83,32 @@ def spawn():
     argv = ["bash", "-c", spec["trap"] + script, spec["script"]]
     return os.posix_spawnp("bash", argv, dict(os.environ, **spec["env"]), file_actions=actions)
 
+def writable_result_path():
+    # nothing else runs now: give the result folder and files back to test.sh (real, writable folders; a
+    # result that is not a regular file removed, a read-only one made writable), so its own write lands
+    import shutil
+    folder = os.path.dirname(spec["txt"])
+    for d in (".", os.path.dirname(folder), folder):
+        if not os.path.isdir(d) or os.path.islink(d):
+            if os.path.lexists(d):
+                os.unlink(d)
+            os.mkdir(d)
+        os.chmod(d, 0o755)
+    for f in (spec["txt"], spec["json"]):
+        if os.path.islink(f) or (os.path.lexists(f) and not os.path.isfile(f)):
+            shutil.rmtree(f) if os.path.isdir(f) and not os.path.islink(f) else os.unlink(f)
+        elif os.path.lexists(f):
+            os.chmod(f, 0o644)
+
 def fence_test_sh(pid):
     # test.sh stopped itself before a command naming the result (or something stopped it): kill everything
     # else, then let it go on alone; any other change of its state meanwhile is another process's signal
     if not fence_except(pid):
         notes.append("a process the tests started could not be killed")
+    try:
+        writable_result_path()
+    except OSError as e:
+        notes.append("the result folder could not be restored: %s" % e)
     if os.waitpid(pid, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)[0]:
         notes.append("test.sh was continued or stopped by another process")
     os.kill(pid, signal.SIGCONT)
@@ -146,23 +171,31 @@ def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Lim
     return files
 
 
-def parse_reward(verdict: dict) -> tuple[float, str]:
-    """(reward in [0, 1], reason) from the verdict's reward.txt, else reward.json; (0, why) when there is none."""
-    text, name = verdict.get("txt"), "reward.txt"
-    if text is None:
-        text, name = verdict.get("json"), "reward.json"
-    if text is None:
-        return 0.0, "test.sh wrote no /logs/verifier/reward.txt"
+def _parse_one(text: str, name: str) -> tuple[float | None, str]:
     try:
         value = json.loads(text) if name == "reward.json" else float(text.strip())
         if isinstance(value, dict):
             value = value.get("reward", next(iter(value.values()), None))
         value = float(value)
     except (ValueError, TypeError, StopIteration):
-        return 0.0, f"unparsable {name}: {text[:80]!r}"
+        return None, f"unparsable {name}: {text[:80]!r}"
     if not math.isfinite(value):
-        return 0.0, f"{name} is not finite: {value}"
+        return None, f"{name} is not finite: {value}"
     return min(max(value, 0.0), 1.0), f"{name} = {value:g}"
+
+
+def parse_reward(verdict: dict) -> tuple[float, str]:
+    """(reward in [0, 1], reason) from the verdict's reward.txt, else reward.json; (0, why) when there is none,
+    or when both exist and disagree (one of them is not test.sh's: a planted reward.txt next to its reward.json)."""
+    found = [(n, t) for n, t in (("reward.txt", verdict.get("txt")), ("reward.json", verdict.get("json")))
+             if t is not None]
+    if not found:
+        return 0.0, "test.sh wrote no /logs/verifier/reward.txt"
+    parsed = [_parse_one(t, n) for n, t in found]
+    if len(parsed) == 2 and parsed[0][0] != parsed[1][0]:
+        return 0.0, f"reward.txt and reward.json disagree ({parsed[0][1]}; {parsed[1][1]})"
+    value, why = parsed[0]
+    return (0.0 if value is None else value), why
 
 
 def score(verdict: dict | None) -> tuple[float, str]:
