@@ -149,11 +149,11 @@ verdict["log"] = os.pread(log_fd, 600, max(0, end - 600)).decode("utf-8", "repla
 print_verdict(spec["prefix"], spec["nonce"], verdict)
 '''
 
-TRAP = ('__mrl_fence() { case "$BASH_COMMAND" in *"/.mrl_logs/"*|*reward.txt*|*reward.json*) kill -STOP $BASHPID;; '
-        'esac; }; trap __mrl_fence DEBUG\n')
-"""Prepended to test.sh: before each of its top-level commands that names the result (its text, unexpanded),
-test.sh stops itself; the harness then kills every other process and continues it, so the result is written
-while nothing else runs."""
+TRAP = ('__mrl_fence() { [[ $BASHPID == $$ ]] || return 0; case "$BASH_COMMAND" in *"/.mrl_logs/"*|*reward.txt*|'
+        '*reward.json*) kill -STOP $BASHPID;; esac; }; trap __mrl_fence DEBUG; ')
+"""Prepended to test.sh's first line (its line numbers stay): before each of its top-level commands that names
+the result (its text, unexpanded), test.sh itself (not a subshell) stops; the harness then kills every other
+process and continues it, so the result is written while nothing else runs."""
 
 
 def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Limits, nonce: str

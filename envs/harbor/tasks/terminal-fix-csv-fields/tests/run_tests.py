@@ -202,6 +202,8 @@ class RemoteLoader:
 
 class RemoteFinder:
     def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in sys.stdlib_module_names:
+            return None  # an optional standard module this build lacks is not the workspace's to provide
         try:
             ans = rpc(["import", name])
         except (ModuleNotFoundError, CandidateError):
