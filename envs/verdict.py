@@ -26,6 +26,7 @@ same CPU quota as the harness); SIGKILL or other fatal signals to the harness (t
 from __future__ import annotations
 
 import json
+import os
 import secrets
 
 FENCE = r'''
@@ -39,6 +40,19 @@ def _on_cont(*_):
 signal.signal(signal.SIGCONT, _on_cont)
 for _s in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
     signal.signal(_s, lambda *_: None)
+
+def require_own_pidns(host_pidns):
+    """Exit (no verdict: a fail) unless this runs in a pid namespace of its own: `fence()` kills every process it
+    can signal, which outside such a sandbox (the subprocess backend, a container sharing the host's pids) would
+    be every process of the worker's uid, the worker itself included."""
+    try:
+        mine = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        mine = None
+    if mine is None or mine == host_pidns:
+        os.write(2, b"verifier: refused to run outside a sandbox with its own pid namespace (bwrap, or apptainer "
+                    b"--containall): its fence kills every process it can signal\n")
+        os._exit(3)
 
 def fence(limit_s=10.0):
     """Kill every other process of this sandbox and reap them; True when none is left."""
@@ -134,6 +148,12 @@ def print_verdict(prefix, nonce, verdict):
         view = view[os.write(1, view):]
 '''
 """Prepended to a harness script."""
+
+
+def host_pidns() -> str:
+    """The worker's pid namespace (`/proc/self/ns/pid`), written into a harness's spec: the harness refuses to run
+    (`require_own_pidns`) where its own is the same."""
+    return os.readlink("/proc/self/ns/pid")
 
 
 def new_nonce() -> str:

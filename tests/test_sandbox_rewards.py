@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -274,3 +275,18 @@ def test_code_harness_falls_back_to_source_for_another_bytecode_format(sandbox, 
     results, _, status = V.run_unit_tests(sandbox, "def inc(x):\n    return x + 1\n",
                                           ["assert inc(1) == 2", "assert inc(2) == 4"])
     assert status == "ok" and [p for p, _ in results] == [True, False], results
+
+
+def test_verifier_harness_refuses_to_run_outside_a_pid_namespace_of_its_own(sandbox):
+    """The harnesses' fence kills every process it can signal (`kill(-1)`): outside a sandbox with its own pid
+    namespace (the subprocess backend) that would be the worker and every process of its uid. The harness exits
+    before anything runs there; inside bubblewrap it goes on."""
+    import subprocess
+
+    from envs.verdict import FENCE, host_pidns
+
+    script = FENCE + f"require_own_pidns({host_pidns()!r})\nprint('ran')\n"
+    host = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, timeout=60)
+    assert host.returncode == 3 and "own pid namespace" in host.stderr and "ran" not in host.stdout
+    inside = sandbox.run(["python3", "-I", "-S", "run.py"], files={"run.py": script})
+    assert inside.exit_code == 0 and inside.stdout.strip() == "ran", inside

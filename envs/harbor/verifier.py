@@ -61,7 +61,7 @@ from envs.base import sandbox_problem
 from envs.harbor import paths
 from envs.harbor.loader import decode_files
 from envs.sandbox.base import Limits, SandboxResult
-from envs.verdict import FENCE, new_nonce, verdict_line
+from envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
 
 VERDICT = "MRL-HARBOR-VERDICT "
 
@@ -70,6 +70,7 @@ import re
 with open(".mrl_verify.json") as f:
     spec = json.load(f)
 os.unlink(".mrl_verify.json")
+require_own_pidns(spec["host_pidns"])
 with open(spec["script"], encoding="utf-8", errors="replace") as f:
     script = f.read()
 script = re.sub(r"\$\{BASH_SOURCE(\[0\])?\}|\$BASH_SOURCE\b", "$0", script)  # its own file, run as bash -c
@@ -165,7 +166,8 @@ def verifier_files(workspace_files: dict[str, bytes], payload: dict, limits: Lim
     env = {**(payload.get("env") or {}), **(payload.get("verifier_env") or {})}
     spec = {"script": f"{paths.WORK}/{paths.TESTS}/test.sh", "txt": paths.REWARD_TXT, "json": paths.REWARD_JSON,
             "log": f"{paths.LOGS}/verifier/test-output.log", "env": {k: str(v) for k, v in env.items()},
-            "timeout": 0.85 * limits.wall_s, "prefix": VERDICT, "nonce": nonce, "trap": TRAP}
+            "timeout": 0.85 * limits.wall_s, "prefix": VERDICT, "nonce": nonce, "trap": TRAP,
+            "host_pidns": host_pidns()}
     files[".mrl_verify.py"] = _HARNESS
     files[".mrl_verify.json"] = json.dumps(spec)
     return files

@@ -49,7 +49,7 @@ import posixpath
 from envs.base import sandbox_problem
 from envs.code.verifier import _CODEC
 from envs.sandbox.base import Limits, SandboxResult
-from envs.verdict import FENCE, new_nonce, verdict_line
+from envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
 
 VERDICT = "MRL-VERDICT "
 RPC_MAX_BYTES = 16 << 20
@@ -262,6 +262,7 @@ import ast, select, subprocess, sys
 with open(".mrl_verify.json") as f:
     spec = json.load(f)
 os.unlink(".mrl_verify.json")
+require_own_pidns(spec["host_pidns"])
 sources = {}
 for path in spec["tests"]:  # the pristine files, read before any candidate code runs, then removed
     with open(path, encoding="utf-8") as f:
@@ -373,7 +374,7 @@ def run_verifier(sandbox, workspace_files: dict, spec: dict, limits: Limits | No
     files.update(spec.get("files") or {})  # pristine copies win over the model's versions
     nonce = new_nonce()
     harness = {"tests": test_files(spec), "total_s": 0.8 * limits.wall_s, "prefix": VERDICT, "nonce": nonce,
-               "tester": _TESTER, "server": _SERVER, "rpc_max": RPC_MAX_BYTES}
+               "host_pidns": host_pidns(), "tester": _TESTER, "server": _SERVER, "rpc_max": RPC_MAX_BYTES}
     files[".mrl_verify.py"] = _HARNESS
     files[".mrl_verify.json"] = json.dumps(harness)
     res = sandbox.run(["python3", "-I", "-S", ".mrl_verify.py"], files=files, limits=limits)
