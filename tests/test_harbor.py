@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import pytest
 
@@ -204,23 +205,67 @@ ATTACKS = {
                           "print(line)\nfor p in (os.getppid(), 1, 2):\n    try:\n"
                           "        open(f'/proc/{p}/fd/1', 'w').write(line + '\\n')\n"
                           "    except OSError:\n        pass"),
-    "kill test.sh": ("import os, signal\nopen('/logs/verifier/reward.txt', 'w').write('1')\n"
+    "kill test.sh": ("import os, signal\nopen('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')\n"
                      "os.kill(os.getppid(), signal.SIGKILL)"),
+    # a daemon holds a FIFO at the result path with '1' queued: test.sh's '0' lands behind it
+    "a FIFO at the result path": ("import os, time\np = '/work/.mrl_logs/verifier/reward.txt'\nos.mkfifo(p)\n"
+                                  "if os.fork() == 0:\n    os.setsid()\n    fd = os.open(p, os.O_RDWR)\n"
+                                  "    os.write(fd, b'1' + b'\\n' * 4095)\n    time.sleep(60)"),
+    # a daemon that rewrites the result in a loop, before and after test.sh's own write
+    "a daemon rewriting the result in a loop": (
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    while True:\n        try:\n"
+        "            with open('/work/.mrl_logs/verifier/r', 'w') as f:\n                f.write('1')\n"
+        "            os.replace('/work/.mrl_logs/verifier/r', '/work/.mrl_logs/verifier/reward.txt')\n"
+        "        except OSError:\n            pass"),
+    # the result written early and made read-only (test.sh's own write then fails), or its folder
+    "a read-only result": ("import os\np = '/work/.mrl_logs/verifier/reward.txt'\nopen(p, 'w').write('1')\n"
+                           "os.chmod(p, 0o444)\nos.chmod(os.path.dirname(p), 0o555)"),
+    # a reward.txt planted next to the reward.json a test.sh writes (reward.txt is read first)
+    "a planted reward.txt": "open('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')",
+    # a daemon stops the harness, waits for test.sh to exit, writes 1 late, continues the harness
+    "a late write while the harness is stopped": (
+        "import os, signal, time\nbash = os.getppid()\n"
+        "st = lambda pid: open('/proc/%d/stat' % pid).read().rsplit(')', 1)[1].split()\n"
+        "harness = int(st(bash)[1])\n"
+        "if os.fork() == 0:\n    os.setsid()\n    os.kill(harness, signal.SIGSTOP)\n"
+        "    while st(bash)[0] != 'Z':\n        time.sleep(0.01)\n"
+        "    open('/work/.mrl_logs/verifier/reward.txt', 'w').write('1')\n"
+        "    os.kill(harness, signal.SIGCONT)\n    time.sleep(60)"),
 }
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, attack):
     """test.sh runs the agent's prog.py, then writes 1 only if /app/ok exists: rewriting test.sh on disk while
-    bash runs it, forging the harness's verdict line, or writing reward 1 and killing test.sh all score 0."""
+    bash runs it, forging the harness's verdict line, writing reward 1 and killing test.sh, or a process left
+    behind that owns the result path (a FIFO, a rewrite loop, a late write while the harness is stopped) all
+    score 0."""
     from envs.harbor.oracle import attempt
 
     sh = ("#!/bin/bash\npython3 /app/prog.py\nsleep 0.2\nif [ -f /app/ok ]; then echo 1 > /logs/verifier/reward.txt;"
           " else echo 0 > /logs/verifier/reward.txt; fi\n")
-    d = _task_folder(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nCOPY prog.py /app/\n", test_sh=sh)
+    if attack == "a planted reward.txt":
+        sh = "#!/bin/bash\npython3 /app/prog.py\necho '{\"reward\": 0}' > /logs/verifier/reward.json\n"
+    d = _task_folder(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nCOPY prog.py /app/\n", test_sh=sh,
+                     toml="[verifier]\ntimeout_sec = 4.0\n")
     (d / "environment" / "prog.py").write_text(ATTACKS[attack] + "\n")
     rr, _ = attempt(load_task_folder(d), sandbox, solve=False)
     assert rr.valid and rr.total == (1.0 if attack == "honest" else 0.0), rr.reasons
+
+
+@pytest.mark.parametrize("attack", ["import os\nos._exit(0)\n",
+                                    "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"])
+def test_converted_terminal_task_module_cannot_decide_its_own_tests(suite, sandbox, attack):
+    """The module under test exits 0 on import or patches unittest: the pristine tests (run_tests.py) never import
+    it in the process whose exit status test.sh trusts, so the wrong fix still scores 0."""
+    from envs.harbor.env import HarborEnv
+
+    env = HarborEnv(sandbox=sandbox)
+    env.reset(suite["terminal-fix-median"])
+    module = attack + "def median(xs):\n    return 0\n"
+    env.step(_shell(f"printf %s {shlex.quote(module)} > stats.py"))
+    end = env.step("Done.")
+    assert end.done and end.reward == 0.0, end.reward_result.reasons
 
 
 def test_reward_files_parsed_missing_or_bad_ones_score_zero_not_an_infra_error(tmp_path, sandbox):

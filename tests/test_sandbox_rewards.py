@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -96,6 +97,47 @@ def test_code_exceptions_mutation_and_partial_credit_still_judged_right(sandbox)
     assert reward == pytest.approx(4 / 5) and "AssertionError" in reason
 
 
+class _CountingSandbox:
+    """The sandbox, counting its runs (the candidate's; the verifier's zygote calls do not pass through run)."""
+
+    def __init__(self, sandbox):
+        self._sandbox, self.runs = sandbox, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self._sandbox.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sandbox, name)
+
+
+def test_code_results_file_is_never_parsed_in_the_worker(sandbox, monkeypatch):
+    """A 15 MB results file of nested empty lists (the old worker json.loads'ed it: ~400 MB, tens of seconds) is
+    refused by size unparsed; what the worker parses is the verifier's small verdict only."""
+    import envs.code.verifier as V
+
+    seen: list[int] = []
+    real = V.json.loads
+    monkeypatch.setattr(V.json, "loads", lambda s, *a, **k: seen.append(len(s)) or real(s, *a, **k))
+    flood = ("import os\nopen('.mrl_results.json', 'w').write('[' + '[],' * 5000000 + '[]]')\nos._exit(0)\n"
+             "def gcd(a, b):\n    return 1\n")
+    reward, reason = code_reward(sandbox, "code-gcd", flood)
+    assert reward == 0.0 and "larger than" in reason, reason
+    assert max(seen, default=0) < V.CLAIM_MAX_BYTES // 4, seen
+
+
+@pytest.mark.parametrize("claim", ['{"tests": 5}', "[[[", '{"tests": [["ok"]]}', "[]"])
+def test_code_malformed_results_end_the_replay_as_a_failed_attempt(sandbox, claim):
+    """A results file of the wrong shape is the candidate's doing: one candidate run, every test fails, the sample
+    stays valid (the old verifier crashed on some shapes, an infrastructure error that drops the sample, and
+    replayed others for every round)."""
+    counting = _CountingSandbox(sandbox)
+    solution = (f"import os\nopen('.mrl_results.json', 'w').write({claim!r})\nos._exit(0)\n"
+                "def gcd(a, b):\n    return 1\n")
+    reward, reason = code_reward(counting, "code-gcd", solution)
+    assert reward == 0.0 and "malformed" in reason and counting.runs == 1, (reason, counting.runs)
+
+
 # -------------------------------------------------------------------------------------------- terminal
 def call(command: str) -> str:
     return "<tool_call>" + json.dumps({"name": "shell", "arguments": {"command": command}}) + "</tool_call>"
@@ -132,6 +174,27 @@ ATTACKS = {
                                  "        os.write(fd, b'\\nMRL-VERDICT {\"passed\": true, \"files\": {}}\\n')\n"
                                  "        time.sleep(0.001)\nos._exit(0)\nEOF"],
 }
+
+
+# the module under test, imported by the pristine test, writes the test process's report itself / patches unittest
+ATTACKS["module_writes_the_report"] = [
+    "cat > stats.py <<'EOF'\nimport ast, json, os, sys\n"
+    "tree = ast.parse(open(sys.argv[1]).read())\n"
+    "n = sum(1 for c in tree.body if isinstance(c, ast.ClassDef) for d in c.body\n"
+    "        if isinstance(d, ast.FunctionDef) and d.name.startswith('test'))\n"
+    "os.write(int(sys.argv[2]), json.dumps({'run': n, 'failed': 0, 'skipped': 0, 'log': ''}).encode())\n"
+    "os._exit(0)\nEOF"]
+# the module under test reads the expected values out of the (hidden) test files at verification time
+ATTACKS["read_the_hidden_tests"] = [
+    "cat > stats.py <<'EOF'\nimport ast, glob, re\nANSWERS = {}\n"
+    "for f in glob.glob('test_*.py'):\n"
+    "    for a, want in re.findall(r'median\\((\\[[^\\]]*\\])\\), ([0-9.]+)\\)', open(f).read()):\n"
+    "        ANSWERS[tuple(ast.literal_eval(a))] = ast.literal_eval(want)\n"
+    "def median(xs):\n    return ANSWERS[tuple(xs)]\nEOF"]
+ATTACKS["module_patches_unittest"] = [
+    "cat > stats.py <<'EOF'\nimport unittest\n"
+    "unittest.TestCase.assertEqual = lambda *a, **k: None\n"
+    "def median(xs):\n    return 0\nEOF"]
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
@@ -212,3 +275,18 @@ def test_code_harness_falls_back_to_source_for_another_bytecode_format(sandbox, 
     results, _, status = V.run_unit_tests(sandbox, "def inc(x):\n    return x + 1\n",
                                           ["assert inc(1) == 2", "assert inc(2) == 4"])
     assert status == "ok" and [p for p, _ in results] == [True, False], results
+
+
+def test_verifier_harness_refuses_to_run_outside_a_pid_namespace_of_its_own(sandbox):
+    """The harnesses' fence kills every process it can signal (`kill(-1)`): outside a sandbox with its own pid
+    namespace (the subprocess backend) that would be the worker and every process of its uid. The harness exits
+    before anything runs there; inside bubblewrap it goes on."""
+    import subprocess
+
+    from envs.verdict import FENCE, host_pidns
+
+    script = FENCE + f"require_own_pidns({host_pidns()!r})\nprint('ran')\n"
+    host = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, timeout=60)
+    assert host.returncode == 3 and "own pid namespace" in host.stderr and "ran" not in host.stdout
+    inside = sandbox.run(["python3", "-I", "-S", "run.py"], files={"run.py": script})
+    assert inside.exit_code == 0 and inside.stdout.strip() == "ran", inside

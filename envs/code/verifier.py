@@ -22,6 +22,13 @@ below. Untrusted: the solution and everything its process writes.
   (timeout, crash, malformed answer) closes that sandbox and the next verdict starts a new one. Elsewhere
   a fresh verifier sandbox per verdict runs `verify.py` and writes `.mrl_verdict.json`, collected from its
   scratch only. Either way the candidate can neither write the verdict nor learn a nonce (there is none).
+- The worker never parses the candidate's results file: it takes it from the scratch (no link followed,
+  regular files only, capped by the sandbox) and hands it, at most `CLAIM_MAX_BYTES` (larger: every test
+  fails), as bytes to the verifier, which parses it inside its own sandbox under the request's memory and CPU
+  limits. A claim that is not JSON or not one list of answers per test fails every test and ends the replay
+  (a valid sample scored 0, never a crashed verifier or a dropped sample). What the worker parses is the
+  verifier's verdict only, produced by trusted code, whose reported calls are capped at `PLAN_MAX_BYTES`
+  together (a test whose calls grow past that - a candidate's answers fed into calls - fails).
 - A test whose calls depend on earlier answers (`f(f(1))`, `assert f(1) == 1 and f(2) == 2`) is replayed:
   the verifier reports the calls it still needs, the candidate sandbox runs again, up to `MAX_ROUNDS`.
   The calls a task's tests make are cached per test suite, so a known task costs one candidate sandbox run
@@ -34,7 +41,8 @@ Not covered: the candidate sees the arguments its function is called with (that 
 a test that uses a solution's value without calling it (`assert LIMIT == 3`) or needs a non-plain object
 (a generator, a class instance) fails with a reason - such tasks need their own verifier; calls within a
 test share the candidate's process state (as they would in one interpreter), so a deterministic function
-is assumed when a test is replayed over rounds.
+is assumed when a test is replayed over rounds; tests whose calls (arguments included) exceed `PLAN_MAX_BYTES`
+together, or whose answers exceed `CLAIM_MAX_BYTES`, fail.
 """
 from __future__ import annotations
 
@@ -51,6 +59,11 @@ from envs.sandbox.zygote import ZygoteError
 
 MAX_ROUNDS = 4
 """Most candidate runs per reward (a test whose calls depend on earlier answers needs one per step)."""
+CLAIM_MAX_BYTES = 4 << 20
+"""Largest results file of a candidate's run that is handed to the verifier (larger: every test fails); below
+the sandbox's scratch and file-size caps, and within what the verifier can parse under its memory limit."""
+PLAN_MAX_BYTES = 1 << 20
+"""Most bytes of calls one verdict reports (all tests together): bounds what the worker parses of a verdict."""
 
 _CODEC = r'''
 import builtins, sys
@@ -329,19 +342,21 @@ def run_test(src, plan, answers):
     return outcome + [made]
 
 def verify(spec, claimed):
-    """The verdict of every test of `spec` against the candidate's claimed answers (None: it gave none)."""
-    per, total = spec["per_test_s"], spec["total_s"]
+    """The verdict of every test of `spec` against the candidate's claimed answers (None: it gave none; a str:
+    why its claim is malformed, which fails every test and ends the replay). The calls a verdict reports are
+    capped at `plan_max` bytes together (a candidate's answers fed into calls cannot make it large)."""
     sys.stdout = open("/dev/null", "w")
+    if type(claimed) is str:
+        return [["fail", "malformed results from the solution's run: " + claimed, p] for p in spec["plan"]]
+    per, total = spec["per_test_s"], spec["total_s"]
     deadline = time.monotonic() + total
-    verdict, stop = [], None
+    verdict, stop, room = [], None, spec["plan_max"]
     for i, (src, plan) in enumerate(zip(spec["tests"], spec["plan"])):
         left = min(per, deadline - time.monotonic())
         if stop or left <= 0:
             verdict.append(["fail", stop or "not run: time budget spent", plan])
             continue
-        answers = None
-        if claimed is not None and i < len(claimed) and type(claimed[i]) is list:
-            answers = claimed[i]
+        answers = claimed[i] if claimed is not None else None
         try:
             signal.setitimer(signal.ITIMER_REAL, left)
             v = run_test(src, plan, answers)
@@ -351,26 +366,41 @@ def verify(spec, claimed):
             v = ["fail", "verifier: %s" % type(e).__name__, plan]
         if v[0] == "fail" and v[1].startswith("TimeoutError: test timed out"):
             stop = "not run: an earlier test timed out"
+        try:
+            room -= len(dumps(v[2]))
+        except BaseException:
+            room = -1
+        if room < 0:
+            v = ["fail", "the calls of this test exceed %d bytes (answers fed into calls)" % spec["plan_max"], []]
         verdict.append(v)
     return verdict
 
-def claims(load):
-    try:
-        return load()["tests"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+def claims(spec, load):
+    """The candidate's claimed answers: None when it gave none, a str saying why they are malformed."""
+    if not spec["claimed"]:
         return None
+    try:
+        c = load()
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, MemoryError) as e:
+        return "not JSON (%s)" % type(e).__name__
+    if type(c) is not dict or type(c.get("tests")) is not list or len(c["tests"]) != len(spec["tests"]) \
+            or any(type(t) is not list for t in c["tests"]):
+        return "not one list of answers per test"
+    return c["tests"]
 '''
 
 # One verifier sandbox per verdict (backends without a zygote): the spec and claims are files in its scratch.
 _VERIFIER = _VERIFY_DEFS + r'''
-write(".mrl_verdict.json", verify(read(".mrl_verify.json"), claims(lambda: read("candidate/results.json"))))
+spec = read(".mrl_verify.json")
+write(".mrl_verdict.json", verify(spec, claims(spec, lambda: read("candidate/results.json"))))
 '''
 
 # The verifier zygote (`envs.sandbox.zygote`): each forked child gets `spec JSON NUL claims` on its channel.
 _VERIFIER_ZYGOTE = _VERIFY_DEFS + r'''
 def handle(request):
     spec, _, claimed = request.partition(b"\0")
-    return dumps(verify(loads(spec.decode("utf-8")), claims(lambda: loads(claimed.decode("utf-8"))))).encode()
+    spec = loads(spec.decode("utf-8"))
+    return dumps(verify(spec, claims(spec, lambda: loads(claimed.decode("utf-8"))))).encode()
 
 serve(handle)
 '''
@@ -455,9 +485,11 @@ def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None =
             if problem and problem[1] != "ok":
                 return [(False, problem[0])] * len(tests), problem[0], problem[1]
             claimed = res.files.get(".mrl_results.json")
-            if _loads(claimed) is None:
+            if claimed is None or len(claimed) > CLAIM_MAX_BYTES:  # never parsed here: the verifier does that
                 why = problem[0] if problem else f"exit {res.exit_code}"
-                msg = f"no test result: the solution's run gave no result ({why}): {res.stderr[-200:]}".strip()
+                msg = (f"no test result: the solution's run gave no result ({why}): {res.stderr[-200:]}".strip()
+                       if claimed is None else f"no test result: the solution's results are larger than "
+                                               f"{CLAIM_MAX_BYTES} bytes")
                 return [(False, msg)] * len(tests), msg, "ok"
             note = problem[0] if problem else ""
         verdict, problem = _verifier_run(sandbox, tests, plan, claimed, limits, per_test_s)
@@ -484,7 +516,8 @@ def _candidate_run(sandbox, code: str, plan: list[list], limits: Limits, per_tes
 
 def _verifier_run(sandbox, tests: list[str], plan: list[list], claimed: bytes | None, limits: Limits,
                   per_test_s: float) -> tuple[list | None, tuple[str, str] | None]:
-    spec = {"tests": tests, "plan": plan, "per_test_s": float(per_test_s), "total_s": 0.8 * limits.wall_s}
+    spec = {"tests": tests, "plan": plan, "per_test_s": float(per_test_s), "total_s": 0.8 * limits.wall_s,
+            "claimed": claimed is not None, "plan_max": PLAN_MAX_BYTES}
     zygote = sandbox.zygote(_ZYGOTE_NAME, _VERIFIER_ZYGOTE) if hasattr(sandbox, "zygote") else None
     if zygote is not None:
         try:

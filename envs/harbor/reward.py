@@ -1,7 +1,8 @@
 """The `harbor_tests` reward: the task's tests over the final workspace in a verifier sandbox of their own.
 
 Threat model: `envs.harbor.verifier` (pristine tests, a fresh sandbox, a result file the agent's workspace
-cannot carry; what is not covered is stated there)."""
+cannot carry, read as a regular file only after every process the tests started is dead; what is not covered
+is stated there)."""
 from __future__ import annotations
 
 import hashlib

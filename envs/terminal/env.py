@@ -11,11 +11,13 @@ Reward: `verified` (weight 1) the verifier's pass/fail.
 
 THREAT MODEL of the reward (details in `envs.terminal.verifier`): trusted are the task's verifier files and
 the worker; every workspace file is untrusted. The verifier runs in its own sandbox after the model's last
-command, only over the task's pristine test files (copies written over the model's; test files the model
-added never run), under an isolated (`python3 -I -S`), non-dumpable harness that imports nothing from the
-workspace: planted `unittest/`, stdlib-named modules, `.pth` files and early `os._exit(0)` score 0. Each test
-file runs in a child process that must report every test the pristine file defines. Not covered: the
-model's modules imported by a test run in that test's process and can patch it to misreport.
+command, only over the task's pristine test files (copies written over the model's, read into memory and
+removed before any workspace code runs; test files the model added never run), under an isolated
+(`python3 -I -S`), non-dumpable harness. Each test file runs in a test process that never imports workspace
+code: workspace modules are proxies answered by a separate candidate process with plain serialised values,
+so the comparisons and the report are the test process's own (a module that patches `unittest` or writes a
+report itself scores 0). Every process is killed before the verdict. Not covered: tests that need non-plain
+values from workspace code (they fail with a reason).
 """
 from __future__ import annotations
 
