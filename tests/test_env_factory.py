@@ -111,3 +111,35 @@ def test_the_driver_and_the_workers_build_the_same_environment(tmp_path, judge_u
         assert [(c.name, c.weight) for c in env.spec.components] == [("rules", 0.8), ("judge", 0.2)]
         assert env.judge.config.cache_dir == str(tmp_path / "run" / "judge_cache")
     assert here.budget == there.budget and here.budget.max_turns == 3 and here.budget.max_tokens == 200
+
+
+def test_one_worker_runner_is_reset_for_the_next_batch(tmp_path):
+    """A fleet worker keeps one EpisodeRunner for its life: `reset(spec, publisher)` points it at the next lease
+    (its episodes, its shard, a new generator when the lease's differs) and clears the last lease's stop and
+    failures, keeping the sandbox pool and the environments."""
+    from megatron_rl.dispatch import WorkerConfig, WorkerSpec
+    from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
+
+    eps = episodes_from_tasks(load_domain("countdown", split="train")[:4])
+    first = WorkerSpec(episodes=eps[:2], shard_dir=str(tmp_path / "a"),
+                       worker=WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=1.0)))
+    runner = EpisodeRunner(first, ShardPublisher(tmp_path / "a", "one", 0))
+    try:
+        runner.run(iter(first.episodes))
+        runner.publisher.flush()
+        runner.stop.set()
+        runner.failed["lost"] = "error: the last lease's"
+        sandbox, make_env = runner.sandbox, runner.make_env
+        second = dataclasses.replace(first, episodes=eps[2:], shard_dir=str(tmp_path / "b"),
+                                     worker=dataclasses.replace(first.worker, generator=GeneratorConfig()))
+        publisher = ShardPublisher(tmp_path / "b", "two", 0)
+        runner.reset(second, publisher)
+        assert runner.failed == {} and not runner.stop.is_set() and runner.publisher is publisher
+        runner.run(iter(second.episodes))
+        publisher.flush()
+    finally:
+        runner.close()
+    assert runner.sandbox is sandbox and runner.make_env is make_env
+    rewards = {t.episode_id: t.reward for d in "ab" for p in (tmp_path / d).glob("*.h5") for t in read_shard(p)}
+    assert rewards == {**{e.episode_id: pytest.approx(0.1) for e in eps[:2]},   # wrong on purpose: format only
+                       **{e.episode_id: pytest.approx(1.1) for e in eps[2:]}}   # the new generator: right

@@ -390,7 +390,9 @@ class _Slots:
 
 
 class EpisodeRunner:
-    """Runs episodes from an iterator on `threads` threads sharing one sandbox (pool) and generator."""
+    """Runs episodes from an iterator on `threads` threads sharing one sandbox (pool), generator and environment
+    factory. Built once per task (or per fleet worker's life); `reset(spec, publisher)` points it at the next
+    batch (a fleet lease) without rebuilding the tokenizer, sandbox pool, judge or images."""
 
     def __init__(self, spec: WorkerSpec, publisher: ShardPublisher):
         import dataclasses
@@ -409,6 +411,15 @@ class EpisodeRunner:
         self.stop = threading.Event()
         self.failed: dict[str, str] = {}
         """Episode id -> 'status: reason' of episodes left unpublished by a retryable generation error."""
+
+    def reset(self, spec: WorkerSpec, publisher: ShardPublisher) -> None:
+        """Run the episodes of `spec` next, publishing into `publisher`: the failures and the stop are cleared
+        and the generator follows the spec's engine URL (a colocated engine serves on a new port every step).
+        The rest of the worker config (sandbox, tokenizer, environments) stays the one it was built with."""
+        if spec.worker.generator != self.spec.worker.generator:
+            self.generator = build_generator(spec.worker.generator, self.tok, spec.worker.max_tokens)
+        self.spec, self.publisher, self.failed = spec, publisher, {}
+        self.stop.clear()
 
     def _one(self, ep: EpisodeSpec) -> None:
         f = self.spec.worker.faults
