@@ -11,13 +11,16 @@
 
 Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
 (sampled by the RL loop, weighted, resumable) and heldout (evaluated per domain). `build_env` makes one
-environment for one episode with the domain's reward weights and budget; the RL loop, eval and the rollout
-workers all build their environments through it.
+environment for one episode with the domain's reward weights and budget; the RL loop, eval, warm-up and the
+rollout workers all build their environments through `EnvFactory` (`MixtureConfig.factory`), which also carries
+the LLM judge and the domains' images.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
 
@@ -175,36 +178,82 @@ class MixtureConfig:
             out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
         return out
 
-    def budget(self, name: str, max_seq_length: int) -> Budget:
-        d = self.domains.get(name) or DomainConfig()
+    def budget(self, name: str, max_seq_length: int, unlisted: DomainConfig | None = None) -> Budget:
+        """Domain `name`'s episode budget (`unlisted`'s, default DomainConfig(), for a domain not in the mixture)."""
+        d = self.domains.get(name) or unlisted or DomainConfig()
         tokens = min(d.max_tokens or max_seq_length, max_seq_length)
         return Budget(max_turns=d.max_turns, max_tokens=tokens, max_observation_chars=d.max_observation_chars)
 
     def build_env(self, name: str, max_seq_length: int, sandbox=None, judge=None,
                   token_counter=None) -> Environment:
-        """A fresh environment of domain `name` for one episode."""
-        d = self.domains.get(name) or DomainConfig()
-        if d.image and name != "harbor":  # harbor: each task's image, chosen by the environment (envs.harbor.env)
-            from envs.sandbox.domain_images import configure, image_sandbox
+        """A fresh environment of domain `name` for one episode (`factory(...)(name, sandbox)`)."""
+        return self.factory(max_seq_length, judge=judge, token_counter=token_counter)(name, sandbox)
 
-            configure(self.image_store, self.image_cache)
-            sandbox = image_sandbox(d.image, workers=getattr(sandbox, "workers", 1))
-        return make_env(name, budget=self.budget(name, max_seq_length), sandbox=sandbox, judge=judge,
-                        reward_weights=d.reward_weights or None, token_counter=token_counter, agent=d.agent,
-                        agent_args=d.agent_args)
+    def factory(self, max_seq_length: int, judge=None, token_counter=None, images=None,
+                unlisted: DomainConfig | None = None) -> EnvFactory:
+        """The run's environment factory (see `EnvFactory`)."""
+        return EnvFactory(self, max_seq_length, judge, token_counter, images, unlisted or DomainConfig())
 
     def agent_domains(self) -> list[str]:
         """Domains played by a black-box agent."""
         return [name for name, d in self.domains.items() if d.agent]
 
     def judge(self, run_dir: str):
-        """The LLM judge client, or None without `judge_base_url`."""
+        """The LLM judge client, or None without `judge_base_url` (its cache: judge_cache_dir, else
+        <run_dir>/judge_cache)."""
         if not self.judge_base_url:
             return None
         from envs.rewards import JudgeConfig
 
         return JudgeConfig(base_url=self.judge_base_url, model=self.judge_model,
                            cache_dir=self.judge_cache_dir or f"{run_dir}/judge_cache").build()
+
+
+@dataclass
+class EnvFactory:
+    """The one place a run's environments are built: the in-process loop, eval and warm-up
+    (`loop.setup.episode_runner`), dispatched and fleet workers (`dispatch.worker.EpisodeRunner`, from the worker
+    spec's `envs`). `factory(name, sandbox)` is a fresh environment of domain `name` for one episode, with the
+    domain's reward weights, budget, agent and sandbox image, and the run's LLM judge."""
+
+    mixture: MixtureConfig
+    """The run's `envs:` section (domains, judge settings, image folders)."""
+    max_seq_length: int
+    """The model's context: every episode's token budget is capped by it."""
+    judge: Any = None
+    """The LLM judge client (`MixtureConfig.judge`), shared by every environment; None = judged domains use
+    their rules only."""
+    token_counter: Callable[[str], int] | None = None
+    """Counts the tokens of an observation (the run's tokenizer); None = the environments' estimate."""
+    images: dict[str, dict[str, str]] | None = None
+    """Domain -> its published image {digest, file} (workers: built once by the driver, `worker_images`);
+    None = build or find the mixture's image specs in this process (the driver's own episodes)."""
+    unlisted: DomainConfig = field(default_factory=DomainConfig)
+    """Settings of a domain not in the mixture (a worker spec written by hand)."""
+
+    def __call__(self, name: str, sandbox=None) -> Environment:
+        d = self.mixture.domains.get(name) or self.unlisted
+        return make_env(name, budget=self.budget(name), sandbox=self.sandbox(name, sandbox), judge=self.judge,
+                        reward_weights=d.reward_weights or None, token_counter=self.token_counter, agent=d.agent,
+                        agent_args=d.agent_args)
+
+    def budget(self, name: str) -> Budget:
+        return self.mixture.budget(name, self.max_seq_length, self.unlisted)
+
+    def sandbox(self, name: str, default=None):
+        """The sandbox of domain `name`: its image's (one per image per process), else `default`. Harbor picks
+        each task's image itself (envs.harbor.env)."""
+        from envs.sandbox import domain_images
+
+        d = self.mixture.domains.get(name) or self.unlisted
+        workers = getattr(default, "workers", 1)
+        domain_images.configure(self.mixture.image_store, self.mixture.image_cache)
+        if self.images is not None:
+            ref = self.images.get(name)
+            return domain_images.worker_sandbox(name, ref, workers) if ref else default
+        if d.image and name != "harbor":
+            return domain_images.image_sandbox(d.image, workers=workers)
+        return default
 
 
 def _check_agent_args(name: str, d: DomainConfig) -> None:

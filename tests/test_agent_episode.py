@@ -158,12 +158,17 @@ def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
         path.write_text(yaml.safe_dump({**base, "envs": {"domains": domains}}))
         with pytest.raises(ConfigError, match=message):
             load_config(str(path))
+    from envs.mixture import DomainConfig, MixtureConfig
     from megatron_rl.dispatch import WorkerConfig
 
-    WorkerConfig(agents={"harbor": {"agent": "shell", "agent_args": "--quiet"}}).validate()
-    for bad in ({"harbor": {"agent_args": "--quiet"}}, {"harbor": {"agent": "shell", "args": "--quiet"}}):
-        with pytest.raises(ConfigError, match=r"worker.agents: .*harbor"):
-            WorkerConfig(agents=bad).validate()
+    def worker(**domain) -> WorkerConfig:
+        return WorkerConfig(envs=MixtureConfig({name: DomainConfig(**d) for name, d in domain.items()}))
+
+    worker(harbor={"agent": "shell", "agent_args": "--quiet"}).validate()
+    for bad, message in (({"harbor": {"agent_args": "--quiet"}}, r"worker.envs.domains.harbor.agent_args"),
+                         ({"math": {"agent": "shell"}}, r"worker.envs.domains.math: .*cannot be played")):
+        with pytest.raises(ConfigError, match=message):
+            worker(**bad).validate()
 
 
 def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups():

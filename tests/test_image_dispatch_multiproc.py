@@ -71,7 +71,7 @@ def test_dispatched_workers_run_the_code_reward_in_the_domain_image(open_dir):
     from megatron_rl.loop.setup import worker_config
 
     cfg = run_config(open_dir, "dispatch")  # no longer refused
-    worker = worker_config(cfg)
+    worker = worker_config(cfg, open_dir)
     (ref,) = worker.images.values()
     assert list(worker.images) == ["code"] and os.listdir(open_dir / "store") == [os.path.basename(ref["file"])]
     assert not (open_dir / "cache").exists()  # the driver only publishes; workers extract
@@ -95,7 +95,7 @@ def test_fleet_workers_run_the_code_reward_in_the_domain_image(open_dir):
     from megatron_rl.loop.setup import worker_config
 
     cfg = run_config(open_dir, "fleet")
-    worker = scripted(worker_config(cfg))
+    worker = scripted(worker_config(cfg, open_dir))
     fleet = Fleet(FleetConfig(size=1, episodes_per_lease=2, heartbeat_s=0.5, lease_s=5.0, wait_s=1.0, poll_s=1.0,
                               orphan_exit_s=30.0), worker, open_dir / "fleet").start()
     try:

@@ -36,13 +36,12 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts."""
     import envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from megatron_rl.data.shards import write_shard
-    from megatron_rl.loop.episodes import ThreadEpisodeRunner
-    from megatron_rl.loop.setup import task_lists
+    from megatron_rl.loop.setup import episode_runner, task_lists
     from megatron_rl.prompts import environment
 
     tok, shard_dir = cfg.tokenizer.build(cfg.model), run_dir / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
-    runner = ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers)
+    runner = episode_runner(cfg, run_dir)  # the run's environments (envs.mixture.EnvFactory), as in RL
     tasks = task_lists(cfg)
     stats = {"checked": 0, "verified": 0, "rejected": 0, "shard_dir": str(shard_dir)}
     try:

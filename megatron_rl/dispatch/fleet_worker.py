@@ -139,8 +139,7 @@ class FleetWorker:
         runner = self._runner(spec)
         publisher = ShardPublisher(spec.shard_dir, f"{lease['batch']}-{lease['id']}-a{lease['attempt']}-w"
                                    f"{self.job.replace('_', 'x')}", every=0)
-        runner.publisher, runner.spec, runner.failed = publisher, spec, {}
-        runner.stop.clear()
+        runner.reset(spec, publisher)
         self.lost.clear()
         with self._lock:
             self.lease = lease
@@ -188,15 +187,12 @@ class FleetWorker:
                           worker=worker)
 
     def _runner(self, spec: WorkerSpec):
-        """One EpisodeRunner (threads, sandbox pool) for the worker's life; the generator follows the lease's
-        engine URL (a colocated engine serves on a new port every step)."""
-        from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher, build_generator
+        """The one EpisodeRunner (threads, sandbox pool, environments) of the worker's life, built at the first
+        call; each lease `reset`s it."""
+        from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
 
         if self.runner is None:
             self.runner = EpisodeRunner(spec, ShardPublisher(spec.shard_dir, "unused", 0))
-        elif (self.runner.spec.worker.generator.url, self.runner.spec.worker.generator.token_file) != (
-                spec.worker.generator.url, spec.worker.generator.token_file):
-            self.runner.generator = build_generator(spec.worker.generator, self.runner.tok, spec.worker.max_tokens)
         return self.runner
 
     def preempted(self) -> None:

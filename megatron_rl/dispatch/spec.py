@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envs.mixture import MixtureConfig
 from envs.sandbox import SandboxConfig
 from megatron_rl.config import ConfigError, from_dict, to_dict
 
@@ -98,35 +99,37 @@ class WorkerConfig:
     episodes_per_shard: int = 0
     """Publish a shard every this many finished episodes (0 = one shard at the end of the task attempt)."""
     max_turns: int = 8
-    """Most model actions per episode."""
+    """Most model actions per episode of an environment not in `envs.domains`."""
     max_tokens: int = 4096
-    """Most tokens per episode (model plus observations)."""
+    """Most tokens per episode (model plus observations): the model's max_seq_length."""
     vocab_size: int = 384
     """The policy's vocabulary size (the byte tokenizer pads up to it)."""
     tokenizer: str = ""
     """HF tokenizer folder of the run (on the shared filesystem); '' = the byte tokenizer."""
-    reward_weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Environment name -> weights of its reward components (e.g. {countdown: {format: 0.0}}); {} = the env's."""
-    budgets: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Environment name -> its episode budget {max_turns, max_tokens, max_observation_chars} (the run's
-    envs.domains); an environment not listed gets max_turns and max_tokens above."""
-    agents: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Environment name -> the black-box agent playing its episodes {agent, agent_args} (the run's
-    envs.domains.<d>.agent / agent_args; envs.agents); an environment not listed is played turn by turn."""
+    envs: MixtureConfig = field(default_factory=MixtureConfig)
+    """The run's `envs:` section, which the worker builds its environments from (`envs.mixture.EnvFactory`, as
+    the in-process loop does): each domain's reward weights, budget, agent; the LLM judge (judge_base_url,
+    judge_model, judge_cache_dir: the driver sets it to <run>/judge_cache on the shared filesystem, '' =
+    <shard_dir>/judge_cache); image_store / image_cache. {} domains = every environment with its own rewards,
+    max_turns and max_tokens above."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
     images: dict[str, dict[str, str]] = field(default_factory=dict)
     """Environment name -> its sandbox image {digest, file}: built once by the driver into the shared store
     (`MixtureConfig.worker_images`); each node extracts it once into image_cache and mounts it."""
-    image_store: str = ""
-    """Shared-filesystem folder of built images (harbor's per-task images; '' = ~/.cache/megatron-rl/images)."""
-    image_cache: str = ""
-    """Node-local folder images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
 
     def validate(self) -> None:
-        bad = {k: v for k, v in self.agents.items() if not set(v) <= {"agent", "agent_args"} or not v.get("agent")}
-        if bad:
-            raise ConfigError(f"worker.agents: {bad} -- each entry is {{agent: NAME, agent_args: '...'}}")
+        import envs  # noqa: F401  (registers the built-in environments)
+        from envs.base import EnvError, make_env
+        from megatron_rl.registry import RegistryError
+
+        for name, d in self.envs.domains.items():
+            try:
+                make_env(name, agent=d.agent, reward_weights=d.reward_weights or None)
+            except (EnvError, RegistryError) as e:
+                raise ConfigError(f"worker.envs.domains.{name}: {e}") from None
+            if d.agent_args and not d.agent:
+                raise ConfigError(f"worker.envs.domains.{name}.agent_args={d.agent_args!r} is set but no agent is")
         if self.threads < 0 or self.episodes_per_shard < 0:
             raise ConfigError("worker.threads and worker.episodes_per_shard must be >= 0")
 

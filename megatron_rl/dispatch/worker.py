@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_rl.config import ConfigError
-from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerConfig, WorkerSpec
+from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
 from megatron_rl.tokenizer import Tokenizer, from_path
 
@@ -371,41 +371,60 @@ class BatchResult:
     (rollout server unreachable, timed out, 5xx); the dispatcher re-runs them."""
 
 
-def image_sandboxes(w: WorkerConfig, workers: int) -> dict:
-    """Environment name -> the sandbox of its image (`w.images`, extracted once per node); {} without images."""
-    from envs.sandbox import domain_images
+def env_factory(spec: WorkerSpec, tok: Tokenizer, workers: int):
+    """The worker's environment factory: the run's mixture (`spec.worker.envs`) with its LLM judge, its budgets
+    capped at the model's context, the domains' published images (opened here, once per node) and the run's
+    tokenizer counting observation tokens; an environment not in the mixture gets the worker's max_turns."""
+    from envs.base import Budget
+    from envs.mixture import DomainConfig
 
-    domain_images.configure(w.image_store, w.image_cache)
-    return {name: domain_images.worker_sandbox(name, ref, workers) for name, ref in w.images.items()}
+    w = spec.worker
+    unlisted = DomainConfig(max_turns=w.max_turns, max_observation_chars=Budget().max_observation_chars)
+    factory = w.envs.factory(w.max_tokens, judge=w.envs.judge(spec.shard_dir), images=dict(w.images),
+                             token_counter=lambda s: len(tok.encode(s)), unlisted=unlisted)
+    for name in w.images:  # extract and mount every image before the first episode
+        factory.sandbox(name, _Slots(workers))
+    return factory
+
+
+@dataclass
+class _Slots:
+    """Stands for the worker's sandbox pool when opening the image sandboxes: only its size is read."""
+
+    workers: int
 
 
 class EpisodeRunner:
-    """Runs episodes from an iterator on `threads` threads sharing one sandbox (pool) and generator."""
+    """Runs episodes from an iterator on `threads` threads sharing one sandbox (pool), generator and environment
+    factory. Built once per task (or per fleet worker's life); `reset(spec, publisher)` points it at the next
+    batch (a fleet lease) without rebuilding the tokenizer, sandbox pool, judge or images."""
 
     def __init__(self, spec: WorkerSpec, publisher: ShardPublisher):
         import dataclasses
 
-        from envs.base import Budget, make_env
-
         self.spec, self.publisher = spec, publisher
-        budget = (lambda name: Budget(**{"max_turns": w.max_turns, "max_tokens": w.max_tokens,
-                                         **w.budgets.get(name, {})}))
         w = spec.worker
         w.validate()
         self.threads = w.threads or _default_threads()
         self.tok = from_path(w.tokenizer, w.vocab_size)
         self.generator = build_generator(w.generator, self.tok, w.max_tokens)
-        self.sandbox = dataclasses.replace(w.sandbox, workers=max(w.sandbox.workers, self.threads)).build()
-        self.image_sandboxes = image_sandboxes(w, max(w.sandbox.workers, self.threads))
-        self._make_env = lambda name: make_env(
-            name, budget=budget(name), sandbox=self.image_sandboxes.get(name, self.sandbox),
-            token_counter=lambda s: len(self.tok.encode(s)), reward_weights=w.reward_weights.get(name),
-            **w.agents.get(name, {}))
+        workers = max(w.sandbox.workers, self.threads)
+        self.sandbox = dataclasses.replace(w.sandbox, workers=workers).build()
+        self.make_env = env_factory(spec, self.tok, workers)
         self._done = 0
         self._lock = threading.Lock()
         self.stop = threading.Event()
         self.failed: dict[str, str] = {}
         """Episode id -> 'status: reason' of episodes left unpublished by a retryable generation error."""
+
+    def reset(self, spec: WorkerSpec, publisher: ShardPublisher) -> None:
+        """Run the episodes of `spec` next, publishing into `publisher`: the failures and the stop are cleared
+        and the generator follows the spec's engine URL (a colocated engine serves on a new port every step).
+        The rest of the worker config (sandbox, tokenizer, environments) stays the one it was built with."""
+        if spec.worker.generator != self.spec.worker.generator:
+            self.generator = build_generator(spec.worker.generator, self.tok, spec.worker.max_tokens)
+        self.spec, self.publisher, self.failed = spec, publisher, {}
+        self.stop.clear()
 
     def _one(self, ep: EpisodeSpec) -> None:
         f = self.spec.worker.faults
@@ -414,7 +433,8 @@ class EpisodeRunner:
         if self.stop.is_set():
             return
         try:
-            rows = episode_rows(ep, self._make_env(ep.env), self.generator, self.tok, self.spec.worker.max_tokens)
+            env = self.make_env(ep.env, self.sandbox)
+            rows = episode_rows(ep, env, self.generator, self.tok, self.spec.worker.max_tokens)
         except GenerationError as e:  # retryable: not published; the dispatcher's next round re-runs it
             log.warning("episode %s not finished (%s, retryable): %s", ep.episode_id, e.status, e)
             with self._lock:

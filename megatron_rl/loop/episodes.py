@@ -1,6 +1,6 @@
 """The environment side of in-process episodes, on a thread pool of rank 0.
 
-    runner = ThreadEpisodeRunner(sandbox_cfg, workers=4, make_env=mixture.make_env, tok=tok, max_tokens=...)
+    runner = ThreadEpisodeRunner(sandbox_cfg, workers=4, make_env=factory, max_tokens=...)  # factory: EnvFactory
     co = runner.open(task, prompt_ids)            # the episode coroutine (envs.episode)
     fut = runner.advance(co, (ids, lps, versions))  # Future[("generate", tokens) | ("done", EpisodeResult)]
     fut = runner.submit(task, response_text)      # Future[RewardResult]: score one given answer
@@ -18,34 +18,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 from envs.base import RewardResult, Task
 
 log = logging.getLogger(__name__)
 
 
-class EpisodeRunner(Protocol):
-    """Runs the environment side of episodes (`envs.episode` coroutines) and scores given answers."""
-
-    def open(self, task: Task, prompt: list[int], tok, limit: int):
-        """The episode coroutine of `task` with this prompt, at most `limit` tokens."""
-
-    def advance(self, co, out, task: Task | None = None, prime: bool = False) -> Future:
-        """Future[("generate", tokens) | ("done", EpisodeResult) | ("error", reason)]; never raises."""
-
-    def submit(self, task: Task, response: str) -> Future:
-        """Start env.reset(task) -> env.step(response); the future's result is a RewardResult (never raises)."""
-
-    def stats(self) -> dict:
-        """Counters: submitted, finished, errors (invalid rewards), busy_s, last_finish (monotonic seconds)."""
-
-    def close(self) -> None:
-        """Stop the threads and close the sandboxes."""
-
-
 class ThreadEpisodeRunner:
-    """Episodes on a thread pool sharing one sandbox (pool); see the module docstring."""
+    """Runs the environment side of episodes (`envs.episode` coroutines) and scores given answers, on a thread
+    pool sharing one sandbox (pool); see the module docstring. Whole episodes on rollout workers, generation
+    included, are `dispatch.worker.EpisodeRunner`'s."""
 
     def __init__(self, sandbox_cfg, workers: int = 4, reward_weights: dict | None = None, make_env=None,
                  max_tokens: Callable[[str], int] | None = None):
@@ -61,6 +43,7 @@ class ThreadEpisodeRunner:
                          "last_finish": time.monotonic()}
 
     def submit(self, task: Task, response: str) -> Future:
+        """Start env.reset(task) -> env.step(response); the future's result is a RewardResult (never raises)."""
         with self.lock:
             self.counters["submitted"] += 1
         return self.pool.submit(self._run, task, response)
@@ -135,9 +118,11 @@ class ThreadEpisodeRunner:
         return result
 
     def stats(self) -> dict:
+        """Counters: submitted, finished, errors (invalid rewards), busy_s, last_finish (monotonic seconds)."""
         with self.lock:
             return dict(self.counters)
 
     def close(self) -> None:
+        """Stop the threads and close the sandbox."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.sandbox.close()

@@ -7,7 +7,7 @@ token records the version that produced it (partial rollouts).
 
 Every sample is an episode of `envs.episode` (the same loop the rollout workers run). A group's first turn
 is one engine request with n = group_size samples (one prefill of the shared prompt); each sample's episode
-then runs on rank 0's thread pool (an `EpisodeRunner`): the env step, and for a multi-turn domain the next
+then runs on rank 0's thread pool (`episodes.ThreadEpisodeRunner`): the env step, and for a multi-turn domain the next
 turn's context, which becomes an engine request of its own (n = 1). The engine runs on every trainer rank
 identically (TP), so every rank pumps it the same number of times and adds the same requests: rank 0
 broadcasts each pump round's new follow-up requests. When a group's episodes are over, rank 0 broadcasts

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,25 +85,26 @@ class Parts:
         self.monitor.close()
 
 
-def worker_config(cfg: RunConfig):
-    """What every dispatched or fleet worker runs with: sandbox, budgets, rewards, agents, tokenizer (the
-    generator's url is set at dispatch); the domains' images are built here, once, into the shared store
-    (`MixtureConfig.worker_images`)."""
+def worker_config(cfg: RunConfig, run_dir: Path):
+    """What every dispatched or fleet worker runs with: sandbox, tokenizer, the run's mixture (`envs`: budgets,
+    rewards, agents, the LLM judge with its cache in <run_dir>/judge_cache, which the workers share), from which
+    each worker builds its environments as the driver does (`envs.mixture.EnvFactory`); the generator's url is
+    set at dispatch. The domains' images are built here, once, into the shared store (`worker_images`)."""
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig
 
     gen = GeneratorConfig(kind="http", url="http://unset", max_new_tokens=cfg.rl.max_new_tokens,  # url: at dispatch
                           routed_experts=cfg.rl.trainer.routing_replay != "off")  # MoE routing replay
-    seq = cfg.model.max_seq_length
-    budgets = {d: dataclasses.asdict(cfg.envs.budget(d, seq)) for d in cfg.envs.domains}
-    return WorkerConfig(generator=gen,
-                        sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
-                        max_tokens=seq, vocab_size=cfg.model.vocab_size,
-                        tokenizer=cfg.tokenizer.resolved_path(cfg.model), budgets=budgets,
-                        reward_weights={d: dict(c.reward_weights) for d, c in cfg.envs.domains.items()},
-                        agents={d: {"agent": c.agent, "agent_args": c.agent_args}
-                                for d, c in cfg.envs.domains.items() if c.agent},
-                        images=cfg.envs.worker_images(), image_store=cfg.envs.image_store,
-                        image_cache=cfg.envs.image_cache)
+    mixture = dataclasses.replace(cfg.envs, judge_cache_dir=judge_cache_dir(cfg, run_dir))
+    return WorkerConfig(generator=gen, sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
+                        max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
+                        tokenizer=cfg.tokenizer.resolved_path(cfg.model), envs=mixture,
+                        images=cfg.envs.worker_images())
+
+
+def judge_cache_dir(cfg: RunConfig, run_dir: Path) -> str:
+    """The run's judge cache (envs.judge_cache_dir, else <run_dir>/judge_cache), absolute: the driver's and the
+    workers' judges share it."""
+    return os.path.abspath(cfg.envs.judge_cache_dir or str(Path(run_dir) / "judge_cache"))
 
 
 def make_rollouts(parts: Parts, run_dir: Path):
@@ -128,7 +130,7 @@ def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: P
         server = RolloutServerProcess(run_dir, cfg.model, cfg.engine, cfg.episodes.server_threads,
                                       server_hosts(cfg.episodes), tokenizer_cfg=cfg.tokenizer,
                                       record_routes=cfg.rl.trainer.routing_replay != "off")
-    return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg),
+    return DispatchRollouts(engine, runner, tok, prompt_fn, cfg.rl, cfg.seed, cfg.episodes, worker_config(cfg, run_dir),
                             Path(run_dir), ctx.pgs.tp, server, max_tokens=cfg.model.max_seq_length, group=ctx.world)
 
 
@@ -200,11 +202,9 @@ def episode_runner(cfg: RunConfig, run_dir: Path):
     """Rank 0's thread pool of episodes: environments of the mixture, each with its reward weights and budget."""
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
 
-    judge, seq = cfg.envs.judge(str(run_dir)), cfg.model.max_seq_length
-    return ThreadEpisodeRunner(
-        cfg.data.sandbox_config(), cfg.data.episode_workers,
-        make_env=lambda name, sandbox: cfg.envs.build_env(name, seq, sandbox=sandbox, judge=judge),
-        max_tokens=lambda name: cfg.envs.budget(name, seq).max_tokens)
+    factory = cfg.envs.factory(cfg.model.max_seq_length, judge=cfg.envs.judge(str(run_dir)))
+    return ThreadEpisodeRunner(cfg.data.sandbox_config(), cfg.data.episode_workers, make_env=factory,
+                               max_tokens=lambda name: factory.budget(name).max_tokens)
 
 
 def sync_weights(parts: Parts, rollouts, version: int) -> None:
