@@ -877,7 +877,8 @@ def write_shard(path: str | os.PathLike, trajectories: Iterable[Trajectory] | Tr
 
 
 def _read_full(ds: h5py.Dataset) -> np.ndarray:
-    out = np.empty(ds.shape, ds.dtype)
+    """The whole dataset in native byte order (HDF5 converts: a big-endian float32 reads back as float32)."""
+    out = np.empty(ds.shape, ds.dtype.newbyteorder("="))
     if out.size:
         ds.read_direct(out)
     return out
