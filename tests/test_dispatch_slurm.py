@@ -359,13 +359,18 @@ def test_eval_array_sbatch(slurm_cluster, tmp_path):
 def test_cpu_partition_workers_generate_through_a_rollout_server_on_localhost(slurm_cluster, monkeypatch, tmp_path):
     """Array tasks on the cpu partition ask a real rollout server (this process, 127.0.0.1) for their tokens."""
     from megatron_rl.data.shards import read_shard
-    from tests.test_dispatch_http import SAMPLING, VERSION, check_trajectory, start_server
+    from megatron_rl.rollout.client import write_token_file
+    from tests.test_dispatch_http import _TOKENS, SAMPLING, VERSION, check_trajectory, start_server
 
     slurm_cluster.patch_env(monkeypatch)
     srv = start_server()
+    token_file = tmp_path / "rollout_token"  # the server's token, handed to the array tasks as the driver does
+    write_token_file(token_file, srv.token)
+    _TOKENS[srv.url] = str(token_file)
     try:
         eps = episodes_from_tasks(TASKS[:6], sampling=SAMPLING, seed=9, prefix="slurm-http")
-        w = WorkerConfig(threads=1, generator=GeneratorConfig(kind="http", url=srv.url, retries=1))
+        w = WorkerConfig(threads=1, generator=GeneratorConfig(kind="http", url=srv.url, retries=1,
+                                                              token_file=str(token_file)))
         report = Dispatcher(slurm_cfg(tmp_path, episodes_per_task=3), w, tmp_path / "shards").run(eps)
         assert report.ok and report.duplicates == 0 and not report.failures, report.failures
         assert not report.episode_failures and report.rounds[0]["tasks"] == 2
@@ -376,4 +381,5 @@ def test_cpu_partition_workers_generate_through_a_rollout_server_on_localhost(sl
             check_trajectory(trajs[ep.episode_id], ep, srv.url)
             assert trajs[ep.episode_id].policy_version_last == VERSION
     finally:
+        _TOKENS.pop(srv.url, None)
         srv.stop()
