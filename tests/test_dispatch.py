@@ -210,8 +210,10 @@ def test_kill_9_of_a_worker_loses_and_duplicates_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_straggler_is_cancelled_and_redispatched(tmp_path):
+    # 6 episodes x 4 s a task in round 0: far past the 7 s deadline even when the dispatcher first sees a task
+    # running some seconds after it started (with 2 s an episode, both tasks once finished before the cancel)
     eps = episodes(12)
-    worker = trivial_worker(delay_s=2.0, delay_in_rounds=[0])
+    worker = trivial_worker(delay_s=4.0, delay_in_rounds=[0])
     worker.episodes_per_shard = 1
     cfg = DispatchConfig(executor="local", folder=str(tmp_path / "sub"), episodes_per_task=6,
                          straggler_deadline_s=7.0, poll_s=0.2)
