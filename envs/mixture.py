@@ -8,6 +8,7 @@
         harbor: {weight: 1, max_turns: 8, max_tokens: 8192, task_files: [path/to/harbor_tasks]}  # task folders
         code: {weight: 1, image: images/code.yaml}  # its sandboxes run in this image (envs.sandbox.image)
       judge_base_url: http://judge:8000/v1        # optional
+      curriculum: {enabled: true, floor: 0.2}     # optional: weights move toward learnable domains (envs/curriculum.py)
 
 Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
 (sampled by the RL loop, weighted, resumable) and heldout (evaluated per domain). `build_env` makes one
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
+from envs.curriculum import DomainCurriculumConfig
 
 
 @dataclass
@@ -74,6 +76,9 @@ class MixtureConfig:
     """Shared-filesystem folder of built sandbox images ('' = ~/.cache/megatron-rl/images)."""
     image_cache: str = ""
     """Node-local folder the images are extracted into ('' = <tmp>/megatron-rl-images-<uid>)."""
+    curriculum: DomainCurriculumConfig = field(default_factory=DomainCurriculumConfig)
+    """Online curriculum across the domains (envs/curriculum.py): sampling weights move toward domains whose
+    groups have mixed outcomes, above a floor; off by default (the weights above, fixed)."""
 
     def validate(self) -> None:
         import envs  # noqa: F401  (registers the built-in environments)

@@ -4,6 +4,11 @@ Draw k picks its domain with a random generator seeded by (seed, k), so the sequ
 seed and the weights; within a domain, tasks come in a fresh seeded permutation per epoch. The state
 (draw count and each domain's epoch and position) is a small dict that goes into the driver checkpoint;
 after `load_state_dict` the sampler continues exactly where it stopped.
+
+With a curriculum (`envs.curriculum.DomainCurriculum`) the weights of the draws are the curriculum's current
+probabilities, which move with the groups recorded (`record_group`); its state is part of the sampler's, so a
+resumed run draws the same sequence with the same weights. Per-domain metrics count groups and the groups with
+no gradient (every valid sample got the same reward).
 """
 from __future__ import annotations
 
@@ -33,6 +38,13 @@ class DomainMetrics:
         self._status = defaultdict(lambda: defaultdict(int))
         self._invalid = defaultdict(int)
         self._turns = defaultdict(int)
+        self._groups = defaultdict(int)
+        self._flat = defaultdict(int)
+
+    def record_group(self, domain: str, rewards: list[float]) -> None:
+        """One group's valid rewards: counted, and counted as having no gradient when they are all equal."""
+        self._groups[domain] += 1
+        self._flat[domain] += len(rewards) < 2 or max(rewards) - min(rewards) <= 1e-9
 
     def record(self, domain: str, reward: RewardResult | float, status: str = "ok", turns: int = 1) -> None:
         """One episode: its reward, its status (not ok: an infrastructure failure, whose reward is not a score
@@ -53,9 +65,14 @@ class DomainMetrics:
 
     def summary(self, reset: bool = False) -> dict[str, float]:
         """Flat metrics: '<domain>/reward_mean', '/reward_std', '/count', '/turns_mean', '/<component>_mean',
-        '/status_<s>' (fraction), '/infra_error_frac' (episodes whose status is not ok: sandbox errors,
-        infrastructure timeouts, lost workers; never scored, dropped from training; alias '/invalid_frac')."""
+        '/status_<s>' (fraction), '/groups' and '/no_gradient_frac' (groups whose valid samples all got the same
+        reward: GRPO learns nothing from them; when groups were recorded), '/infra_error_frac' (episodes whose
+        status is not ok: sandbox errors, infrastructure timeouts, lost workers; never scored, dropped from
+        training; alias '/invalid_frac')."""
         out = {}
+        for d in sorted(set(self._groups) - set(self._n)):  # groups recorded without their episodes
+            out[f"{d}/groups"] = float(self._groups[d])
+            out[f"{d}/no_gradient_frac"] = self._flat[d] / self._groups[d]
         for d, n in sorted(self._n.items()):
             nv = max(n - self._invalid[d], 1)  # reward statistics over the valid episodes only
             mean = self._sum[d] / nv
@@ -66,6 +83,9 @@ class DomainMetrics:
             out[f"{d}/infra_error_frac"] = out[f"{d}/invalid_frac"] = self._invalid[d] / n
             out.update({f"{d}/{c}_mean": v / nv for c, v in sorted(self._comp[d].items())})
             out.update({f"{d}/status_{s}": c / n for s, c in sorted(self._status[d].items())})
+            if self._groups[d]:
+                out[f"{d}/groups"] = float(self._groups[d])
+                out[f"{d}/no_gradient_frac"] = self._flat[d] / self._groups[d]
         if reset:
             self.reset()
         return out
@@ -74,7 +94,9 @@ class DomainMetrics:
 class DomainSampler:
     """Samples tasks from several domains with weights; deterministic given the seed; resumable."""
 
-    def __init__(self, tasks: dict[str, list[Task]], weights: dict[str, float] | None = None, seed: int = 0):
+    def __init__(self, tasks: dict[str, list[Task]], weights: dict[str, float] | None = None, seed: int = 0,
+                 curriculum=None):
+        """`curriculum`: an `envs.curriculum.DomainCurriculumConfig` (enabled) moving the weights; None = fixed."""
         weights = {d: 1.0 for d in tasks} if not weights else dict(weights)
         unknown = sorted(set(weights) - set(tasks))
         if unknown:
@@ -96,6 +118,9 @@ class DomainSampler:
         self._perm: dict[str, tuple[int, list[int]]] = {}
         self.metrics = DomainMetrics()
         self.sampled = defaultdict(int)
+        self.curriculum = None
+        if curriculum is not None and curriculum.enabled:
+            self.curriculum = curriculum.build(dict(zip(self.domains, self.weights)))
 
     def _order(self, domain: str, epoch: int) -> list[int]:
         cached = self._perm.get(domain)
@@ -106,7 +131,19 @@ class DomainSampler:
         return cached[1]
 
     def next_domain(self) -> str:
-        return random.Random(f"{self.seed}:draw:{self.draws}").choices(self.domains, self.weights)[0]
+        return random.Random(f"{self.seed}:draw:{self.draws}").choices(self.domains, self._draw_weights())[0]
+
+    def _draw_weights(self) -> list[float]:
+        if self.curriculum is None:
+            return self.weights
+        p = self.curriculum.probabilities()
+        return [p[d] for d in self.domains]
+
+    def probabilities(self) -> dict[str, float]:
+        """Domain -> its probability of the next draw (the curriculum's now, else the configured weights')."""
+        w = self._draw_weights()
+        total = sum(w)
+        return {d: x / total for d, x in zip(self.domains, w)}
 
     def next(self) -> Task:
         domain = self.next_domain()
@@ -129,8 +166,15 @@ class DomainSampler:
         """Accumulate an episode's reward into the per-domain metrics."""
         self.metrics.record(task.domain, reward, status, turns)
 
+    def record_group(self, task: Task, rewards: list[float]) -> None:
+        """A finished group of `task`: its valid samples' rewards (metrics; the curriculum's weights move)."""
+        self.metrics.record_group(task.domain, rewards)
+        if self.curriculum is not None:
+            self.curriculum.observe(task.domain, [float(r) for r in rewards])
+
     def state_dict(self) -> dict:
-        return {"version": 1, "seed": self.seed, "draws": self.draws,
+        cur = {"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {}
+        return {"version": 1, "seed": self.seed, "draws": self.draws, **cur,
                 "positions": {d: {"epoch": e, "index": i, "num_tasks": len(self.tasks[d]),
                                   "fingerprint": _fingerprint(self.tasks[d])}
                               for d, (e, i) in self.positions.items()}}
@@ -151,4 +195,9 @@ class DomainSampler:
                 continue
             positions[d] = [int(p["epoch"]), int(p["index"])]
         self.seed, self.draws, self.positions = int(state["seed"]), int(state["draws"]), positions
+        if self.curriculum is not None and "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])
+        elif self.curriculum is not None and strict:
+            raise EnvError("the checkpoint's sampler has no curriculum state but envs.curriculum is enabled now; "
+                           "resume with envs.curriculum.enabled=false, or start a new run (output name)")
         self._perm.clear()

@@ -334,6 +334,7 @@ class Rollouts:
         dropped: dict[str, int] = {}  # samples never trained on (invalid reward), per status
         unparsed = samples = 0  # samples masked because the LLM judge's answer had no parsable final score
         for g in seen:
+            sampler.record_group(g.task, [g.rewards[i][0] for i in g.valid()])  # no-gradient counts, curriculum
             for i in range(len(g.samples)):
                 sampler.record(g.task, g.rewards[i][0], g.rewards[i][2], turns=g.turns[i] if g.turns else 1)
                 if g.rewards[i][2] != "ok":

@@ -168,7 +168,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
               f"{time.monotonic() - t0:.0f} s; {sum(map(len, tasks['rl'].values()))} RL tasks, "
               f"{len(tasks['eval'])} held-out eval tasks", flush=True)
     runner = episode_runner(cfg, run_dir) if scores_episodes(cfg, ctx) else None
-    sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed)
+    sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed,
+                            curriculum=cfg.envs.curriculum)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
@@ -298,6 +299,7 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
         if d not in counts:
             m.update({f"{d}/count": 0.0, f"{d}/reward_mean": None, f"{d}/turns_mean": None,
                       f"{d}/infra_error_frac": None})
+    m.update({f"{d}/weight": p for d, p in parts.sampler.probabilities().items()})  # the next draws' (curriculum)
     if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))

@@ -1,0 +1,115 @@
+"""The online curriculum across domains (envs/curriculum.py) and the sampler that draws with it (envs/sampler.py):
+weights move toward domains with mixed outcomes on a scripted policy, never below the floor, scale to 100+
+domains, and resume exactly (same weights, same sampled sequence) from a JSON round trip of the state."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envs.base import EnvError, Task
+from envs.curriculum import DomainCurriculumConfig
+from envs.mixture import MixtureConfig
+from envs.sampler import DomainSampler
+from megatron_rl.config import ConfigError, from_dict
+
+
+def _tasks(domains: list[str], n: int = 5) -> dict[str, list[Task]]:
+    return {d: [Task(f"{d}-{i}", d, "p") for i in range(n)] for d in domains}
+
+
+def _scripted(domain: str, draw: int, group: int = 4) -> list[float]:
+    """A scripted policy: 'solved*' always 1, 'failed*' always 0, anything else mixed outcomes."""
+    if domain.startswith("solved"):
+        return [1.0] * group
+    if domain.startswith("failed"):
+        return [0.0] * group
+    return [float((draw + i) % 2) for i in range(group)]
+
+
+def _run(sampler: DomainSampler, groups: int) -> list[str]:
+    ids = []
+    for _ in range(groups):
+        task = sampler.next()
+        ids.append(task.id)
+        sampler.record_group(task, _scripted(task.domain, sampler.draws))
+    return ids
+
+
+def test_weights_move_toward_mixed_domains_and_respect_the_floor():
+    cfg = DomainCurriculumConfig(enabled=True, floor=0.2, decay=0.8)
+    s = DomainSampler(_tasks(["failed", "mixed", "solved"]), {"failed": 1, "mixed": 1, "solved": 2}, seed=3,
+                      curriculum=cfg)
+    base = {"failed": 0.25, "mixed": 0.25, "solved": 0.5}
+    assert s.probabilities() == pytest.approx(base)
+    _run(s, 300)
+    p = s.probabilities()
+    assert p["mixed"] > 0.7 and p["failed"] < base["failed"] and p["solved"] < base["solved"]
+    for d in base:  # the floor: never below floor x the configured share
+        assert p[d] >= 0.2 * base[d] - 1e-12
+    assert p["solved"] == pytest.approx(0.2 * 0.5, abs=0.01) and p["failed"] == pytest.approx(0.2 * 0.25, abs=0.01)
+    tail = _run(s, 400)  # the draws follow the weights
+    assert sum(i.startswith("mixed") for i in tail) > 0.6 * len(tail)
+    assert sum(i.startswith("failed") for i in tail) > 0  # not forgotten
+    m = s.metrics.summary()
+    assert m["solved/no_gradient_frac"] == 1.0 and m["failed/no_gradient_frac"] == 1.0
+    assert m["mixed/no_gradient_frac"] == 0.0 and m["mixed/groups"] > 0
+
+
+def test_disabled_or_floor_one_keeps_the_configured_weights():
+    weights = {"failed": 1, "mixed": 3}
+    fixed = DomainSampler(_tasks(["failed", "mixed"]), weights, seed=1)
+    floor1 = DomainSampler(_tasks(["failed", "mixed"]), weights, seed=1,
+                           curriculum=DomainCurriculumConfig(enabled=True, floor=1.0))
+    assert _run(fixed, 200) == _run(floor1, 200)
+    assert floor1.probabilities() == pytest.approx({"failed": 0.25, "mixed": 0.75})
+    assert "curriculum" not in fixed.state_dict() and "curriculum" in floor1.state_dict()
+
+
+def test_hundred_twenty_domains_learnable_ones_rise():
+    names = [f"failed{i:03d}" for i in range(100)] + [f"mixed{i:02d}" for i in range(10)] + \
+            [f"solved{i:02d}" for i in range(10)]
+    cfg = DomainCurriculumConfig(enabled=True, floor=0.1, decay=0.5)
+    s = DomainSampler(_tasks(names, 3), None, seed=0, curriculum=cfg)
+    _run(s, 3000)
+    p = s.probabilities()
+    assert sum(p.values()) == pytest.approx(1.0)
+    top = sorted(p, key=p.get, reverse=True)[:10]
+    assert sorted(top) == [f"mixed{i:02d}" for i in range(10)]
+    assert sum(p[d] for d in top) > 0.8
+    assert min(p.values()) >= 0.1 / 120 - 1e-12  # every domain keeps its floor
+
+
+def test_state_round_trip_resumes_the_exact_sequence():
+    names = [f"failed{i}" for i in range(30)] + [f"mixed{i}" for i in range(5)] + [f"solved{i}" for i in range(5)]
+    cfg = DomainCurriculumConfig(enabled=True, floor=0.15, decay=0.7, prior=0.6)
+    weights = {d: 1.0 + (i % 3) for i, d in enumerate(names)}
+    ref = DomainSampler(_tasks(names, 4), weights, seed=11, curriculum=cfg)
+    head = _run(ref, 250)
+    state = json.loads(json.dumps(ref.state_dict()))  # the driver checkpoint stores it as JSON
+    assert state["curriculum"]["domains"]["mixed0"]["groups"] > 0
+    resumed = DomainSampler(_tasks(names, 4), weights, seed=999, curriculum=cfg)
+    resumed.load_state_dict(state)
+    assert resumed.probabilities() == ref.probabilities()  # exactly, not approximately
+    cont_ref, cont = _run(ref, 400), _run(resumed, 400)
+    assert cont == cont_ref and resumed.probabilities() == ref.probabilities()
+    fresh = DomainSampler(_tasks(names, 4), weights, seed=11, curriculum=cfg)
+    assert _run(fresh, 250) == head and fresh.state_dict() == state  # and the same as an unbroken run
+    uncurried = DomainSampler(_tasks(names, 4), weights, seed=11)
+    uncurried_state = uncurried.state_dict()
+    with pytest.raises(EnvError, match="no curriculum state but envs.curriculum is enabled"):
+        resumed.load_state_dict(uncurried_state)
+
+
+def test_config_documents_fields_and_refuses_bad_input():
+    from megatron_rl.config import undocumented_fields
+
+    assert undocumented_fields(DomainCurriculumConfig) == []
+    m = from_dict(MixtureConfig, {"curriculum": {"enabled": True, "floor": 0.3}})
+    assert m.curriculum.enabled and m.curriculum.floor == 0.3
+    with pytest.raises(ConfigError, match=r"unknown config key 'envs.curriculum.flor'"):
+        from_dict(MixtureConfig, {"curriculum": {"flor": 0.1}}, prefix="envs")
+    with pytest.raises(ConfigError, match=r"envs.curriculum: floor=0.0 \(need 0 < floor <= 1\)"):
+        from_dict(MixtureConfig, {"curriculum": {"floor": 0.0}}, prefix="envs")
+    with pytest.raises(ConfigError, match=r"decay=1.0"):
+        DomainCurriculumConfig(decay=1.0).build({"a": 1.0})
