@@ -64,6 +64,15 @@ class MonitorConfig:
     """Show a progress bar for the RL steps on stderr (redrawn on a terminal, a line per 10% in logs)."""
     alerts: AlertConfig = field(default_factory=AlertConfig)
     """Alert rules."""
+    domain_scalars_max: int = 16
+    """With more domains than this, TensorBoard, W&B and Prometheus get the per-domain summary only (`domains/*`:
+    mean, movers, no-gradient count), not every '<domain>/...' scalar; metrics.jsonl always has them all."""
+    domain_summary: bool = True
+    """Print a line per RL step and eval with the domains' summary (mean, top and bottom movers, the domains
+    with no gradient) when the mixture has 2+ domains."""
+    domain_movers: int = 3
+    """Top and bottom movers shown in the summary (change of each domain's reward / held-out pass@1 since the
+    previous row of the same kind)."""
 
 
 class Monitor:
@@ -75,6 +84,8 @@ class Monitor:
         self.rewards: list[float] = []
         self.should_stop: str | None = None
         self.bars: dict[str, Progress] = {}
+        self.domains: list[str] = []
+        self._last: dict[str, dict[str, float]] = {}  # kind -> domain -> its summary metric in the previous row
         if active:
             self._open_sinks()
 
@@ -101,13 +112,20 @@ class Monitor:
             print(f"[megatron-rl] Prometheus metrics at http://{self.cfg.prometheus_host}:{self.prometheus.port}/metrics"
                   " while the run lasts", flush=True)
 
+    def set_domains(self, names) -> None:
+        """The mixture's domains: their '<domain>/...' metrics are summarised (`domain_summary`)."""
+        self.domains = sorted(names)
+
     def log(self, kind: str, step: int, metrics: dict) -> None:
         if not self.active:
             return
-        rec = {"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3), **metrics}
+        summary = self._domain_summary(kind, step, metrics)
+        rec = {"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3), **metrics, **summary}
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(rec, default=float) + "\n")
-        scalars = {f"{kind}/{k}": float(v) for k, v in metrics.items() if _is_number(v)}
+        hide = set(self.domains) if len(self.domains) > self.cfg.domain_scalars_max else set()
+        scalars = {f"{kind}/{k}": float(v) for k, v in {**metrics, **summary}.items()
+                   if _is_number(v) and k.rsplit("/", 1)[0] not in hide}  # (domain names may hold '/')
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
@@ -119,6 +137,17 @@ class Monitor:
         if kind in self.bars:
             shown = {k: metrics[k] for k in ("reward_mean", "loss") if _is_number(metrics.get(k))}
             self.bars[kind].update(step + 1, shown)
+
+    def _domain_summary(self, kind: str, step: int, metrics: dict) -> dict:
+        """`domains/*` summary metrics of an rl or eval row (and its console line); {} for other rows."""
+        key = SUMMARY_KEYS.get(kind)
+        if key is None or len(self.domains) < 2:
+            return {}
+        out, line = domain_summary(metrics, self.domains, key, self._last.get(kind, {}), self.cfg.domain_movers)
+        self._last[kind] = {d: metrics[f"{d}/{key}"] for d in self.domains if _is_number(metrics.get(f"{d}/{key}"))}
+        if self.cfg.domain_summary:
+            print(f"[megatron-rl] domains {kind} step {step}: {line}", flush=True)
+        return out
 
     def check(self, step: int, m: dict) -> list[str]:
         """Evaluate the alert rules on a step's metrics; sets `should_stop` when a stopping rule fires."""
@@ -175,6 +204,32 @@ class Monitor:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+SUMMARY_KEYS = {"rl": "reward_mean", "eval": "pass@1"}
+"""The per-domain metric a row kind is summarised by."""
+
+
+def domain_summary(metrics: dict, domains: list[str], key: str, last: dict[str, float], movers: int = 3,
+                   names: int = 12) -> tuple[dict, str]:
+    """The summary over `domains` of a row's '<domain>/<key>' metrics: `domains/<key>_mean` (over the domains
+    that have it), `domains/reported`, movers (change since `last`, the previous row's values), and the domains
+    with no gradient (every group of theirs had equal rewards: '<domain>/no_gradient_frac' == 1). Returns the
+    metrics (with the no-gradient names as `domains/no_gradient`) and a console line (at most `names` names)."""
+    vals = {d: float(metrics[f"{d}/{key}"]) for d in domains if _is_number(metrics.get(f"{d}/{key}"))}
+    delta = sorted(((vals[d] - last[d], d) for d in vals if d in last), key=lambda x: (-x[0], x[1]))
+    up = [(v, d) for v, d in delta[:movers] if v > 0]
+    down = [(v, d) for v, d in reversed(delta[-movers:]) if v < 0]
+    flat = [d for d in domains if metrics.get(f"{d}/no_gradient_frac") == 1.0]
+    out = {f"domains/{key}_mean": sum(vals.values()) / len(vals) if vals else None, "domains/reported": len(vals),
+           "domains/no_gradient_count": len(flat), "domains/no_gradient": flat,
+           "domains/top_movers": {d: v for v, d in up}, "domains/bottom_movers": {d: v for v, d in down}}
+    fmt = lambda xs: ", ".join(f"{d} {v:+.3f}" for v, d in xs) or "-"  # noqa: E731
+    mean = "-" if out[f"domains/{key}_mean"] is None else f"{out[f'domains/{key}_mean']:.3f}"
+    shown = ", ".join(flat[:names]) + (f" (+{len(flat) - names} more)" if len(flat) > names else "")
+    line = (f"{len(vals)}/{len(domains)} domains with {key}, mean {mean}; up: {fmt(up)}; down: {fmt(down)}; "
+            f"no gradient ({len(flat)}): {shown or '-'}")
+    return out, line
 
 
 def _is_number(v) -> bool:

@@ -102,3 +102,52 @@ def test_progress_bar_in_a_log_prints_every_tenth(tmp_path):
     bar.update(16)
     (line,) = resumed.getvalue().splitlines()
     assert line.startswith("[rl] 16/20 [" + "=" * 19 + " " * 5 + "]  80%")
+
+
+class _FakeTB:
+    def __init__(self):
+        self.tags: list[str] = []
+
+    def add_scalar(self, tag, value, step):
+        self.tags.append(tag)
+
+    def flush(self):
+        pass
+
+
+def _domain_row(names: list[str], reward: dict[str, float], flat: set[str]) -> dict:
+    row = {"reward_mean": 0.5, "loss": 1.0}
+    for d in names:
+        row.update({f"{d}/reward_mean": reward[d], f"{d}/count": 4.0, f"{d}/weight": 1 / len(names),
+                    f"{d}/no_gradient_frac": 1.0 if d in flat else 0.5})
+    return row
+
+
+def test_many_domains_summary_on_console_and_tb_full_rows_in_jsonl(tmp_path, capsys):
+    names = [f"reasoning_gym/g{i:03d}" for i in range(120)]  # names with '/' (the pattern domains')
+    m = Monitor(MonitorConfig(tensorboard=False, progress=False, domain_movers=2), tmp_path)
+    m.tb = tb = _FakeTB()
+    m.set_domains(names)
+    m.log("rl", 0, _domain_row(names, {d: 0.5 for d in names}, set()))
+    reward = {d: 0.5 for d in names}
+    reward.update({names[3]: 0.9, names[7]: 0.8, names[5]: 0.1})
+    flat = {names[10], names[42], names[99]}
+    m.log("rl", 1, _domain_row(names, reward, flat))
+    out = capsys.readouterr().out.splitlines()
+    line = [x for x in out if x.startswith("[megatron-rl] domains rl step 1:")][0]
+    assert "no gradient (3): reasoning_gym/g010, reasoning_gym/g042, reasoning_gym/g099" in line
+    assert "up: reasoning_gym/g003 +0.400, reasoning_gym/g007 +0.300; down: reasoning_gym/g005 -0.400" in line
+    assert "no gradient (0): -" in [x for x in out if "domains rl step 0:" in x][0]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(f"{d}/reward_mean" in rows[1] and f"{d}/weight" in rows[1] for d in names)  # in full
+    assert rows[1]["domains/no_gradient"] == sorted(flat) and rows[1]["domains/no_gradient_count"] == 3
+    assert not any("/g0" in t for t in tb.tags)  # TensorBoard: the summary, not 120 x 4 curves
+    assert {"rl/domains/reward_mean_mean", "rl/domains/no_gradient_count", "rl/reward_mean"} <= set(tb.tags)
+
+
+def test_few_domains_keep_their_scalars(tmp_path):
+    m = Monitor(MonitorConfig(tensorboard=False, progress=False, domain_summary=False), tmp_path)
+    m.tb = tb = _FakeTB()
+    m.set_domains(["a", "b"])
+    m.log("rl", 0, _domain_row(["a", "b"], {"a": 0.1, "b": 0.2}, {"a"}))
+    assert {"rl/a/reward_mean", "rl/b/weight", "rl/domains/no_gradient_count"} <= set(tb.tags)

@@ -273,7 +273,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, rows: list[dict], wall: float, 
 
 
 def _domains(row: dict) -> list[str]:
-    return sorted({key.split("/")[0] for key in row if key.endswith("/pass@1")})
+    return sorted({key.rsplit("/", 1)[0] for key in row if key.endswith("/pass@1")})  # names may hold '/'
 
 
 def _say(msg: str) -> None:

@@ -174,6 +174,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
+    monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
     return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
@@ -291,7 +292,7 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
     domains = parts.sampler.metrics.summary(reset=True)
     m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
          **clock.summary()}
-    counts = {k.split("/")[0]: v for k, v in domains.items() if k.endswith("/count")}
+    counts = {k.rsplit("/", 1)[0]: v for k, v in domains.items() if k.endswith("/count")}  # names may hold '/'
     valid = {d: c * (1.0 - domains[f"{d}/infra_error_frac"]) for d, c in counts.items()}  # scored episodes
     m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in valid.items()) / (sum(valid.values()) or 1.0)
     m["sandbox_error_rate"] = sum(c - valid[d] for d, c in counts.items()) / (sum(counts.values()) or 1.0)
