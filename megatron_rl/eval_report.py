@@ -95,3 +95,93 @@ def write_report(out_json: Path, rows: list[dict], k: int, with_plot: bool = Tru
     md.write_text(markdown(rows, k))
     shown = plot(rows, k, base.with_suffix(".png")) if with_plot else "no plot: not asked for"
     return {"json": str(js), "markdown": str(md), "plot": shown}
+
+
+# ------------------------------------------------------------------------------------ per-domain, over a run
+def eval_domains(row: dict) -> list[str]:
+    """The domains of an eval row (metrics.jsonl): those with a '<domain>/pass@1' (names may hold '/')."""
+    return sorted({key.rsplit("/", 1)[0] for key in row if key.endswith("/pass@1")})
+
+
+def no_gradient_domains(rl_rows: list[dict]) -> list[str]:
+    """Domains every one of whose groups over the run had equal rewards (no gradient), from the rl rows'
+    '<domain>/groups' and '<domain>/no_gradient_frac'."""
+    groups: dict[str, float] = {}
+    flat: dict[str, float] = {}
+    for r in rl_rows:
+        for key, n in r.items():
+            if key.endswith("/groups") and isinstance(n, (int, float)):
+                d = key.rsplit("/", 1)[0]
+                groups[d] = groups.get(d, 0.0) + n
+                flat[d] = flat.get(d, 0.0) + n * float(r.get(f"{d}/no_gradient_frac") or 0.0)
+    return sorted(d for d, n in groups.items() if n > 0 and flat[d] >= n - 1e-9)
+
+
+def domain_table(evals: list[dict], k: int, rl_rows: list[dict] | None = None) -> dict:
+    """Held-out success per domain before (the first eval row) and after (the last): one row per domain with its
+    task count, pass@1, greedy and pass@k before/after and the change of pass@1, plus counts (improved, worse,
+    unchanged, no gradient over the run) and the means over domains. {} without an eval row."""
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    rows, flat = [], set(no_gradient_domains(rl_rows or []))
+    for d in eval_domains(last) or eval_domains(first):
+        row = {"domain": d, "tasks": last.get(f"{d}/tasks", first.get(f"{d}/tasks")), "no_gradient": d in flat}
+        for m in ("pass@1", "success_greedy", f"pass@{k}"):
+            row[f"{m}_before"], row[f"{m}_after"] = first.get(f"{d}/{m}"), last.get(f"{d}/{m}")
+        b, a = row["pass@1_before"], row["pass@1_after"]
+        row["pass@1_change"] = a - b if a is not None and b is not None else None
+        rows.append(row)
+    changes = [r["pass@1_change"] for r in rows if r["pass@1_change"] is not None]
+    mean = lambda key: _mean([r[key] for r in rows if r[key] is not None])  # noqa: E731
+    return {"steps": [first["step"], last["step"]], "domains": rows, "improved": sum(c > 0 for c in changes),
+            "worse": sum(c < 0 for c in changes), "unchanged": sum(c == 0 for c in changes),
+            "no_gradient": sorted(flat), "pass@1_mean_before": mean("pass@1_before"),
+            "pass@1_mean_after": mean("pass@1_after")}
+
+
+def domain_markdown(table: dict, k: int) -> str:
+    """The per-domain before/after table as markdown (sorted by the change of pass@1, largest first)."""
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    sign = lambda v: "-" if v is None else f"{v:+.3f}"  # noqa: E731
+    head = (f"Held-out success per domain, step {table['steps'][0]} -> {table['steps'][1]}: mean pass@1 "
+            f"{f(table['pass@1_mean_before'])} -> {f(table['pass@1_mean_after'])}; {table['improved']} improved, "
+            f"{table['worse']} worse, {table['unchanged']} unchanged; {len(table['no_gradient'])} with no gradient "
+            f"over the run.\n\n| domain | tasks | pass@1 before | pass@1 after | change | greedy before | greedy after "
+            f"| pass@{k} before | pass@{k} after | no gradient |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    order = sorted(table["domains"], key=lambda r: (-(r["pass@1_change"] or 0.0), r["domain"]))
+    body = "".join(f"| {r['domain']} | {r['tasks']} | {f(r['pass@1_before'])} | {f(r['pass@1_after'])} | "
+                   f"{sign(r['pass@1_change'])} | "
+                   f"{f(r['success_greedy_before'])} | {f(r['success_greedy_after'])} | {f(r[f'pass@{k}_before'])} | "
+                   f"{f(r[f'pass@{k}_after'])} | {'yes' if r['no_gradient'] else ''} |\n" for r in order)
+    return head + body
+
+
+def domain_heatmap(evals: list[dict], path: Path, metric: str = "pass@1") -> str:
+    """A heat map of held-out `metric` per domain (rows, sorted by the last eval) over the eval steps (columns);
+    returns the path, or why there is none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no heat map: matplotlib is not installed"
+    domains = eval_domains(evals[-1]) if evals else []
+    if not domains:
+        return "no heat map: no eval row with per-domain results"
+    last = evals[-1]
+    domains.sort(key=lambda d: (-(last.get(f"{d}/{metric}") or 0.0), d))
+    grid = [[float("nan") if r.get(f"{d}/{metric}") is None else float(r[f"{d}/{metric}"]) for r in evals]
+            for d in domains]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(evals) + 3), max(3.0, 0.14 * len(domains) + 1.5)))
+    im = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+    ax.set_xticks(range(len(evals)), [str(r["step"]) for r in evals], fontsize=7)
+    ax.set_yticks(range(len(domains)), domains, fontsize=8 if len(domains) <= 40 else 5.5)  # 0.14 in a row
+    ax.set_xlabel("RL step")
+    ax.set_title(f"held-out {metric} per domain ({len(domains)} domains)")
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -151,3 +151,30 @@ def test_few_domains_keep_their_scalars(tmp_path):
     m.set_domains(["a", "b"])
     m.log("rl", 0, _domain_row(["a", "b"], {"a": 0.1, "b": 0.2}, {"a"}))
     assert {"rl/a/reward_mean", "rl/b/weight", "rl/domains/no_gradient_count"} <= set(tb.tags)
+
+
+def test_report_writes_the_per_domain_table_and_heat_map(tmp_path, capsys):
+    names = [f"d{i:03d}" for i in range(110)]
+    m = Monitor(MonitorConfig(tensorboard=False, progress=False), tmp_path)
+    m.set_domains(names)
+    for step, lift in ((0, 0.0), (2, 0.1), (4, 0.3)):
+        row = {"success_greedy": 0.2, "pass@1": 0.2, "pass@4": 0.4, "tasks": 3 * len(names)}
+        for i, d in enumerate(names):  # d000 improves most, d109 gets worse, the rest in between
+            row.update({f"{d}/pass@1": min(1.0, max(0.0, 0.2 + lift * (1 - i / 50))), f"{d}/tasks": 3,
+                        f"{d}/success_greedy": 0.2, f"{d}/pass@4": 0.4})
+        m.log("eval", step, row)
+    for step in range(4):
+        m.log("rl", step, {"reward_mean": 0.1, **{f"{d}/groups": 2.0 for d in names},
+                           **{f"{d}/no_gradient_frac": 1.0 if d in ("d005", "d077") else 0.5 for d in names}})
+    assert report_main([str(tmp_path)]) == 0
+    md = (tmp_path / "domains.md").read_text()
+    table = json.loads((tmp_path / "domains.json").read_text())
+    assert len(table["domains"]) == 110 and table["no_gradient"] == ["d005", "d077"]
+    assert table["improved"] == 50 and table["worse"] == 59 and table["unchanged"] == 1 and table["steps"] == [0, 4]
+    lines = md.splitlines()
+    assert lines[0].startswith("Held-out success per domain, step 0 -> 4:") and "50 improved" in lines[0]
+    assert lines[4].startswith("| d000 | 3 | 0.200 | 0.500 | +0.300 |") and "| d109 |" in lines[-1]
+    assert "| d005 |" in md and [x for x in lines if x.startswith("| d077 |")][0].endswith("| yes |")
+    png = tmp_path / "plots" / "domains_heldout.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20000
+    assert str(png) in capsys.readouterr().out

@@ -1,4 +1,6 @@
-"""`megatron-rl report <run dir>`: plots of a run's metrics.jsonl (reward, success, lengths, time split) as PNG."""
+"""`megatron-rl report <run dir>`: plots of a run's metrics.jsonl (reward, success, lengths, time split) as PNG,
+and with per-domain held-out results a per-domain before/after table (<run>/domains.md, <run>/domains.json) and
+a heat map of held-out pass@1 per domain over the steps (<run>/plots/domains_heldout.png)."""
 from __future__ import annotations
 
 import argparse
@@ -63,7 +65,25 @@ def make_report(run_dir: str | Path) -> list[Path]:
         fig.savefig(out / f"{name}.png", dpi=90)
         plt.close(fig)
         paths.append(out / f"{name}.png")
-    return paths
+    return paths + domain_report(run_dir, rl, ev)
+
+
+def domain_report(run_dir: Path, rl: list[dict], ev: list[dict]) -> list[Path]:
+    """<run>/domains.json and domains.md (per-domain held-out success before/after) and
+    <run>/plots/domains_heldout.png (the heat map); [] when no eval row has per-domain results."""
+    from megatron_rl.eval_report import domain_heatmap, domain_markdown, domain_table, eval_domains
+
+    if not ev or not eval_domains(ev[-1]):
+        return []
+    ks = sorted(int(key[5:]) for key in ev[-1] if key.startswith("pass@") and key[5:].isdigit() and key != "pass@1")
+    k = ks[0] if ks else 1
+    table = domain_table(ev, k, rl)
+    (run_dir / "domains.json").write_text(json.dumps(table, indent=1) + "\n")
+    (run_dir / "domains.md").write_text(domain_markdown(table, k))
+    shown = domain_heatmap(ev, run_dir / "plots" / "domains_heldout.png")
+    if not shown.endswith(".png"):
+        print(f"megatron-rl report: {shown}", file=sys.stderr)
+    return [run_dir / "domains.json", run_dir / "domains.md", *([Path(shown)] if shown.endswith(".png") else [])]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,6 +243,11 @@ def summary(cfg: RunConfig, run_dir: Path, seconds: float, cpu: float, export_di
              f"{evals[0]['pass@1']:.3f} -> {evals[-1]['pass@1']:.3f}, pass@{k} "
              f"{evals[0][f'pass@{k}']:.3f} -> {evals[-1][f'pass@{k}']:.3f} (before -> after GRPO, "
              f"steps {evals[0]['step']} -> {evals[-1]['step']})")
+    if len(evals) >= 2 and len(cfg.envs.domains) >= 2:
+        t = write_summary_table(run_dir)
+        _say(f"per domain ({len(t['domains'])}): mean held-out pass@1 {t['pass@1_mean_before']:.3f} -> "
+             f"{t['pass@1_mean_after']:.3f}; {t['improved']} improved, {t['worse']} worse, {t['unchanged']} "
+             f"unchanged; {len(t['no_gradient'])} had no gradient over the run (table: {run_dir / 'domains.md'})")
     from megatron_rl.commands.report import make_report
 
     plots = make_report(run_dir)
@@ -262,14 +267,23 @@ def write_summary(cfg: RunConfig, run_dir: Path, rows: list[dict], wall: float, 
         per = {d: {m: r[f"{d}/{m}"] for m in keys if f"{d}/{m}" in r} for d in _domains(r)}
         return {**{m: r[m] for m in keys if m in r}, "domains": per}
 
+    from megatron_rl.eval_report import domain_table
+
+    table = domain_table(evals, cfg.eval.k, [r for r in rows if r["kind"] == "rl"])
     out = {"name": cfg.name, "model": cfg.model.init or "random (model section)",
            "domains": sorted({cfg.data.domain}), "heldout_before": heldout(evals[0] if evals else None),
            "heldout_after": heldout(evals[-1] if len(evals) > 1 else None),
            "rl_steps": len([r for r in rows if r["kind"] == "rl"]), "warmup_steps": len([r for r in rows
                                                                                          if r["kind"] == "sft"]),
-           "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "export_dir": str(export_dir) if export_dir else None}
+           "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "export_dir": str(export_dir) if export_dir else None,
+           "domain_table": table}  # per domain: held-out before/after, task count, no gradient (eval_report)
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def write_summary_table(run_dir: Path) -> dict:
+    """The per-domain table just written into summary.json."""
+    return json.loads((run_dir / "summary.json").read_text())["domain_table"]
 
 
 def _domains(row: dict) -> list[str]:
