@@ -1,6 +1,8 @@
 """`megatron-rl train configs/mixture_cpu.yaml rl.steps=2` with a tiny HF model built here: five domains (one of
-them multi-turn tool use) in the RL loop, per-domain metrics in every rl row, per-domain eval by each
-environment's own success definition, and multi-turn trajectories with observation tokens masked out."""
+them multi-turn tool use) in the RL loop with the online curriculum across domains (envs.curriculum), per-domain
+metrics in every rl row (with each domain's sampling weight and no-gradient fraction) and a summary line on the
+console, per-domain eval by each environment's own success definition, a per-domain before/after table in
+summary.json and a heat map, and multi-turn trajectories with observation tokens masked out."""
 from __future__ import annotations
 
 import json
@@ -34,7 +36,8 @@ def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
     from megatron_rl.data.shards import read_shard
 
     proc = subprocess.run([EXE, "train", "configs/mixture_cpu.yaml", f"output_dir={tmp_path}",
-                           f"model.init=hf:{tiny_hf}", *SHORT], cwd=REPO, capture_output=True, text=True, timeout=1500)
+                           f"model.init=hf:{tiny_hf}", "envs.curriculum.enabled=true", *SHORT], cwd=REPO,
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = tmp_path / "mixture_cpu"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -46,6 +49,18 @@ def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
         assert sum(r[f"{d}/count"] for d in DOMAINS) >= 6 * 4
     seen = {d for r in rl for d in DOMAINS if r[f"{d}/count"] > 0}
     assert len(seen) >= 3, seen
+    for r in rl:  # the curriculum's weights of the next draws, every domain, each above its floor (0.2 x share)
+        assert sum(r[f"{d}/weight"] for d in DOMAINS) == pytest.approx(1.0)
+        assert min(r[f"{d}/weight"] / (2 if d == "arithmetic" else 1) for d in DOMAINS) >= 0.2 / 6 - 1e-9
+        assert all(0.0 <= r[f"{d}/no_gradient_frac"] <= 1.0 for d in seen if r[f"{d}/count"] > 0)
+        assert r["domains/no_gradient_count"] == len(r["domains/no_gradient"])
+    if any(rl[0].get(f"{d}/no_gradient_frac", 0.0) > 0 for d in DOMAINS):  # a flat group: the weights move
+        assert [rl[0][f"{d}/weight"] for d in DOMAINS] != pytest.approx([2 / 6, 1 / 6, 1 / 6, 1 / 6, 1 / 6])
+    assert "[megatron-rl] domains rl step 1:" in proc.stdout and "no gradient (" in proc.stdout
+    table = json.loads((run / "summary.json").read_text())["domain_table"]
+    assert [row["domain"] for row in table["domains"]] == sorted(DOMAINS)
+    assert all(row["tasks"] == 2 for row in table["domains"])
+    assert (run / "domains.md").exists() and (run / "plots" / "domains_heldout.png").stat().st_size > 5000
     evals = [r for r in rows if r["kind"] == "eval"]
     assert evals and all(f"{d}/pass@1" in evals[0] and f"{d}/turns_mean" in evals[0] for d in DOMAINS)
     assert evals[0]["tasks"] == 2 * len(DOMAINS)
