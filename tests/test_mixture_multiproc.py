@@ -6,8 +6,11 @@ summary.json and a heat map, and multi-turn trajectories with observation tokens
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +73,40 @@ def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
         resp = np.asarray(t.loss_mask[t.prompt_len:])
         assert resp[0] == 1 and (resp == 0).any() and resp[-1] == 1
     assert {t.env for t in trajs} <= set(DOMAINS)
+
+
+def _rl_rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["kind"] == "rl"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_curriculum_resumes_exactly_after_sigterm(tmp_path, tiny_hf):
+    """SIGTERM after RL step 1, rerun: every step's per-domain draws and curriculum weights equal the unbroken
+    run's (the curriculum's state is in the sampler's part of the driver checkpoint)."""
+    cmd = [EXE, "train", "configs/mixture_cpu.yaml", f"model.init=hf:{tiny_hf}", "envs.curriculum.enabled=true",
+           "envs.curriculum.decay=0.5", *SHORT, "rl.steps=4", "monitor.progress=false"]
+    unbroken = subprocess.run([*cmd, f"output_dir={tmp_path / 'a'}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=1500)
+    assert unbroken.returncode == 0, unbroken.stderr[-5000:]
+    run = tmp_path / "b" / "mixture_cpu"
+    proc = subprocess.Popen([*cmd, f"output_dir={tmp_path / 'b'}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _rl_rows(run)):
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    assert proc.wait(timeout=600) == 3 and len(_rl_rows(run)) < 4
+    resumed = subprocess.run([*cmd, f"output_dir={tmp_path / 'b'}"], cwd=REPO, capture_output=True, text=True,
+                             timeout=1500)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-5000:]
+    a, b = _rl_rows(tmp_path / "a" / "mixture_cpu"), _rl_rows(run)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    keys = [f"{d}/{m}" for d in DOMAINS for m in ("count", "weight", "no_gradient_frac", "reward_mean")]
+    for ra, rb in zip(a, b):
+        assert {k: ra.get(k) for k in keys} == {k: rb.get(k) for k in keys}, ra["step"]
+    weights = [tuple(r[f"{d}/weight"] for d in DOMAINS) for r in a]
+    assert len(set(weights)) > 1, weights  # the weights really moved during the run
