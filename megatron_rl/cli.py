@@ -18,7 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "convert": ("tools.convert.cli", "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard", ""),
     "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
-    "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths and time split to PNG", ""),
+    "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths, time split and per-domain held-out "
+               "success (table + heat map)", ""),
     "eval": ("megatron_rl.commands.eval", "evaluate a checkpoint on held-out tasks (pass@k per domain)", ""),
     "export": ("megatron_rl.commands.export", "write an RL run's policy as a Hugging Face folder (safetensors)", ""),
 }

@@ -113,3 +113,42 @@ def test_config_documents_fields_and_refuses_bad_input():
         from_dict(MixtureConfig, {"curriculum": {"floor": 0.0}}, prefix="envs")
     with pytest.raises(ConfigError, match=r"decay=1.0"):
         DomainCurriculumConfig(decay=1.0).build({"a": 1.0})
+
+
+class _Clock:
+    def summary(self) -> dict:
+        return {"time_step_s": 1.0}
+
+
+def test_loop_step_metrics_and_console_summary_over_120_domains(tmp_path, capsys):
+    """The loop's hook points at 120 domains: `Rollouts.batch` records each group (`record_group`), `step_metrics`
+    logs every domain's weight, count and no-gradient fraction, the monitor prints the summary naming the domains
+    with no gradient and keeps them all in metrics.jsonl."""
+    from types import SimpleNamespace
+
+    from megatron_rl.loop.setup import step_metrics
+    from megatron_rl.monitoring import Monitor, MonitorConfig
+
+    names = [f"failed{i:03d}" for i in range(100)] + [f"mixed{i:02d}" for i in range(20)]
+    s = DomainSampler(_tasks(names, 3), None, seed=5, curriculum=DomainCurriculumConfig(enabled=True))
+    for _ in range(60):  # one step's groups, as Rollouts.batch records them
+        t = s.next()
+        rewards = _scripted(t.domain, s.draws)
+        s.record_group(t, rewards)
+        for r in rewards:
+            s.record(t, r)
+    parts = SimpleNamespace(sampler=s, engine=SimpleNamespace(version=1), runner=None)
+    m = step_metrics(parts, None, None, {"loss": 0.1}, {}, _Clock())
+    assert all(f"{d}/weight" in m and f"{d}/count" in m for d in names)
+    assert sum(m[f"{d}/weight"] for d in names) == pytest.approx(1.0)
+    flat = sorted(d for d in names if m.get(f"{d}/no_gradient_frac") == 1.0)
+    assert flat and all(d.startswith("failed") for d in flat)
+    assert max(m[f"{d}/weight"] for d in flat) < min(m[f"{d}/weight"] for d in names if d not in flat)
+    monitor = Monitor(MonitorConfig(tensorboard=False, progress=False), tmp_path)
+    monitor.set_domains(names)
+    monitor.log("rl", 0, m)
+    line = [x for x in capsys.readouterr().out.splitlines() if "domains rl step 0:" in x][0]
+    assert f"no gradient ({len(flat)}): {', '.join(flat[:12])}" in line
+    assert (f" (+{len(flat) - 12} more)" in line) == (len(flat) > 12)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["domains/no_gradient"] == flat and all(f"{d}/weight" in row for d in names)
