@@ -214,7 +214,8 @@ def domain_summary(metrics: dict, domains: list[str], key: str, last: dict[str, 
                    names: int = 12) -> tuple[dict, str]:
     """The summary over `domains` of a row's '<domain>/<key>' metrics: `domains/<key>_mean` (over the domains
     that have it), `domains/reported`, movers (change since `last`, the previous row's values), and the domains
-    with no gradient (every group of theirs had equal rewards: '<domain>/no_gradient_frac' == 1). Returns the
+    with no gradient (every group of theirs had equal rewards: '<domain>/no_gradient_frac' == 1), the range of
+    the sampling weights ('<domain>/weight': `domains/weight_min`, `_max`). Returns the
     metrics (with the no-gradient names as `domains/no_gradient`) and a console line (at most `names` names)."""
     vals = {d: float(metrics[f"{d}/{key}"]) for d in domains if _is_number(metrics.get(f"{d}/{key}"))}
     delta = sorted(((vals[d] - last[d], d) for d in vals if d in last), key=lambda x: (-x[0], x[1]))
@@ -224,11 +225,17 @@ def domain_summary(metrics: dict, domains: list[str], key: str, last: dict[str, 
     out = {f"domains/{key}_mean": sum(vals.values()) / len(vals) if vals else None, "domains/reported": len(vals),
            "domains/no_gradient_count": len(flat), "domains/no_gradient": flat,
            "domains/top_movers": {d: v for v, d in up}, "domains/bottom_movers": {d: v for v, d in down}}
+    weights = {d: float(metrics[f"{d}/weight"]) for d in domains if _is_number(metrics.get(f"{d}/weight"))}
+    if weights:  # the sampler's (the curriculum's) probabilities of the next draws
+        top = max(weights, key=lambda d: (weights[d], d))
+        out.update({"domains/weight_min": min(weights.values()), "domains/weight_max": weights[top]})
     fmt = lambda xs: ", ".join(f"{d} {v:+.3f}" for v, d in xs) or "-"  # noqa: E731
     mean = "-" if out[f"domains/{key}_mean"] is None else f"{out[f'domains/{key}_mean']:.3f}"
     shown = ", ".join(flat[:names]) + (f" (+{len(flat) - names} more)" if len(flat) > names else "")
     line = (f"{len(vals)}/{len(domains)} domains with {key}, mean {mean}; up: {fmt(up)}; down: {fmt(down)}; "
             f"no gradient ({len(flat)}): {shown or '-'}")
+    if weights:
+        line += f"; weights {out['domains/weight_min']:.3f}..{out['domains/weight_max']:.3f} (max: {top})"
     return out, line
 
 

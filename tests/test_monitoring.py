@@ -142,7 +142,9 @@ def test_many_domains_summary_on_console_and_tb_full_rows_in_jsonl(tmp_path, cap
     assert all(f"{d}/reward_mean" in rows[1] and f"{d}/weight" in rows[1] for d in names)  # in full
     assert rows[1]["domains/no_gradient"] == sorted(flat) and rows[1]["domains/no_gradient_count"] == 3
     assert not any("/g0" in t for t in tb.tags)  # TensorBoard: the summary, not 120 x 4 curves
-    assert {"rl/domains/reward_mean_mean", "rl/domains/no_gradient_count", "rl/reward_mean"} <= set(tb.tags)
+    assert {"rl/domains/reward_mean_mean", "rl/domains/no_gradient_count", "rl/reward_mean",
+            "rl/domains/weight_max"} <= set(tb.tags)
+    assert line.endswith(f"; weights {1 / 120:.3f}..{1 / 120:.3f} (max: reasoning_gym/g119)")
 
 
 def test_few_domains_keep_their_scalars(tmp_path):
