@@ -137,6 +137,7 @@ def test_checkpoint_before_the_first_update_saves_and_resumes_exactly(tmp_path):
     assert rec["refused"] and "holds no KL reference model" in rec["refused"] and "step0" in rec["refused"], rec
 
 
+@pytest.mark.slow
 def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
     proc = subprocess.run([EXE, "eval", "configs/demo_cpu.yaml", f"output_dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -144,6 +145,7 @@ def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
     assert f"no checkpoint in {tmp_path / 'demo' / 'checkpoints'}; train first or pass --checkpoint DIR" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_environment_fails_before_any_work(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "data.domain=chess", "curriculum.enabled=false", timeout=60)
     assert proc.returncode == 2
@@ -151,6 +153,7 @@ def test_unknown_environment_fails_before_any_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.slow
 def test_impossible_layout_fails_before_any_work(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "parallel.tp=3", timeout=60)
     assert proc.returncode == 2
@@ -158,6 +161,7 @@ def test_impossible_layout_fails_before_any_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.slow
 def test_rl_generation_too_long_for_the_model_fails(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "rl.max_new_tokens=60", timeout=60)
     assert proc.returncode == 2 and "rl.max_new_tokens=60 leaves no room for a prompt" in proc.stderr
