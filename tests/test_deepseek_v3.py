@@ -65,6 +65,7 @@ def logits(model, ctx) -> torch.Tensor:
     return megatron_logits(model, toks, ctx)  # [b, s, V]
 
 
+@pytest.mark.slow
 def test_tiny_deepseek_v3_builds_and_trains_on_cpu(ctx):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -239,6 +240,7 @@ def _mtp_trainer(policy, coeff: float, impl: str = "fused"):
                                       logprob_impl=impl, mtp_loss_coeff=coeff))
 
 
+@pytest.mark.slow
 def test_mtp_layers_leave_the_main_logits_unchanged(ctx):
     """model.mtp_num_layers=1 builds Megatron's MTP block (eh_proj, norms, an MoE layer like the last); the
     forward's logits are those of the same model without it; under emit_mtp the depth's logits follow."""

@@ -21,6 +21,7 @@ def test_curriculum_is_deterministic_disjoint_and_solvable():
         assert eval(t.payload["solution"]) == t.payload["target"]  # trusted generator output, not model output
 
 
+@pytest.mark.slow
 def test_curriculum_too_many_tasks_is_an_error():
     with pytest.raises(ValueError, match="distinct rl tasks exist"):
         generate(5000, CurriculumConfig(max_value=3, max_numbers=2), 0, "rl")

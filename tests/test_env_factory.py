@@ -68,6 +68,7 @@ def docqa_episodes(n: int):
     return episodes_from_tasks(tasks)
 
 
+@pytest.mark.slow
 def test_dispatched_workers_score_a_judged_domain_with_the_runs_judge(tmp_path, judge_url):
     from megatron_rl.loop.setup import worker_config
 

@@ -148,7 +148,8 @@ def test_shipped_suites_load_with_both_splits():
     assert min(counts.values()) >= 14 and counts["countdown"] >= 256
 
 
-@pytest.mark.parametrize("domain", ["code", "math", "tool_use", "terminal", "docqa"])
+@pytest.mark.parametrize("domain", ["code", pytest.param("math", marks=pytest.mark.slow), "tool_use", "terminal",
+                                    "docqa"])
 def test_shipped_suites_match_their_builders(domain, tmp_path):
     """The shipped JSONL is exactly what envs/<domain>/build_tasks.py makes (math's builder also recomputes
     every answer with sympy and checks it with math-verify; docqa's computes answers from its tables)."""
@@ -289,6 +290,7 @@ def test_code_correct_partial_and_broken_solutions(sandbox):
     assert r.done and r.reward_result.valid and 0 < r.reward < 1
 
 
+@pytest.mark.slow
 def test_code_suite_canonical_solutions_pass(sandbox):
     """The hand-written tasks; the generated ones are checked in tests/test_suites.py (a sample; all when slow)."""
     env = make_env("code", sandbox=sandbox)
@@ -299,6 +301,7 @@ def test_code_suite_canonical_solutions_pass(sandbox):
 
 
 # ------------------------------------------------------------------------------------------------ math
+@pytest.mark.slow
 def test_math_answers_and_format():
     env = make_env("math")  # needs no sandbox
     t = task("math", "math-frac-1")  # 3/4 + 5/6 = 19/12
@@ -405,6 +408,7 @@ def test_terminal_fixes_failing_test_over_three_turns(sandbox):
     assert env.step("I give up.").reward == 0.0
 
 
+@pytest.mark.slow
 def test_terminal_workspace_carries_files_and_survives_odd_output(sandbox):
     env = make_env("terminal", sandbox=sandbox, budget=Budget(max_turns=6))
     env.limits = Limits(wall_s=1.5, cpu_s=1.5)

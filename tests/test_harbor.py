@@ -159,6 +159,7 @@ def test_paths_are_mapped_only_where_they_start_a_path():
                                            '/work/.mrl_logs/verifier/reward.txt; ls /usr/app $HOME/app /appx ./app/y')
 
 
+@pytest.mark.slow
 def test_task_toml_limits_and_env_reach_the_sandbox(tmp_path, sandbox):
     """memory/cpus/timeouts come from task.toml (within the caps); ENV is exported; the agent's time runs out."""
     from envs.harbor.env import HarborEnv
@@ -234,7 +235,9 @@ ATTACKS = {
 }
 
 
-@pytest.mark.parametrize("attack", sorted(ATTACKS))
+# the late write waits for test.sh to exit under a stopped harness: ~4 s, in the slow tier
+@pytest.mark.parametrize("attack", [pytest.param(a, marks=pytest.mark.slow) if a.startswith("a late write") else a
+                                    for a in sorted(ATTACKS)])
 def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, attack):
     """test.sh runs the agent's prog.py, then writes 1 only if /app/ok exists: rewriting test.sh on disk while
     bash runs it, forging the harness's verdict line, writing reward 1 and killing test.sh, or a process left
@@ -311,6 +314,7 @@ def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solv
     assert 'os.environ.get("MODE"' in text and "[exit code 0]" in text  # turn 1's observation is in the sequence
 
 
+@pytest.mark.slow
 def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):
     """heldout_run on two tasks with a script that solves one: per-task and overall pass@1/pass@k, greedy, the
     markdown table and JSON."""

@@ -29,6 +29,27 @@ def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> tuple[Path, str]:
+    """One shortened warm-up (data verified in the sandbox, 30 supervised steps, its checkpoint at the end) shared by
+    the RL tests here: each copies the run folder and its `train` resumes there, at the end of the warm-up, into
+    the RL phase. (The fresh start that goes from the warm-up to RL in one launch is
+    test_main_job_async_with_a_separate_rollout_server's; resuming the warm-up mid-way, test_restart_multiproc.py.)
+    Returns (the run folder, the launch's output)."""
+    out = tmp_path_factory.mktemp("warm")
+    proc = _train(f"output_dir={out}", *SHORT, "rl.steps=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out / "demo", proc.stdout
+
+
+def _from_warm(warm: tuple[Path, str], out: Path) -> Path:
+    """A copy of the shared warm-up's run folder in `out` (the output_dir of the test's own launches)."""
+    import shutil
+
+    shutil.copytree(warm[0], out / "demo")
+    return out
+
+
 def _rows(run: Path, kind: str) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == kind]
@@ -36,14 +57,15 @@ def _rows(run: Path, kind: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_main_job_sync(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", *SHORT, "rl.steps=3")
+def test_main_job_sync(tmp_path, warm):
+    proc = _train(f"output_dir={_from_warm(warm, tmp_path)}", *SHORT, "rl.steps=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "resuming the warm-up from" in proc.stdout  # the shared warm-up, at its end: straight to RL
     run = tmp_path / "demo"
     sft, rl, ev = _rows(run, "sft"), _rows(run, "rl"), _rows(run, "eval")
     assert [r["step"] for r in sft] == list(range(30)) and sft[-1]["loss"] < sft[0]["loss"] - 1.0
     assert [r["step"] for r in rl] == [0, 1, 2] and [r["step"] for r in ev] == [0, 3]
-    assert "verified in the 'bwrap' sandbox: 72/72 correct, corrupted answers rejected: 72/72" in proc.stdout
+    assert "verified in the 'bwrap' sandbox: 72/72 correct, corrupted answers rejected: 72/72" in warm[1]
     for r in rl:
         assert r["policy_lag_max"] == 0 and r["mixed_version_samples"] == 0  # synchronous
         assert r["countdown/count"] >= 16 and r["sandbox_error_rate"] == 0.0
@@ -68,8 +90,9 @@ def test_main_job_sync(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_main_job_async_staleness_2(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", *SHORT, "rl.steps=4", "rl.max_staleness=2", "rl.dynamic_sampling=false")
+def test_main_job_async_staleness_2(tmp_path, warm):
+    proc = _train(f"output_dir={_from_warm(warm, tmp_path)}", *SHORT, "rl.steps=4", "rl.max_staleness=2",
+                  "rl.dynamic_sampling=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rl = _rows(tmp_path / "demo", "rl")
     assert [r["step"] for r in rl] == [0, 1, 2, 3]
@@ -100,15 +123,15 @@ def _run_until(tmp_path: Path, overrides: tuple, stop_after_step: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path):
+def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path, warm):
     """With a KL penalty against the frozen reference (the warm-up's result): the checkpoint carries the reference,
     so the resumed run's KL term, losses and metrics equal the unbroken run's (the reference used to be rebuilt
     from the fresh initialisation on resume)."""
     overrides = (*SHORT, "rl.steps=5", "rl.checkpoint_every=0", "rl.trainer.loss.kl_coef=0.05",
                  "rl.trainer.reference=true")
-    unbroken = _train(f"output_dir={tmp_path / 'a'}", *overrides)
+    unbroken = _train(f"output_dir={_from_warm(warm, tmp_path / 'a')}", *overrides)
     assert unbroken.returncode == 0, unbroken.stderr[-5000:]
-    assert _run_until(tmp_path / "b", overrides, stop_after_step=1) == 3
+    assert _run_until(_from_warm(warm, tmp_path / "b"), overrides, stop_after_step=1) == 3
     stopped = _rows(tmp_path / "b" / "demo", "rl")
     assert len(stopped) < 5 and (tmp_path / "b" / "demo" / "checkpoints" / "latest").exists()
     resumed = _train(f"output_dir={tmp_path / 'b'}", *overrides)
@@ -137,6 +160,7 @@ def test_checkpoint_before_the_first_update_saves_and_resumes_exactly(tmp_path):
     assert rec["refused"] and "holds no KL reference model" in rec["refused"] and "step0" in rec["refused"], rec
 
 
+@pytest.mark.slow
 def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
     proc = subprocess.run([EXE, "eval", "configs/demo_cpu.yaml", f"output_dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -144,6 +168,7 @@ def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
     assert f"no checkpoint in {tmp_path / 'demo' / 'checkpoints'}; train first or pass --checkpoint DIR" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_environment_fails_before_any_work(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "data.domain=chess", "curriculum.enabled=false", timeout=60)
     assert proc.returncode == 2
@@ -151,6 +176,7 @@ def test_unknown_environment_fails_before_any_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.slow
 def test_impossible_layout_fails_before_any_work(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "parallel.tp=3", timeout=60)
     assert proc.returncode == 2
@@ -158,6 +184,7 @@ def test_impossible_layout_fails_before_any_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+@pytest.mark.slow
 def test_rl_generation_too_long_for_the_model_fails(tmp_path):
     proc = _train(f"output_dir={tmp_path}", "rl.max_new_tokens=60", timeout=60)
     assert proc.returncode == 2 and "rl.max_new_tokens=60 leaves no room for a prompt" in proc.stderr
@@ -179,14 +206,14 @@ def _episodes(run: Path) -> list:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_main_job_dispatched_episodes_and_recovery_from_published_shards(tmp_path):
+def test_main_job_dispatched_episodes_and_recovery_from_published_shards(tmp_path, warm):
     """Episodes run by rollout workers (submitit local processes) that call the engine's HTTP server on rank 0
     and publish shards; then a crash after step 1's episodes were published but before its checkpoint: the
     rerun dispatches nothing for step 1 (all recovered from the shards) and reproduces step 1 exactly."""
     from megatron_rl.tokenizer import ByteTokenizer
 
     overrides = (*SHORT, *DISPATCH, "episodes.dispatch.executor=local", "rl.steps=2", "rl.checkpoint_every=1")
-    proc = _train(f"output_dir={tmp_path}", *overrides)
+    proc = _train(f"output_dir={_from_warm(warm, tmp_path)}", *overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = tmp_path / "demo"
     rl = _rows(run, "rl")

@@ -50,6 +50,7 @@ def test_inactive_monitor_writes_nothing(tmp_path):
     assert m.check(0, {"loss": float("nan")}) == [] and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_report_draws_pngs(tmp_path):
     m = _monitor(tmp_path)
     for s in range(4):

@@ -83,6 +83,7 @@ def _burn_cpu(seconds: float) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_summary_counts_the_runs_own_cpu_not_what_ran_before_it(tmp_path, monkeypatch):
     """scripts/run.sh execs into `megatron-rl train` after its set-up, and rusage survives exec: the CPU that this
     process and its children spent before the run (pip, the model import; here a 1.5 s child and the test

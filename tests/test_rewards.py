@@ -78,6 +78,7 @@ def test_math_verify_reward():
     assert out.score == 0.0 and "no final answer" in out.reason and out.provenance["math_verify"] != "unknown"
 
 
+@pytest.mark.slow
 def test_math_verify_deadline_holds_in_a_thread_without_blocking_others():
     """A tower of powers made math-verify hold the GIL for a minute (its own timeout is off outside the main
     thread): now the worker process is killed at the deadline, the answer scores 0 with the reason, and the
@@ -116,6 +117,7 @@ def test_math_verify_deadline_holds_in_a_thread_without_blocking_others():
     assert mv(ctx("\\boxed{0.5}", {"answer": "\\frac{1}{2}"})).score == 1.0  # a fresh worker serves next
 
 
+@pytest.mark.slow
 def test_math_verify_concurrent_threads_get_their_own_workers():
     import concurrent.futures
 

@@ -70,6 +70,7 @@ def test_routes_wire_format_round_trips_and_rejects_malformed():
             decode_routes(bad)
 
 
+@pytest.mark.slow
 def test_a_worker_runs_episodes_and_stores_routes_without_importing_torch(repo_root, tmp_path):
     """A rollout worker's episode path (and its route decoding) runs with numpy only: importing torch and
     Megatron-Core there cost seconds per task start, enough to turn every task of a dispatch round into a

@@ -98,6 +98,7 @@ def test_prespawned_sandboxes_serve_runs_and_get_each_runs_limits(sb):
     assert sb.run_python(show).stdout == "(10, 11) (16777216, 16777216) (256, 256)\n"
 
 
+@pytest.mark.slow
 def test_discarded_prespawns_leave_nothing_behind():
     """Alternating limits make every run discard the sandbox prespawned for the previous limits (often while
     bwrap is still setting it up): its processes must still be killed and reaped, and close() must find
@@ -281,6 +282,7 @@ def test_attack_writes_outside_scratch_do_not_reach_host(sb):
         assert not os.path.exists(p), f"sandbox write reached the host: {p}"
 
 
+@pytest.mark.slow
 def test_attack_fork_bomb_is_capped_and_reported(sb):
     r = sb.run("f() { f | f & }; f; sleep 1", limits=TIGHT)
     assert "pids" in r.violations, r
@@ -307,6 +309,7 @@ def test_attack_memory_bomb_is_oom_killed(sb):
     assert "memory" in r.violations, r
 
 
+@pytest.mark.slow
 def test_attack_cpu_loop_is_stopped(sb):
     r = sb.run_python("while True:\n    pass\n", limits=Limits(cpu_s=1, wall_s=60))  # CPU decides, not load
     assert "cpu" in r.violations and r.exit_code < 0, r
@@ -319,6 +322,7 @@ def test_attack_cpu_loop_is_stopped(sb):
     assert "cpu" in r.violations and r.cpu_s >= 0.5, r
 
 
+@pytest.mark.slow
 def test_attack_sleep_hits_wall_timeout(sb):
     t0 = time.monotonic()
     r = sb.run(["sleep", "60"], limits=Limits(wall_s=1))
@@ -353,6 +357,7 @@ def test_attack_setsid_daemon_does_not_survive():
         assert s.processes() == [] and (not ROOT or pids_of_uid(uid) == [])
 
 
+@pytest.mark.slow
 def test_attack_kill_all_cannot_reach_a_concurrent_sandbox(pool):
     victim = pool.submit("sleep 1.5; echo alive", limits=TIGHT)
     end = time.monotonic() + 20
@@ -367,6 +372,7 @@ def test_attack_kill_all_cannot_reach_a_concurrent_sandbox(pool):
     assert v.ok and v.stdout == "alive\n", v
 
 
+@pytest.mark.slow
 def test_pool_keeps_serving_after_attacks(pool):
     attacks = [
         dict(command=["python3", "-c", "while True: pass"], limits=Limits(cpu_s=1, wall_s=10)),
@@ -391,6 +397,7 @@ def _square_job(i: int):
                       files={"main.py": "import sys\nn = int(sys.argv[1])\nassert n >= 0\nprint(n * n)\n"})
 
 
+@pytest.mark.slow
 def test_no_zombies_over_many_fast_runs(sb):
     for _ in range(100):
         r = sb.run(["true"])
@@ -404,6 +411,7 @@ def test_no_zombies_over_many_fast_runs(sb):
 
 
 # ------------------------------------------------------------------------------------ other backends
+@pytest.mark.slow
 def test_subprocess_backend_warns_and_enforces_limits(tmp_path):
     with pytest.warns(RuntimeWarning, match="isolates NOTHING"):
         s = SubprocessSandbox()
@@ -512,6 +520,7 @@ def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
 
 
 # ------------------------------------------------------------------------------------- slot cleanup
+@pytest.mark.slow
 def test_attack_deep_tree_and_planted_modules_do_not_poison_the_slot():
     """1500 nested directories (deeper than Python's recursion limit) in every writable place, plus a planted
     json.py: the next runs in the same slots start empty and import the real json."""
@@ -542,6 +551,7 @@ def test_dev_shm_is_inside_the_capped_scratch(sb):
     assert sb.run('[ -z "$(ls -A /dev/shm)" ]').ok
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_slot_that_cannot_be_emptied_is_retired_and_replaced():
     """A mount inside scratch (here made by the test as root, standing in for any cause) makes the slot
@@ -710,6 +720,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_normal_user_worker_caps_processes_per_run(repo_root):
     """As uid 65534 (no root, no writable cgroups) a run's process count is still capped - RLIMIT_NPROC set in the
     run's own user namespace counts only its processes - and seccomp holds; the notes say what is degraded."""

@@ -231,6 +231,7 @@ def test_apptainer_runs_the_image_as_an_overlay_and_auto_selects_apptainer_on_pa
     assert SandboxConfig(backend="auto").resolved_backend() == "bwrap"  # no base image: bubblewrap
 
 
+@pytest.mark.slow
 @needs_dpkg
 def test_mixture_domain_names_its_image_and_its_environment_runs_in_it(open_dir):
     """The run config's envs.domains.<d>.image: validated, and build_env's sandbox is the image's."""
@@ -425,6 +426,7 @@ def test_a_stored_image_whose_mounted_folder_is_a_link_is_refused(open_dir):
     assert os.listdir(open_dir / "cache") == ["1" * 64 + ".lock"]
 
 
+@pytest.mark.slow
 @needs_dpkg
 def test_attack_pip_scripts_never_follow_a_package_link(open_dir):
     """A package whose /usr/bin is a link to a host folder: pip's console scripts (merged into /usr/local/bin

@@ -17,6 +17,7 @@ def pool():
         yield p
 
 
+@pytest.mark.slow
 def test_slots_have_disjoint_uids_and_run_concurrently(pool):
     uids = [set(s.uids) for s in pool.slots]
     if os.geteuid() == 0:  # root: a uid per slot (a normal user has only its own)

@@ -47,6 +47,7 @@ def host_uids_while_running(sb: BwrapSandbox) -> set[int]:
     return seen
 
 
+@pytest.mark.slow
 def test_both_starts_give_the_same_uid_limits_and_network():
     limits = Limits(open_files=77, cpu_s=7, file_size_mb=3)
     out = {}

@@ -86,6 +86,7 @@ def library_files() -> list[Path]:
     return [p for p in files if not _owned(p.relative_to(ROOT).as_posix())]
 
 
+@pytest.mark.slow
 def test_library_code_passes_its_process_groups():
     offences = [f"{p.relative_to(ROOT)}:{line}: {call}" for p in library_files()
                 for line, call in sorted(default_group_calls(p.read_text()))]

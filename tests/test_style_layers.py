@@ -172,6 +172,7 @@ def _describe(comp: frozenset[str], graph: dict[str, set[str]]) -> str:
     return f"{len(comp)} modules: " + "; ".join(edges)
 
 
+@pytest.mark.slow
 def test_no_import_cycle():
     graph = project_graph()
     found = [c for c in cycles(graph) if c not in ALLOWED_CYCLES]

@@ -161,6 +161,7 @@ def test_tool_use_sample_rewards():
     _assert_right_and_wrong(_tool_scores(sample("tool_use")))
 
 
+@pytest.mark.slow
 def test_code_sample_rewards():
     _assert_right_and_wrong(_code_scores(sample("code")))
 

@@ -69,19 +69,32 @@ def test_world2_kl_in_reward_matches_one_process():
         assert abs(r["ref_kl"][0]) < 1e-6 and r["ref_kl"][-1] > 1e-4, (name, r["ref_kl"])  # the KL term is live
 
 
-def test_world2_deepseek_v3_layouts_match_one_process():
+DSV3 = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla", "tp2_sp_mtp"]
+
+
+@pytest.fixture(scope="module")
+def dsv3_records() -> list[dict]:
+    """One world-2 launch for the DeepSeek-V3 layouts and pp2_mtp (tp2_sp_mtp's model: its one-process
+    references are computed once), read by the two tests below."""
+    return torchrun(SCRIPT, 2, ["--layouts", ",".join([*DSV3, "pp2_mtp"])], timeout=500)
+
+
+def _of(records: list[dict], names: list[str]) -> list[dict]:
+    return [r for r in records if r.get("layout") in names]
+
+
+def test_world2_deepseek_v3_layouts_match_one_process(dsv3_records):
     """DeepSeek-V3 in miniature (MLA with YaRN, first layer dense, sigmoid router with expert bias, grouped
     top-k, routed scaling, shared expert) at TP=2 + SP, EP=2 and PP=2, and its attention alone at TP=2 without
     SP (the shared RoPE key's gradient summed over TP ranks), and with an MTP layer and its loss at TP=2 + SP: three
     GRPO steps equal to the one-process run (the MTP weights and mtp_loss included)."""
-    names = ["tp2_sp_dsv3", "ep2_dsv3", "pp2_dsv3", "tp2_mla", "tp2_sp_mtp"]
-    _check_layouts(torchrun(SCRIPT, 2, ["--layouts", ",".join(names)], timeout=500), names)
+    _check_layouts(_of(dsv3_records, DSV3), DSV3)
 
 
-def test_world2_mtp_on_the_last_pipeline_stage_matches_one_process():
+def test_world2_mtp_on_the_last_pipeline_stage_matches_one_process(dsv3_records):
     """pp2: the MTP layer on the last stage with Megatron's embedding copy there (the tied weight it syncs; the
     output layer holds none, models/mtp.py); losses, mtp_loss and every weight equal the one-process run's."""
-    records = torchrun(SCRIPT, 2, ["--layouts", "pp2_mtp"], timeout=500)
+    records = _of(dsv3_records, ["pp2_mtp"])
     _check_layouts(records, ["pp2_mtp"])
     (r,) = [r for r in records if "layout" in r]
     assert all(x is not None and x > 0 for x in r["mtp_losses"]), r["mtp_losses"]  # the MTP loss ran at pp2

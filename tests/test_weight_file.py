@@ -29,6 +29,7 @@ def test_a_weight_file_is_read_into_the_parameters_in_place_exactly(tmp_path):
         assert got[n].data_ptr() == ptrs[n]  # read into the parameter's own memory: no staging copy
 
 
+@pytest.mark.slow
 def test_a_parameter_that_does_not_fit_gets_a_new_tensor_and_a_truncated_file_is_refused(tmp_path):
     src, path = _named(2), tmp_path / "w.bin"
     write_weights(path, src.items())
