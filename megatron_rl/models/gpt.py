@@ -264,7 +264,8 @@ class ModelConfig:
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-                             num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
+                             num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None,
+                             mtp_num_layers=self.mtp_num_layers)
         if self.mla.enabled:
             _check_mla_parallel(self.mla, parallel)
         if self.mtp_num_layers and parallel.cp > 1:
@@ -317,6 +318,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: di
         window_size=(cfg.sliding_window - 1, 0) if cfg.sliding_window else None,
         window_attn_skip_freq=list(cfg.sliding_window_layers) if cfg.sliding_window_layers is not None else None,
         mtp_num_layers=cfg.mtp_num_layers or None,
+        **parallel.transformer_kwargs(),  # uneven pipeline stages (megatron_rl/stages.py)
     )
     if moe.num_experts:
         kw.update(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
