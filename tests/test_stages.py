@@ -136,3 +136,36 @@ def test_chunks_and_layer_ids_are_megatrons(kw, layers, mtp):
     counts, offsets = _megatron_chunks(par, layers, mtp)
     assert par.chunk_layers(layers) == counts
     assert [[par.layer_offset(layers, r, v) for v in range(par.vpp or 1)] for r in range(par.pp)] == offsets
+
+
+DSV3_HF = {  # DeepSeek-V3's published config.json (the fields the converter reads)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False}
+
+
+def test_deepseek_v3_published_layout_passes_train_validation():
+    """`megatron-rl train`'s validation (RunConfig.validate, before any rank starts) of DeepSeek-V3 as model.init
+    resolves it from its config.json, at TP2 x PP8 x VPP4 x EP64 (1,024 ranks): accepted with Megatron's layout
+    'Et|(tt|)*30mL'; without it refused (61 layers, 32 chunks) with that layout proposed."""
+    from megatron_rl.convert.arch import for_hf_config
+    from megatron_rl.run_config import RunConfig
+
+    run = RunConfig()
+    run.model, _ = for_hf_config(DSV3_HF).model_config(DSV3_HF)
+    assert (run.model.num_layers, run.model.mtp_num_layers) == (61, 1)
+    run.launch.nproc_per_node = 1024
+    base = dict(tp=2, pp=8, vpp=4, ep=64, etp=1, sequence_parallel=True)
+    run.parallel = C.from_dict(ParallelConfig, {**base, "pipeline_layout": DSV3}, prefix="parallel")
+    run.validate()
+    run.parallel = C.from_dict(ParallelConfig, base, prefix="parallel")
+    with pytest.raises(ConfigError, match=r"num_layers=61 is not divisible by parallel.pp\*vpp = 32") as err:
+        run.validate()
+    assert f"parallel.pipeline_layout: '{DSV3}'" in str(err.value)
