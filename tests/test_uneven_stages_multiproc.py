@@ -1,7 +1,8 @@
 """Uneven pipeline stages on CPU (gloo, 2 ranks), a 5-layer model that pp x vpp (2, 4) does not divide:
 pp2 with parallel.first_stage_layers=2, and DeepSeek-V3 in miniature (MLA, MoE, an MTP layer) at pp2 x vpp2 with
 parallel.pipeline_layout 'Et|tt|tt|mL' (the last chunk: the MTP layer and the loss only, as in DeepSeek-V3's
-published layout). Three GRPO steps give the one-process losses, metrics, weights and log-probs; a checkpoint
+published layout). Three GRPO steps give the one-process losses, metrics, weights and log-probs, and the weight
+sync's global tensor names and values (what the rollout engine receives) are the one-process model's; a checkpoint
 saved in the uneven layout loads into one process with the same weights and the same next step."""
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def test_uneven_layouts_match_one_process_and_checkpoint_loads_into_one_stage(tm
         assert r["update_ok"] and not r["names_differ"], (name, r)
         assert r["loss_diff"] < TOL and r["metric_diff"] < TOL and r["weight_diff"] < TOL, (name, r)
         assert r["logprobs"] > 100 and r["logprob_diff"] < TOL, (name, r)
+        # the engine's weight sync: every tensor under its one-process name, with its value
+        assert not r["sync_names_differ"] and r["sync_tensors"] > 20 and r["sync_diff"] < TOL, (name, r)
         assert len({round(x, 6) for x in r["losses"]}) == 3  # the weights moved between steps
     assert all(x > 0 for x in got["pp2_vpp2_layout_dsv3_mtp"]["mtp_losses"])  # the MTP loss ran on the last chunk
     back = next(r for r in records if r.get("kind") == "resume_one_process")

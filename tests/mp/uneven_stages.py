@@ -40,6 +40,14 @@ def logprobs(trainer, cols) -> list[float]:
     return trainer._gather(cols, mbs, places, lambda mb: mb["lp"].reshape(-1), "lp").cpu().tolist()
 
 
+def synced(policy) -> dict[str, torch.Tensor]:
+    """What the engine's weight sync sends: every rank's tensors under their global names (tp=1: whole)."""
+    mine = {n: t.detach().clone() for n, t in policy.global_named_tensors()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for d in everyone for k, v in d.items()}
+
+
 def run(name: str, parallel: dict, ckpt: str | None, ctx=None) -> dict:
     from megatron.core import parallel_state
 
@@ -55,7 +63,8 @@ def run(name: str, parallel: dict, ckpt: str | None, ctx=None) -> dict:
             save_checkpoint(trainer.policy, ckpt, reference=trainer.reference, extra={"data_step": 2})
             saved = full_weights(trainer.policy)
     out = {"layout": name, "metrics": metrics, "weights": full_weights(trainer.policy),
-           "logprobs": logprobs(trainer, batch(STEPS)), "seconds": 0.0, "saved": saved,
+           "synced": synced(trainer.policy), "logprobs": logprobs(trainer, batch(STEPS)),
+           "seconds": 0.0, "saved": saved,
            "chunks": [len(c.module.decoder.layers) for c in trainer.policy.chunks]}
     if ctx is None:  # this layout's own groups (a given ctx is the one-rank world, kept)
         parallel_state.destroy_model_parallel()
@@ -94,7 +103,11 @@ def main() -> None:
         ref = run(name, {}, None, ctx=ctx)
         record = compare(res, ref)
         lp_diff = max(abs(a - b) for a, b in zip(res["logprobs"], ref["logprobs"]))
-        emit({**record, "logprob_diff": lp_diff, "logprobs": len(res["logprobs"]), "chunks": res["chunks"],
+        sync = {"sync_names_differ": sorted(set(res["synced"]) ^ set(ref["synced"])),
+                "sync_tensors": len(ref["synced"]),
+                "sync_diff": max(float((t - ref["synced"][k]).abs().max()) for k, t in res["synced"].items()
+                                 if k in ref["synced"])}
+        emit({**record, **sync, "logprob_diff": lp_diff, "logprobs": len(res["logprobs"]), "chunks": res["chunks"],
               "rank": 0})
     back = resumed(args.dir, ctx)
     uneven = results[SAVES]
