@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, undocumented_fields
+from megatron_rl.parallel import ParallelConfig
 from tools.plan import main
 from tools.plan.count import Arch
 from tools.plan.memory import plan_layout, rank_chunks, resolve_layout
@@ -85,15 +86,42 @@ def test_deepseek_v3_fits_on_1024_h100_at_the_nemo_layout():
 
 
 def test_deepseek_v3_pipeline_split_is_megatrons_layout():
-    _, arch = _load("deepseek_v3_671b")
-    ranks = rank_chunks(arch.layer_kinds(), 8, 4)
-    sizes = [len(c) for r in range(4) for c in (ranks[i][r] for i in range(8))]
-    assert sizes == [1] + [2] * 30 + [1]                   # "Et|(tt|)*30mL"
-    assert ranks[7][3] == ("mtp",) and ranks[0][0] == ("dense",)
+    cfg, arch = _load("deepseek_v3_671b")
+    assert cfg.parallel.pipeline_layout == "Et|(tt|)*30mL"
+    for par in (cfg.parallel, ParallelConfig(pp=8, vpp=4)):  # the config's layout, and the refused even split
+        ranks = rank_chunks(arch.layer_kinds(), par)
+        sizes = [len(c) for r in range(4) for c in (ranks[i][r] for i in range(8))]
+        assert sizes == [1] + [2] * 30 + [1]                   # "Et|(tt|)*30mL"
+        assert ranks[7][3] == ("mtp",) and ranks[0][0] == ("dense",)
+
+
+def test_deepseek_v3_published_layout_is_accepted_by_the_trainer(capsys):
+    """The plan no longer notes a refusal: the trainer builds 61 layers over pp 8 x vpp 4 with the layout."""
+    cfg, arch = _load("deepseek_v3_671b")
+    plan = _plan(cfg, arch)
+    assert plan.trainer_error is None and plan.fits
+    assert main([str(CONFIGS / "deepseek_v3_671b.yaml")]) == 0
+    text = capsys.readouterr().out
+    assert "stages=Et|(tt|)*30mL" in text and "refuses" not in text
+    # without the layout: refused, naming the reason and proposing exactly that layout
+    cfg.parallel = ParallelConfig(tp=2, pp=8, vpp=4, ep=64, etp=1, sequence_parallel=True)
+    err = _plan(cfg, arch).trainer_error
+    assert "model.num_layers=61 is not divisible by parallel.pp*vpp = 32" in err and "'Et|(tt|)*30mL'" in err
+
+
+def test_plan_places_layers_as_the_trainer_does():
+    """An MTP model at an even split: the decoder layers evenly, the MTP module added to the last chunk."""
+    cfg, arch = _load("deepseek_v3_671b", "model.num_layers=64", "parallel.pipeline_layout=null")
+    ranks = rank_chunks(arch.layer_kinds(), cfg.parallel)
+    assert [len(c) for r in ranks for c in r[:-1]] == [2] * 24 and ranks[7][3][-1] == "mtp" and len(ranks[7][3]) == 3
+    par = ParallelConfig(pp=4, first_stage_layers=10, last_stage_layers=12)
+    ranks = rank_chunks(arch.layer_kinds(), par)
+    assert [len(r[0]) for r in ranks] == [10, 21, 21, 13]   # + MTP on the last
 
 
 def test_too_small_layout_does_not_fit_and_names_the_term():
-    cfg, arch = _load("deepseek_v3_671b", "parallel.pp=1", "parallel.vpp=null", "parallel.ep=8", "cluster.gpus=64",
+    cfg, arch = _load("deepseek_v3_671b", "parallel.pp=1", "parallel.vpp=null", "parallel.pipeline_layout=null",
+                      "parallel.ep=8", "cluster.gpus=64",
                       "train.global_batch_size=512")
     plan = _plan(cfg, arch)
     assert not plan.fits
@@ -158,22 +186,25 @@ def test_search_returns_only_fitting_layouts_sorted():
 
 
 def test_search_proposes_only_layouts_the_trainer_accepts():
-    """94 layers: pp * vpp must divide 94 for the trainer; the search must not offer pp=4 or pp=8."""
+    """94 layers: where pp * vpp does not divide 94 (pp=4, pp=8) the candidate carries the uneven layout the
+    trainer proposes; every candidate is one the trainer accepts."""
     from tools.plan.search import candidate_layouts
 
     cfg, arch = _load("qwen3_235b_a22b")
-    refused = []
+    uneven = []
     for par in candidate_layouts(cfg, arch):
-        try:
-            cfg.model.check_parallel(par)
-        except ConfigError:
-            refused.append(par)
-    assert any(p.pp in (4, 8) for p in refused)  # the candidates do include layouts the trainer refuses
+        cfg.model.check_parallel(par)                  # raises if the trainer would refuse it
+        if par.pipeline_layout:
+            uneven.append(par)
+    assert any(p.pp in (4, 8) for p in uneven)
     plans, _ = search(cfg, arch, "selective")
     assert plans
     for p in plans:
         cfg.model.check_parallel(p.layout.parallel)    # raises if the trainer would refuse it
-        assert 94 % (p.layout.parallel.pp * p.layout.vpp) == 0 and p.trainer_error is None
+        assert p.trainer_error is None
+        even = 94 % (p.layout.parallel.pp * p.layout.vpp) == 0
+        assert even == (p.layout.parallel.pipeline_layout is None), p.layout.label()
+    assert any(p.layout.parallel.pipeline_layout for p in plans)  # uneven pp x vpp offered, with its layout
 
 
 def test_search_pins_recompute(capsys):
@@ -202,7 +233,12 @@ def test_readme_deepseek_example_fits_and_keeps_the_degrees(capsys):
     assert main([*argv, "--layout", "tp=2,pp=8,vpp=4,ep=64"]) == 0
     out = json.loads(capsys.readouterr().out)["plan"]
     assert out["fits"] and out["layout"]["etp"] == 1 and out["layout"]["sequence_parallel"] is True
-    assert not out["trainer_accepts"] and "pp*vpp = 32" in out["trainer_error"]   # 61 layers: uneven split
+    assert out["trainer_accepts"] and out["layout"]["pipeline_layout"] == "Et|(tt|)*30mL"  # the config's split kept
+    assert out["layout"]["chunk_layers"][0] == [1, 2, 2, 2] and out["layout"]["chunk_layers"][7] == [2, 2, 2, 0]
+    main([*argv, "--layout", "pp=16,vpp=2"])     # another pp x vpp drops the split: refused, with a proposal
+    out = json.loads(capsys.readouterr().out)["plan"]
+    assert out["layout"]["pipeline_layout"] is None and not out["trainer_accepts"]
+    assert "pp*vpp = 32" in out["trainer_error"] and "pipeline_layout: 'Et|(tt|)*30mL'" in out["trainer_error"]
     main([*argv, "--layout", "tp=2,pp=8,vpp=4,ep=64,etp=2,sp=0"])
     out = json.loads(capsys.readouterr().out)["plan"]["layout"]
     assert (out["etp"], out["sequence_parallel"], out["vpp"]) == (2, False, 4)
@@ -260,7 +296,7 @@ def test_shipped_configs_fit():
                  "glm45_355b_a32b"):
         cfg, arch = _load(name)
         assert _plan(cfg, arch).fits, name
-    for name in ("qwen3_235b_a22b", "glm45_355b_a32b"):  # the new ones also at a layout the trainer builds
+    for name in ("qwen3_235b_a22b", "glm45_355b_a32b", "deepseek_v3_671b", "kimi_k2_1t"):  # layouts the trainer builds
         cfg, arch = _load(name)
         assert _plan(cfg, arch).trainer_error is None, name
 

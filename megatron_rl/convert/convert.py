@@ -82,7 +82,9 @@ def write_meta(tmp: Path, arch, hf_cfg: dict, side_src: Path | None) -> None:
 
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
-                verify: bool = False, tol: float | None = None) -> dict:
+                verify: bool = False, tol: float | None = None, stages: dict | None = None) -> dict:
+    """HF folder -> dist_checkpointing checkpoint written at tp x pp x ep (`stages`: an uneven split of the layers
+    over the pp ranks, runtime.start); the checkpoint's keys are global, so any layout loads it."""
     from megatron.core import dist_checkpointing
 
     reader = HFReader(hf_dir)
@@ -91,11 +93,12 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
     rules = all_rules(arch, reader.config)
     checks.hf_names(reader, arch, rules)
     checks.hf_shapes(reader, arch, rules, cfg, extra)
-    ctx = runtime.start(tp, pp, ep)
+    runtime.layout_config(tp, pp, ep, stages, cfg)  # refused before any rank starts
+    ctx = runtime.start(tp, pp, ep, stages)
     # no random initialisation: every tensor is filled from the checkpoint below (fill_model refuses a missing
     # one), and Megatron's CPU initialisation builds each weight's full master copy first (~1.6x the model)
     model = layout.build_model(cfg, {**extra, "perform_initialization": False}, ctx)
-    report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
+    report = {"arch": arch.name, "layout": _layout(tp, pp, ep, stages), "world_size": ctx.world_size}
     report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0(ctx.world))
     reader.close()
     with runtime.atomic_dir(out, ctx.world) as tmp:
@@ -231,19 +234,24 @@ def mcore_to_hf(ckpt: str, out: str, hf_config: str | None = None, verify: bool 
     return report
 
 
+def _layout(tp: int, pp: int, ep: int, stages: dict | None) -> dict:
+    return {"tp": tp, "pp": pp, "ep": ep, **{k: v for k, v in (stages or {}).items() if v is not None}}
+
+
 def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_config: str | None = None,
-            verify: bool = False, tol: float | None = None) -> dict:
+            verify: bool = False, tol: float | None = None, stages: dict | None = None) -> dict:
     from megatron.core import dist_checkpointing
 
     ckpt_p = Path(ckpt)
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     arch = for_hf_config(hf)
     cfg, extra = arch.model_config(hf)
-    ctx = runtime.start(tp, pp, ep)
+    runtime.layout_config(tp, pp, ep, stages, cfg)  # refused before any rank starts
+    ctx = runtime.start(tp, pp, ep, stages)
     model = layout.build_model(cfg, extra, ctx)
     checks.ckpt_against_shards(ckpt_p, model)
     layout.load_model(model, ckpt_p)
-    report = {"arch": arch.name, "layout": {"tp": tp, "pp": pp, "ep": ep}, "world_size": ctx.world_size}
+    report = {"arch": arch.name, "layout": _layout(tp, pp, ep, stages), "world_size": ctx.world_size}
     with runtime.atomic_dir(out, ctx.world) as tmp:
         dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
         if runtime.is_rank0(ctx.world):

@@ -17,14 +17,31 @@ TMP_TAG_ENV = "MRL_CONVERT_TMP_TAG"
 """Set by the launcher that spawns torchrun: the suffix of the temporary output folder (its pid)."""
 
 
-def start(tp: int = 1, pp: int = 1, ep: int = 1):
-    """DistContext for the layout; in a single process it reuses an already started one of the same layout."""
+def layout_config(tp: int = 1, pp: int = 1, ep: int = 1, stages: dict | None = None, model=None):
+    """The converter's ParallelConfig, validated (against `model`, a ModelConfig, when given) before any rank
+    starts. `stages`: an uneven split of the layers over the pp ranks (ParallelConfig's first_stage_layers /
+    last_stage_layers / pipeline_layout; one chunk per rank: no virtual stages)."""
+    from megatron_rl.config import ConfigError, from_dict
+    from megatron_rl.parallel import ParallelConfig
+
+    try:
+        parallel = from_dict(ParallelConfig, {"tp": tp, "pp": pp, "ep": ep, **(stages or {})}, prefix="parallel")
+        if model is not None:
+            model.check_parallel(parallel)
+    except ConfigError as e:
+        raise ConvertError(f"{e} (convert: --tp/--pp/--ep, --first-stage-layers / --last-stage-layers / "
+                           f"--pipeline-layout)") from None
+    return parallel
+
+
+def start(tp: int = 1, pp: int = 1, ep: int = 1, stages: dict | None = None):
+    """DistContext for the layout (`layout_config`); in a single process it reuses an already started one of the
+    same layout."""
     from megatron.core import parallel_state
 
     from megatron_rl.distributed import attach_distributed, init_distributed
-    from megatron_rl.parallel import ParallelConfig
 
-    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep)
+    parallel = layout_config(tp, pp, ep, stages)
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),

@@ -7,6 +7,7 @@ Local (non-TE) spec on CPU; the Transformer Engine spec on GPU (with FP8 recipes
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -264,7 +265,8 @@ class ModelConfig:
 
     def check_parallel(self, parallel: ParallelConfig) -> None:
         parallel.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-                             num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None)
+                             num_query_groups=self.num_query_groups, num_experts=self.moe.num_experts or None,
+                             mtp_num_layers=self.mtp_num_layers)
         if self.mla.enabled:
             _check_mla_parallel(self.mla, parallel)
         if self.mtp_num_layers and parallel.cp > 1:
@@ -317,6 +319,7 @@ def transformer_config(cfg: ModelConfig, parallel: ParallelConfig, overrides: di
         window_size=(cfg.sliding_window - 1, 0) if cfg.sliding_window else None,
         window_attn_skip_freq=list(cfg.sliding_window_layers) if cfg.sliding_window_layers is not None else None,
         mtp_num_layers=cfg.mtp_num_layers or None,
+        **parallel.transformer_kwargs(),  # uneven pipeline stages (megatron_rl/stages.py)
     )
     if moe.num_experts:
         kw.update(num_moe_experts=moe.num_experts, moe_router_topk=moe.topk,
@@ -460,6 +463,17 @@ def _swap_core_attention(spec, cfg: ModelConfig, cp: int) -> None:
         spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
 
 
+def _mtp_source_spec(cfg: ModelConfig, parallel: ParallelConfig, spec):
+    """The spec the MTP layers copy (the model's last layer's): this chunk's, or, when this chunk holds no layer
+    (an uneven layout such as DeepSeek-V3's 'Et|(tt|)*30mL': the MTP layer and the loss alone), the last layer's of
+    the whole model's block spec."""
+    if not cfg.mtp_num_layers or not hasattr(spec, "layer_specs") or spec.layer_specs:
+        return spec
+    one = dataclasses.replace(parallel, pp=1, vpp=None, first_stage_layers=None, last_stage_layers=None,
+                              pipeline_layout=None)
+    return layer_spec(cfg, parallel.cp, transformer_config(cfg, one), vp_stage=None, pp_rank=0)
+
+
 def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_process: bool = True,
               post_process: bool = True, vp_stage: int | None = None, config_overrides: dict | None = None):
     """One (pipeline-stage) chunk of the policy as a Megatron-Core GPTModel.
@@ -478,7 +492,8 @@ def build_gpt(cfg: ModelConfig, parallel: ParallelConfig, pgs=None, *, pre_proce
         pp_rank = pgs.pp.rank() if getattr(pgs, "pp", None) is not None else \
             parallel_state.get_pipeline_model_parallel_rank()
     spec = layer_spec(cfg, parallel.cp, tcfg, vp_stage=vp_stage, pp_rank=pp_rank)
-    mtp = mtp_block_spec(tcfg, spec, cfg.transformer_impl == "transformer_engine", vp_stage) if post_process else None
+    mtp = mtp_block_spec(tcfg, _mtp_source_spec(cfg, parallel, spec), cfg.transformer_impl == "transformer_engine",
+                         vp_stage) if post_process else None
     model = (mtp_model_class() if mtp is not None else GPTModel)(
         config=tcfg, transformer_layer_spec=spec, mtp_block_spec=mtp,
         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_seq_length, pre_process=pre_process,

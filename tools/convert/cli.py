@@ -45,7 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (a, c):
         for dim in ("tp", "pp", "ep"):
             sp.add_argument(f"--{dim}", type=int, default=1, help=f"{dim.upper()} size of the written layout")
+        sp.add_argument("--first-stage-layers", type=int, help="layers on the first pipeline rank (uneven stages)")
+        sp.add_argument("--last-stage-layers", type=int, help="layers on the last pipeline rank (uneven stages)")
+        sp.add_argument("--pipeline-layout", help="every pipeline rank's layers in Megatron's syntax, e.g. "
+                                                  "'Ett|ttL' (pp stages; megatron_rl/stages.py)")
     return p
+
+
+def stages(args) -> dict:
+    """The uneven stage split the arguments ask for (ParallelConfig fields; empty: even)."""
+    keys = ("first_stage_layers", "last_stage_layers", "pipeline_layout")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def launched() -> bool:
@@ -78,11 +88,13 @@ def run(args) -> dict:
 
         return gguf_to_hf(args.gguf or gguf_in_package(args.package), args.out)
     if args.op == "hf-to-mcore":
-        return convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.dtype, args.verify, args.tol)
+        return convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.dtype, args.verify, args.tol,
+                                   stages(args))
     if args.op == "mcore-to-hf":
         return convert.mcore_to_hf(args.ckpt, args.out, args.hf_config, args.verify,
                                    int(args.max_shard_gb * 2**30), args.tol)
-    return convert.reshard(args.ckpt, args.out, args.tp, args.pp, args.ep, args.hf_config, args.verify, args.tol)
+    return convert.reshard(args.ckpt, args.out, args.tp, args.pp, args.ep, args.hf_config, args.verify, args.tol,
+                           stages(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,13 @@ import sys
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.parallel import ParallelConfig
 from tools.plan.count import Arch
-from tools.plan.memory import TERMS, Plan, plan_layout, resolve_layout
+from tools.plan.memory import TERMS, Plan, chunk_layers, plan_layout, resolve_layout
 from tools.plan.search import rollout_figures, search
 from tools.plan.spec import PlanConfig, gpu_spec, load_plan_config
 
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp")
+STAGE_KEYS = ("first_stage_layers", "last_stage_layers", "pipeline_layout")
+"""The config's uneven stage split, kept unless --layout changes pp or vpp."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_layout(text: str, base: ParallelConfig | None = None) -> ParallelConfig:
     """'tp=2,pp=8,vpp=4,ep=64' -> ParallelConfig: every degree given is kept; the others come from `base`
-    (the config's parallel), except vpp when pp changes and sequence parallel when tp changes (then on
-    exactly when tp > 1)."""
+    (the config's parallel), except vpp when pp changes, the uneven stage split (STAGE_KEYS) when pp or vpp
+    changes, and sequence parallel when tp changes (then on exactly when tp > 1)."""
     base = base or ParallelConfig()
     values: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -59,9 +61,11 @@ def parse_layout(text: str, base: ParallelConfig | None = None) -> ParallelConfi
     sp = values.pop("sp", None)
     if sp not in (None, 0, 1):
         raise ConfigError(f"--layout: sp={sp} must be 0 or 1 (sequence parallel off/on)")
-    kept = {k: getattr(base, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp")}
+    kept = {k: getattr(base, k) for k in ("tp", "pp", "vpp", "cp", "ep", "etp", *STAGE_KEYS)}
     if "pp" in values and values["pp"] != base.pp:
         kept["vpp"] = None
+    if any(k in values and values[k] != getattr(base, k) for k in ("pp", "vpp")):
+        kept.update(dict.fromkeys(STAGE_KEYS))  # a stage split is for one pp x vpp
     par = from_dict(ParallelConfig, {**kept, **values}, prefix="parallel")
     if sp is not None:
         par.sequence_parallel = bool(sp)
@@ -96,7 +100,12 @@ def plan_dict(cfg: PlanConfig, arch: Arch, plan: Plan) -> dict:
     return {"layout": {"tp": lay.parallel.tp, "pp": lay.parallel.pp, "vpp": lay.vpp, "cp": lay.parallel.cp,
                        "ep": lay.parallel.ep, "etp": lay.etp, "sequence_parallel": lay.parallel.sequence_parallel,
                        "dp": lay.dp, "expert_dp": lay.expert_dp,
-                       "microbatches": lay.microbatches, "recompute": lay.recompute},
+                       "microbatches": lay.microbatches, "recompute": lay.recompute,
+                       "pipeline_layout": lay.parallel.pipeline_layout,
+                       "first_stage_layers": lay.parallel.first_stage_layers,
+                       "last_stage_layers": lay.parallel.last_stage_layers,
+                       "chunk_layers": chunk_layers(lay.parallel, arch.model.num_layers,
+                                                    arch.layer_kinds().count("mtp"))},
             "memory_gb": {k: round(v, 3) for k, v in plan.memory_gb.items()},
             "total_gb": round(plan.total_gb, 3), "usable_gb": round(plan.usable_gb, 3), "fits": plan.fits,
             "reason": plan.reason, "worst_pipeline_rank": plan.worst_rank, "step": plan.step,

@@ -12,9 +12,10 @@ Memory per GPU, for each pipeline rank (the plan reports the worst one):
   2 * (pp - rank - 1) + (vpp - 1) * pp + 1 model chunks (Megatron's warm-up count), i.e. a factor
   1 + (pp - 1) / (pp * vpp) on the first stage; full recompute keeps only each layer's input plus one
   layer's working set; the last stage adds the logits (bf16 + fp32 copy).
-Layers go to pp * vpp model chunks as evenly as possible, first and last chunk taking the shorter share
-(they also hold the embedding and the loss), MTP modules last: DeepSeek-V3 at pp 8 x vpp 4 gives
-Megatron's "Et|(tt|)*30mL" layout.
+Layers go to the pp * vpp model chunks as the trainer places them (megatron_rl/stages.py: evenly, or as
+parallel.first_stage_layers / last_stage_layers / pipeline_layout say), the MTP modules on the last chunk; a
+split the trainer refuses is planned at the layout its refusal proposes (as even as possible, first and last
+chunk taking the shorter share): DeepSeek-V3 at pp 8 x vpp 4 is Megatron's "Et|(tt|)*30mL" either way.
 
 Step time (a ranking heuristic, stated as such): hardware FLOPs / (gpus * peak * matmul_efficiency), times
 the slowest pipeline stage's FLOPs over the mean, (1 + pipeline bubble (pp - 1) / (vpp * m)), and a
@@ -23,9 +24,11 @@ NVLink domain, and grows when cp leaves fewer than 2048 tokens per rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_rl import stages
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
 from tools.plan.count import Arch
@@ -58,7 +61,11 @@ class Layout:
         p = self.parallel
         moe = f"ep={p.ep} etp={self.etp} " if p.ep > 1 or p.etp is not None else ""
         sp = " sp" if p.sequence_parallel else ""
-        return f"tp={p.tp}{sp} pp={p.pp} vpp={self.vpp} cp={p.cp} {moe}dp={self.dp} recompute={self.recompute}"
+        stages = f" stages={p.pipeline_layout}" if p.pipeline_layout else ""
+        if p.first_stage_layers or p.last_stage_layers:
+            stages = f" first/last stage layers={p.first_stage_layers}/{p.last_stage_layers}"
+        return (f"tp={p.tp}{sp} pp={p.pp} vpp={self.vpp}{stages} cp={p.cp} {moe}dp={self.dp} "
+                f"recompute={self.recompute}")
 
 
 @dataclass
@@ -112,31 +119,41 @@ def resolve_layout(cfg: PlanConfig, arch: Arch, parallel: ParallelConfig, recomp
 
 def trainer_error(cfg: PlanConfig, parallel: ParallelConfig) -> str | None:
     """The trainer's own check of a layout against the model (`ModelConfig.check_parallel`: heads and query
-    groups by tp, layers by pp * vpp, experts by ep), as a message; None when it accepts the layout."""
+    groups by tp, layers over the pipeline stages, experts by ep), as a message; None when it accepts it."""
+    model = cfg.model
+    if cfg.arch.mtp_layers and not model.mtp_num_layers:  # the plan's MTP depth (arch.mtp_layers) is the model's
+        model = dataclasses.replace(model, mtp_num_layers=cfg.arch.mtp_layers)
     try:
-        cfg.model.check_parallel(parallel)
+        model.check_parallel(parallel)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def chunk_sizes(n_slots: int, n_chunks: int) -> list[int]:
-    """Layers per model chunk: as even as possible, the extra ones going to the inner chunks first."""
-    base, extra = divmod(n_slots, n_chunks)
-    sizes = [base] * n_chunks
-    order = list(range(1, n_chunks - 1)) + [0, n_chunks - 1] if n_chunks > 2 else list(range(n_chunks))
-    for i in order[:extra]:
-        sizes[i] += 1
-    return sizes
+def chunk_layers(parallel: ParallelConfig, num_layers: int, mtp: int) -> list[list[int]]:
+    """Transformer layers per chunk [pp rank][virtual stage] as the trainer builds them; for a split it refuses,
+    the split its refusal proposes."""
+    pp, vpp = parallel.pp, parallel.vpp or 1
+    try:
+        stages.check(num_layers, mtp, pp, vpp, parallel.first_stage_layers, parallel.last_stage_layers,
+                     parallel.pipeline_layout)
+    except ConfigError:
+        return stages.chunk_layers(num_layers, pp, vpp, layout=stages.propose(num_layers, mtp, pp, vpp))
+    return parallel.chunk_layers(num_layers)
 
 
-def rank_chunks(kinds: tuple[str, ...], pp: int, vpp: int) -> list[list[tuple[str, ...]]]:
-    """For each pipeline rank, its model chunks (rank r holds chunks r, r + pp, ...), each a tuple of kinds."""
-    sizes, start, chunks = chunk_sizes(len(kinds), pp * vpp), 0, []
-    for n in sizes:
-        chunks.append(kinds[start:start + n])
-        start += n
-    return [[chunks[c] for c in range(r, pp * vpp, pp)] for r in range(pp)]
+def rank_chunks(kinds: tuple[str, ...], parallel: ParallelConfig) -> list[list[tuple[str, ...]]]:
+    """For each pipeline rank, its model chunks (virtual stage v of every rank before v + 1), each a tuple of
+    kinds; the MTP modules (kinds 'mtp', last) on the last chunk."""
+    pp, vpp = parallel.pp, parallel.vpp or 1
+    mtp = kinds.count("mtp")
+    counts, start, chunks = chunk_layers(parallel, len(kinds) - mtp, mtp), 0, {}
+    for v in range(vpp):
+        for r in range(pp):
+            chunks[r, v] = kinds[start:start + counts[r][v]]
+            start += counts[r][v]
+    chunks[pp - 1, vpp - 1] += kinds[start:]
+    return [[chunks[r, v] for v in range(vpp)] for r in range(pp)]
 
 
 # ---------------------------------------------------------------------------------- activations
@@ -244,7 +261,7 @@ def _rank_activations(cfg: PlanConfig, arch: Arch, lay: Layout, rank: int, chunk
 def plan_layout(cfg: PlanConfig, arch: Arch, lay: Layout, gpu: GPUSpec | None = None) -> Plan:
     """Memory of the worst pipeline rank, the fit verdict with its reason, and the step estimate."""
     gpu = gpu or gpu_spec(cfg.cluster.gpu)
-    per_rank = rank_chunks(arch.layer_kinds(), lay.parallel.pp, lay.vpp)
+    per_rank = rank_chunks(arch.layer_kinds(), lay.parallel)
     mems = [rank_memory(cfg, arch, lay, r, chunks) for r, chunks in enumerate(per_rank)]
     worst = max(range(len(mems)), key=lambda r: sum(mems[r].values()))
     mem_gb = {k: v / GB for k, v in mems[worst].items()}
@@ -295,7 +312,7 @@ def stage_imbalance(arch: Arch, lay: Layout, seq_length: int) -> float:
     pp = lay.parallel.pp
     attn = 3.0 * seq_length * arch.heads * (arch.qk_dim + arch.v_dim)
     per_rank = [sum(6.0 * arch.layers[k].active + attn for c in chunks for k in c)
-                for chunks in rank_chunks(arch.layer_kinds(), pp, lay.vpp)]
+                for chunks in rank_chunks(arch.layer_kinds(), lay.parallel)]
     per_rank[-1] += 6.0 * arch.embedding
     return max(per_rank) / (sum(per_rank) / pp)
 

@@ -3,15 +3,18 @@
 Search enumerates tp (powers of two up to a node, dividing the heads / query groups), pp (dividing the
 GPUs, at most the layer count), vpp (powers of two, pp * vpp <= layers), cp (powers of two up to a node),
 ep (powers of two dividing the experts), etp in {1, tp}, and recompute in {none, selective, full} unless
-pinned; dp follows from the GPU count. Layouts that do not resolve (divisibility, batch), that the trainer
-refuses for the model (`ModelConfig.check_parallel`: layers by pp * vpp, heads by tp, experts by ep) or that
-do not fit are dropped; the rest are sorted by estimated step time, then by memory.
+pinned; dp follows from the GPU count. Where pp * vpp does not divide the layers, the candidate carries the
+uneven parallel.pipeline_layout the trainer proposes (megatron_rl/stages.py). Layouts that do not resolve
+(divisibility, batch), that the trainer refuses for the model (`ModelConfig.check_parallel`: heads by tp,
+layers over the stages, experts by ep) or that do not fit are dropped; the rest are sorted by estimated step
+time, then by memory.
 """
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
 
+from megatron_rl import stages
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
 from tools.plan.count import Arch
@@ -41,7 +44,17 @@ def candidate_layouts(cfg: PlanConfig, arch: Arch) -> Iterator[ParallelConfig]:
             if world % (etp * ep * pp) or (arch.num_experts and arch.moe_ffn % etp):
                 continue
             yield ParallelConfig(tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep,
-                                 etp=etp if arch.num_experts else None, sequence_parallel=tp > 1)
+                                 etp=etp if arch.num_experts else None, sequence_parallel=tp > 1,
+                                 pipeline_layout=_layout(cfg, pp, vpp))
+
+
+def _layout(cfg: PlanConfig, pp: int, vpp: int) -> str | None:
+    """None where the layers split evenly over pp * vpp chunks, else the uneven layout the trainer's refusal
+    proposes (megatron_rl/stages.py), so that the candidate is one the trainer builds."""
+    layers, mtp = cfg.model.num_layers, cfg.arch.mtp_layers or cfg.model.mtp_num_layers
+    if pp == 1 or layers % (pp * vpp) == 0:
+        return None
+    return stages.propose(layers, mtp, pp, vpp)
 
 
 def search(cfg: PlanConfig, arch: Arch, recompute: str | None = None) -> tuple[list[Plan], int]:
