@@ -154,6 +154,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
+    from megatron_rl.trainer.teacher import load_teacher
 
     tok = cfg.tokenizer.build(cfg.model)
     tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
@@ -173,7 +174,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
-    return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
+    trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
+    return Parts(cfg, ctx, tok, policy, trainer,
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
 
@@ -281,7 +283,8 @@ class Clock:
 
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
               "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac", "value_loss",
-              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss")
+              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss",
+              "teacher_kl")
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:
