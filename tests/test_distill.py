@@ -92,3 +92,69 @@ def test_trainer_refuses_distill_without_a_teacher():
 
     with pytest.raises(ConfigError, match="distill.*needs a teacher"):
         RLTrainer(_policy(), RLConfig(advantage=AdvantageConfig(name="distill")))
+
+
+# ------------------------------------------------------------------------------------------ the run config
+def _run_config(student, teacher, *more):
+    from megatron_rl import load_config
+
+    return load_config(str(REPO / "configs/post_train_cpu.yaml"),
+                       [f"model.init=hf:{student}", f"distill.teacher=hf:{teacher}", *DISTILL, *more])
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+DISTILL = ("rl.trainer.advantage.name=distill", "rl.dynamic_sampling=false")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """Student and teacher: tiny random Llamas of one tokenizer (seeds 0 and 1)."""
+    from tests.hf_tiny import tiny_llama, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("distill")
+    tok = tiny_tokenizer(root / "student")
+    tiny_llama(root / "student", tok, seed=0)
+    tiny_llama(root / "teacher", tok, seed=1)
+    return root / "student", root / "teacher"
+
+
+def test_teacher_of_another_tokenizer_is_refused_naming_both(tiny_pair, tmp_path):
+    from tests.hf_tiny import tiny_llama, tiny_tokenizer
+
+    student, teacher = tiny_pair
+    assert _run_config(student, teacher).distill.teacher == f"hf:{teacher}"  # same tokenizer: accepted
+    other = tmp_path / "other"
+    tiny_llama(other, tiny_tokenizer(other, vocab_size=300), seed=1)
+    with pytest.raises(ConfigError, match=rf"teacher's tokenizer {other} \(300 tokens\) differs from the "
+                                          rf"student's {student} \(259 tokens\)"):
+        _run_config(student, other)
+    with pytest.raises(ConfigError, match="rl.dynamic_sampling=false"):
+        _run_config(student, teacher, "rl.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match="set both .* or neither"):
+        _run_config(student, teacher, "rl.trainer.advantage.name=grpo")
+
+
+# ------------------------------------------------------------------------------------------ the product path
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_student_kl_to_a_tiny_teacher_goes_down_in_the_loop(tiny_pair, tmp_path):
+    """`megatron-rl train` (the main job's config, in-process loop) distilling a tiny teacher (seed 1) into a tiny
+    student (seed 0) of one tokenizer: the logged reverse KL to the teacher falls over a few steps."""
+    import json
+    import subprocess
+    import sys
+
+    student, teacher = tiny_pair
+    exe = str(__import__("pathlib").Path(sys.executable).parent / "megatron-rl")
+    short = ("rl.steps=6", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "eval.tasks=2",
+             "eval.k=2", "model.max_seq_length=128", "rl.optim.lr=1e-2", "export.enabled=false",
+             "engine.num_blocks=128", "monitor.tensorboard=false")
+    proc = subprocess.run([exe, "train", "configs/post_train_cpu.yaml", f"output_dir={tmp_path}",
+                           f"model.init=hf:{student}", f"distill.teacher=hf:{teacher}", *DISTILL, *short],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rl = [json.loads(x) for x in (tmp_path / "post_train" / "metrics.jsonl").read_text().splitlines() if '"rl"' in x]
+    kl = [r["teacher_kl"] for r in rl]
+    print("teacher_kl per step:", kl)
+    assert len(kl) == 6 and kl[0] > 0.1
+    assert sum(kl[-3:]) / 3 < 0.7 * kl[0], kl  # the last steps' policies against the starting one (0.46 -> 0.18)
