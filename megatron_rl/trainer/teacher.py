@@ -46,7 +46,9 @@ class DistillConfig:
             try:
                 parse(self.teacher)
             except ConfigError as e:
-                raise ConfigError(f"distill.teacher: {str(e).replace('model.init', 'distill.teacher')}") from None
+                hint = " (the main job's export: `megatron-rl train configs/post_train_cpu.yaml` writes " \
+                       "runs/post_train/export/hf-step-N)" if "export" in self.teacher else ""
+                raise ConfigError(str(e).replace("model.init", "distill.teacher") + hint) from None
 
 
 def teacher_model_config(student, teacher: str):
