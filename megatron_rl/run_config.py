@@ -13,6 +13,7 @@ from megatron_rl.parallel import ParallelConfig
 from megatron_rl.rollout.engine import EngineConfig
 from megatron_rl.tokenizer import TokenizerConfig
 from megatron_rl.trainer.policy import OptimConfig
+from megatron_rl.trainer.teacher import DistillConfig, check_teacher
 
 
 @dataclass
@@ -156,6 +157,8 @@ class RunConfig:
     """Metrics sinks and alerts."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """The HF export at the end of the run."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: the teacher scoring every sampled token (off by default)."""
 
     def resolve_sources(self) -> None:
         """The run's resolve step (before `validate`): read model.init's checkpoint and fill the model's shape in."""
@@ -270,6 +273,7 @@ class RunConfig:
             raise ConfigError(f"episodes.server=separate sends the whole model from rank 0's engine and needs "
                               f"parallel.tp=1 (got tp={self.parallel.tp}); use episodes.server=colocated")
         self._check_routing_replay()
+        check_teacher(self)  # the distillation teacher loads, tokenizes as the student and fits the layout
         self._check_export()
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "

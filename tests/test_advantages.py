@@ -148,7 +148,7 @@ def test_registry_contract(name):
     sample_index = torch.sort(torch.randint(0, n, (t,), generator=g)).values
     token = AdvantageInputs(torch.randn(n, generator=g), torch.arange(n) // 4, sample_index=sample_index,
                             loss_mask=torch.rand(t, generator=g) > 0.3, values=torch.randn(t, generator=g),
-                            kl=torch.rand(t, generator=g))
+                            kl=torch.rand(t, generator=g), teacher_kl=torch.randn(t, generator=g))
     cfg = AdvantageConfig(name=name, kl_coef=0.05)
     cfg.validate()
     out = cfg.build()(token)
@@ -156,7 +156,7 @@ def test_registry_contract(name):
     assert out.advantages.shape == (t,) and torch.isfinite(out.advantages).all()
     assert out.advantages[~token.loss_mask].eq(0).all()
     assert out.returns is None or out.returns.shape == (t,)
-    if name != "gae":  # sample-level use: [N]
+    if name not in ("gae", "distill"):  # sample-level use: [N]
         out = AdvantageConfig(name=name).build()(AdvantageInputs(token.rewards, token.group_ids))
         assert out.advantages.shape == (n,) and torch.isfinite(out.advantages).all()
 
@@ -165,7 +165,7 @@ def test_registry_contract(name):
 def test_advantage_config_fields_documented_and_validated():
     assert undocumented_fields(AdvantageConfig) == []
     assert from_dict(AdvantageConfig, {"name": "gae", "lam": 0.9}).lam == 0.9
-    with pytest.raises(ConfigError, match="unknown advantage estimator 'gpro'; known: gae, grpo, reinforce"):
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'gpro'; known: distill, gae, grpo, reinforce"):
         AdvantageConfig(name="gpro").validate()
     with pytest.raises(ConfigError, match="gamma"):
         AdvantageConfig(gamma=1.5).validate()

@@ -154,6 +154,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
+    from megatron_rl.trainer.teacher import load_teacher
 
     tok = cfg.tokenizer.build(cfg.model)
     tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
@@ -175,7 +176,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
-    return Parts(cfg, ctx, tok, policy, RLTrainer(policy, trainer_config(cfg, tok.vocab_size)),
+    trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
+    return Parts(cfg, ctx, tok, policy, trainer,
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
 
@@ -262,7 +264,7 @@ class Clock:
     """Wall time of a step's phases; generation and env-wait come from the rollouts' own timers."""
 
     def __init__(self, rollouts):
-        self.rollouts, self.t0 = rollouts, time.perf_counter()
+        self.rollouts, self.t0, self.cpu0 = rollouts, time.perf_counter(), _rank_cpu_s()
         self.start = dict(rollouts.timers)
         self.marks: dict[str, float] = {}
         self.last = self.t0
@@ -278,12 +280,23 @@ class Clock:
         env = self.rollouts.timers["env_wait_s"] - self.start["env_wait_s"]
         train = self.marks.get("train", 0.0)
         return {"time_step_s": total, "time_generate_s": gen, "time_env_wait_s": env, "time_train_s": train,
-                "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9)}
+                "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9),
+                "cpu_step_s": _rank_cpu_s() - self.cpu0}
+
+
+def _rank_cpu_s() -> float:
+    """User + system CPU seconds of this rank (every thread: trainer, in-process engine, episode threads) and of
+    its children that were waited for (sandboxes): summed over steps, the CPU cost of a run on this rank."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
 
 
 TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
               "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac", "value_loss",
-              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss")
+              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss",
+              "teacher_kl")
 
 
 def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:

@@ -1,4 +1,4 @@
-"""Advantage estimators as a registry: grpo (group-normalised; Dr.GRPO without std), rloo, reinforce++, gae.
+"""Advantage estimators as a registry: grpo (group-normalised; Dr.GRPO without std), rloo, reinforce++, gae, distill.
 
 Every estimator is `fn(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutput`. It runs on the
 WHOLE global batch (rewards are small; run it on every rank or broadcast the result) before the batch is
@@ -14,6 +14,12 @@ Token-level rewards (gae, reinforce++): r_t = token_rewards_t - kl_coef * kl_t o
 sample's reward on its LAST loss token. Only loss tokens are steps of the MDP: environment/observation tokens
 between turns (loss_mask 0) are skipped, and a sample's tokens must appear in order in the packed batch.
 
+On-policy distillation (distill): the student samples, a teacher scores every sampled token, and each loss
+token's advantage is its reward -(log pi(x_t) - log pi_teacher(x_t)) (the per-token reverse KL to the teacher,
+negated; no discounting: each token's own term, as in on-policy distillation), times distill_coef, plus
+task_weight times the task advantage of `task_estimator` (grpo, rloo, reinforce++) from the rewards. The input
+is `teacher_kl` [T] (`reverse_kl`); minimising the policy-gradient loss with it minimises KL(pi || teacher).
+
 Degenerate groups (one sample, or all rewards equal) get advantage exactly 0, never NaN. A non-finite
 reward raises ValueError naming the sample.
 """
@@ -26,6 +32,9 @@ import torch
 from torch import Tensor
 
 from megatron_rl.rl.config import ADVANTAGES, AdvantageConfig  # noqa: F401  (the registry lives with its config)
+
+TOKEN_FIELDS = ("loss_mask", "values", "token_rewards", "kl", "teacher_kl")
+"""The per-token [T] fields of AdvantageInputs (need sample_index)."""
 
 
 @dataclass
@@ -46,6 +55,8 @@ class AdvantageInputs:
     """[T] dense per-token rewards added to the outcome reward (gae, reinforce++); None = 0."""
     kl: Tensor | None = None
     """[T] per-token KL to the reference (`losses.kl_penalty`), for KL-in-reward with cfg.kl_coef > 0."""
+    teacher_kl: Tensor | None = None
+    """[T] log pi(x_t) - log pi_teacher(x_t) of each sampled token (`reverse_kl`), for distill."""
 
     def __post_init__(self) -> None:
         if self.rewards.dim() != 1 or self.group_ids.shape != self.rewards.shape:
@@ -53,7 +64,7 @@ class AdvantageInputs:
                              f"{tuple(self.rewards.shape)} and {tuple(self.group_ids.shape)}")
         _check_finite(self.rewards, self.group_ids, "reward")
         if self.sample_index is None:
-            for name in ("loss_mask", "values", "token_rewards", "kl"):
+            for name in TOKEN_FIELDS:
                 if getattr(self, name) is not None:
                     raise ValueError(f"AdvantageInputs.{name} is per token and needs sample_index [T] too")
             return
@@ -63,7 +74,7 @@ class AdvantageInputs:
         t, n = self.sample_index.shape, self.rewards.numel()
         if self.loss_mask is None:
             raise ValueError("AdvantageInputs.sample_index needs loss_mask [T] too")
-        for name in ("loss_mask", "values", "token_rewards", "kl"):
+        for name in TOKEN_FIELDS:
             v = getattr(self, name)
             if v is not None and v.shape != t:
                 raise ValueError(f"AdvantageInputs.{name} has shape {tuple(v.shape)}, expected [T] = {tuple(t)}")
@@ -71,7 +82,7 @@ class AdvantageInputs:
             raise ValueError(f"AdvantageInputs.sample_index must index the {n} samples (0..{n - 1}), got "
                              f"values in [{int(self.sample_index.min())}, {int(self.sample_index.max())}]")
         mask = self.loss_mask.bool()
-        for name in ("values", "token_rewards", "kl"):
+        for name in TOKEN_FIELDS[1:]:
             v = getattr(self, name)
             if v is not None:
                 bad = mask & ~torch.isfinite(v)  # [T]
@@ -178,6 +189,14 @@ def _token_rewards(inputs: AdvantageInputs, cfg: AdvantageConfig, mask: Tensor) 
     return r
 
 
+def reverse_kl(logprobs: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """[T] float32 log pi(x_t) - log pi_teacher(x_t) on loss tokens (0 elsewhere, no NaN from padding), the
+    single-sample estimate of KL(pi || teacher) at each sampled token; no gradient. Inputs are [T]."""
+    mask = loss_mask.bool()  # [T]
+    with torch.no_grad():
+        return torch.where(mask, logprobs.float() - teacher_logprobs.float(), 0.0)  # [T]
+
+
 def _require_tokens(inputs: AdvantageInputs, name: str, *fields: str) -> None:
     for f in ("sample_index", *fields):
         if getattr(inputs, f) is None:
@@ -242,3 +261,16 @@ def gae_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOu
     returns = torch.where(mask, adv + inputs.values.double(), 0.0)  # [T]
     adv = _whiten(adv, mask, cfg.eps) if cfg.whiten else adv
     return AdvantageOutput(adv.float(), returns.float())
+
+
+@ADVANTAGES.register("distill")
+def distill_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutput:
+    """On-policy distillation: A_t = -distill_coef * teacher_kl_t + task_weight * A^task_t on loss tokens, 0
+    elsewhere; A^task from cfg.task_estimator on the same inputs (its per-token broadcast of the rewards)."""
+    _require_tokens(inputs, "distill", "teacher_kl")
+    mask = inputs.loss_mask.bool()  # [T]
+    adv = torch.where(mask, -cfg.distill_coef * inputs.teacher_kl.double(), 0.0)  # [T]
+    if cfg.task_weight > 0:
+        task = ADVANTAGES.get(cfg.task_estimator)(inputs, cfg).advantages  # [T], 0 off the mask
+        adv = adv + cfg.task_weight * task.double()
+    return AdvantageOutput(adv.float())

@@ -141,7 +141,7 @@ class AdvantageConfig:
     """The advantage estimator; runs on the whole global batch before it is split for the trainer."""
 
     name: str = "grpo"
-    """Registered advantage estimator (ADVANTAGES): grpo, rloo, reinforce++, gae."""
+    """Registered advantage estimator (ADVANTAGES): grpo, rloo, reinforce++, gae, distill (needs distill.teacher)."""
     scale_by_std: bool = True
     """grpo: divide by the group's reward std (GRPO); False subtracts the group mean only (Dr.GRPO)."""
     unbiased_std: bool = True
@@ -156,6 +156,14 @@ class AdvantageConfig:
     """KL-in-reward: per-token reward -= kl_coef * kl (reinforce++, gae; needs per-token kl when > 0)."""
     whiten: bool = False
     """gae: normalise advantages to mean 0, std 1 over the batch's loss tokens."""
+    distill_coef: float = 1.0
+    """distill: weight of the per-token reverse-KL reward -(log pi(x_t) - log pi_teacher(x_t)) of each sampled token."""
+    task_weight: float = 0.0
+    """distill: weight of the task advantage (of `task_estimator`, from the rewards) added to every loss token;
+    0 = pure distillation."""
+    task_estimator: str = "grpo"
+    """distill: the estimator of the task rewards mixed in when task_weight > 0 (one needing no critic: grpo,
+    rloo, reinforce++)."""
 
     def validate(self) -> None:
         _check_name(ADVANTAGES, "advantage.name", self.name)
@@ -164,6 +172,15 @@ class AdvantageConfig:
         _check_range("advantage.gamma", self.gamma, 0.0, 1.0)
         _check_range("advantage.lam", self.lam, 0.0, 1.0)
         _check_range("advantage.kl_coef", self.kl_coef, 0.0, math.inf)
+        _check_range("advantage.distill_coef", self.distill_coef, 0.0, math.inf)
+        _check_range("advantage.task_weight", self.task_weight, 0.0, math.inf)
+        _check_name(ADVANTAGES, "advantage.task_estimator", self.task_estimator)
+        if self.task_estimator in ("distill", "gae"):
+            raise ConfigError(f"advantage.task_estimator={self.task_estimator!r}: the task rewards' estimator must "
+                              "need neither a teacher nor a critic; use grpo, rloo or reinforce++")
+        if self.name == "distill" and self.distill_coef == 0 and self.task_weight == 0:
+            raise ConfigError("advantage.name='distill' with distill_coef=0 and task_weight=0 trains on nothing; "
+                              "set distill_coef > 0 (the teacher's signal)")
 
     def build(self):
         """The estimator as `fn(inputs: AdvantageInputs) -> AdvantageOutput`, with this config bound."""

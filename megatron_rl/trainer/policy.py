@@ -283,14 +283,20 @@ def _reduce_metrics(results: list[dict], ok: bool | None, grad_norm) -> dict:
 class FrozenModel:
     """Forward-only copy of a policy's chunks (same layout, no DDP, no optimizer): the KL reference model."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, model_cfg: ModelConfig | None = None,
+                 init: Callable[[torch.nn.Module], None] | None = None):
+        """The policy's current weights; or, given `model_cfg` and `init`, another checkpoint's model (the
+        distillation teacher: its own architecture, the policy's parallel layout and pipeline stages)."""
         par, pgs = policy.ctx.parallel, policy.ctx.pgs
-        self.cfg, self.ctx = policy.cfg, policy.ctx
+        self.cfg, self.ctx = model_cfg or policy.cfg, policy.ctx
         self.chunks = []
         for v, src in enumerate(policy.chunks):
-            m = build_gpt(policy.cfg, par, pgs, pre_process=src.module.pre_process,
+            m = build_gpt(self.cfg, par, pgs, pre_process=src.module.pre_process,
                           post_process=src.module.post_process, vp_stage=v if len(policy.chunks) > 1 else None)
-            m.load_state_dict(src.module.state_dict())
+            if init is None:
+                m.load_state_dict(src.module.state_dict())
+            else:
+                init(m)
             install_hidden_head(m)
             install_routing_replay(m, self.cfg)
             m.requires_grad_(False)

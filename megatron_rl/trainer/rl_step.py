@@ -37,6 +37,13 @@ Reference log-probs for the KL term come from a frozen copy of the initial polic
 zero advantages, the old and reference log-probs computed, the per-token KL gathered into the global batch's
 layout on every rank, and the advantages of the whole batch written back (`_late_advantages`).
 
+On-policy distillation (`advantage.name='distill'`, a `teacher` given: trainer/teacher.py): a frozen teacher
+model in the policy's layout makes a forward-only log-prob pass over the same micro-batches (`teacher_logprobs`
+[1, S], at the run's temperature, no routing replay: its experts are its own); the per-token reverse KL
+log pi_old(x_t) - log pi_teacher(x_t) is gathered into the global batch's layout like the KL below and the
+distill advantages computed from it (rl/advantages.py). `teacher_kl` in the metrics: its mean over the batch's
+loss tokens, the estimate of KL(policy || teacher) per token (0 when the teacher is the policy).
+
 Mismatch (`mismatch_kl` in the metrics): KL(behaviour || trainer), the k3 estimate per loss token of the rollout
 engine's behaviour log-probs against the trainer's log-probs of the same tokens from the first epoch's forward
 pass (the weights before the update), whatever `old_logprobs` and the IS correction are. It measures numerical
@@ -78,7 +85,7 @@ from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
 from megatron_rl.models import mtp
 from megatron_rl.models.output_head import HeadOutput
-from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput
+from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput, reverse_kl
 from megatron_rl.rl.config import AdvantageConfig, LossConfig
 from megatron_rl.rl.losses import LossInputs, kl_penalty, mismatch_kl, normaliser
 from megatron_rl.rl.value import explained_variance
@@ -186,9 +193,10 @@ def token_advantages(cols, cfg: AdvantageConfig, kl: np.ndarray | None = None) -
     return advantage_output(cols, cfg, kl).advantages.float().numpy()
 
 
-def advantage_output(cols, cfg: AdvantageConfig, kl=None, values=None) -> AdvantageOutput:
+def advantage_output(cols, cfg: AdvantageConfig, kl=None, values=None, teacher_kl=None) -> AdvantageOutput:
     """The estimator's output over the global batch, per token [T] aligned with cols.tokens (label side);
-    `kl` [T] for KL-in-reward, `values` [T] the critic's V(s_t) for gae (each an array or tensor, or None)."""
+    `kl` [T] for KL-in-reward, `values` [T] the critic's V(s_t) for gae, `teacher_kl` [T] the reverse KL to the
+    teacher for distill (each an array or tensor, or None)."""
     lengths = np.diff(np.asarray(cols.offsets))  # [N]
     episode = cols.episode_index() if hasattr(cols, "episode_index") else np.arange(len(lengths))  # [N] -> [0, E)
     # (the rows of a split agent episode are one sample: one reward, one group entry, one advantage)
@@ -198,15 +206,22 @@ def advantage_output(cols, cfg: AdvantageConfig, kl=None, values=None) -> Advant
                              group_ids=torch.as_tensor(np.asarray(cols.group_id, dtype=np.int64)[first]),
                              sample_index=sample_index, loss_mask=torch.from_numpy(cols.loss_mask.astype(bool)),
                              kl=None if kl is None else torch.as_tensor(kl).cpu(),
-                             values=None if values is None else torch.as_tensor(values).cpu())
+                             values=None if values is None else torch.as_tensor(values).cpu(),
+                             teacher_kl=None if teacher_kl is None else torch.as_tensor(teacher_kl).cpu())
     return cfg.build()(inputs)
 
 
 class RLTrainer:
-    """Runs RL steps of one rank's `Policy` (and optional frozen reference) on global batches."""
+    """Runs RL steps of one rank's `Policy` (and optional frozen reference and distillation teacher) on global
+    batches."""
 
-    def __init__(self, policy, cfg: RLConfig, reference=None):
+    def __init__(self, policy, cfg: RLConfig, reference=None, teacher=None):
         cfg.validate()
+        if (cfg.advantage.name == "distill") != (teacher is not None):
+            raise ConfigError("advantage.name='distill' needs a teacher (distill.teacher: an HF folder), and a "
+                              "teacher needs advantage.name='distill'; set both or neither")
+        self.teacher = teacher
+        """Frozen teacher (trainer/teacher.py) scoring the sampled tokens for distill; None without."""
         check_cp_support(cfg, policy.ctx.parallel.cp)
         self.policy, self.cfg, self.loss = policy, cfg, cfg.loss.build()
         self.fused = cfg.logprob_kernel.build() if cfg.logprob_impl == "fused" else None
@@ -291,7 +306,7 @@ class RLTrainer:
     @property
     def _late(self) -> bool:
         """The advantages need the models' outputs first (KL-in-reward, or GAE's values)."""
-        return self.cfg.advantage.kl_coef > 0 or self.critic is not None
+        return self.cfg.advantage.kl_coef > 0 or self.critic is not None or self.teacher is not None
 
     def _set_old_and_ref(self, mbs: list[dict]) -> None:
         _mark(mbs, "replay" if self.cfg.routing_replay != "off" else None)  # forward-only log-prob passes
@@ -304,14 +319,18 @@ class RLTrainer:
         else:
             for mb in mbs:
                 mb["old_logprobs"] = mb["behaviour_logprobs"]
+        if self.teacher is not None:
+            _mark(mbs, None)  # the teacher routes its own experts: the engine's routes are the student's
+            self._store_logprobs(self.teacher, mbs, "teacher_logprobs")
 
     def _late_advantages(self, cols, mbs: list[dict]) -> dict:
         """Token-level advantages that need the models first: KL-in-reward (advantage.kl_coef > 0: REINFORCE++,
         GAE) takes the per-token k1 KL of the old policy to the reference, log pi_old - log pi_ref; GAE takes the
-        critic's values V(s_t). Both are gathered from every rank's micro-batches into the global batch's token
-        layout [T] (each token lives on one dp x cp rank's last pipeline stage), the advantages (and GAE's
-        returns) of the whole batch computed, and written back into this rank's micro-batches. Returns the
-        critic's explained variance of those returns ({} without a critic)."""
+        critic's values V(s_t); distill the reverse KL of the old policy to the teacher. Each is gathered from
+        every rank's micro-batches into the global batch's token layout [T] (each token lives on one dp x cp
+        rank's last pipeline stage), the advantages (and GAE's returns) of the whole batch computed, and written
+        back into this rank's micro-batches. Returns the
+        critic's explained variance of those returns and the mean teacher_kl ({} without critic and teacher)."""
         if not self._late:
             return {}
         places = self._token_places(cols, mbs)
@@ -320,14 +339,24 @@ class RLTrainer:
             "ref_logprobs") if self.cfg.advantage.kl_coef > 0 else None  # [T]
         values = self._gather(cols, mbs, places, lambda mb: mb["old_values"].reshape(-1), "old_values") \
             if self.critic is not None else None  # [T]
-        out = advantage_output(cols, self.cfg.advantage, kl, values)
+        teacher = self._gather(cols, mbs, places, lambda mb: reverse_kl(
+            mb["old_logprobs"].reshape(-1), mb["teacher_logprobs"].reshape(-1), mb["loss_mask"].reshape(-1)),
+            "teacher_logprobs") if self.teacher is not None else None  # [T]
+        out = advantage_output(cols, self.cfg.advantage, kl, values, teacher)
         self._scatter(mbs, places, "advantages", out.advantages)
-        if values is None:
-            return {}
-        self._scatter(mbs, places, "returns", out.returns)
         mask = torch.from_numpy(cols.loss_mask.astype(bool))  # [T]
-        return {"explained_variance": explained_variance(values.cpu(), out.returns, mask),
+        distill = {} if teacher is None else {"teacher_kl": self._teacher_kl(cols, mbs, places, teacher)}
+        if values is None:
+            return distill
+        self._scatter(mbs, places, "returns", out.returns)
+        return {**distill, "explained_variance": explained_variance(values.cpu(), out.returns, mask),
                 "value_mean": float(values.cpu()[mask].mean()) if mask.any() else 0.0}
+
+    def _teacher_kl(self, cols, mbs: list[dict], places, teacher_kl: torch.Tensor) -> float:
+        """Mean of teacher_kl [T] over the loss tokens that were trained (packed on some rank)."""
+        packed = self._gather(cols, mbs, places, lambda mb: mb["loss_mask"].reshape(-1), "teacher_logprobs")  # [T]
+        n = float(packed.sum())
+        return float((teacher_kl * packed).sum()) / n if n else 0.0
 
     @staticmethod
     def _token_places(cols, mbs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
