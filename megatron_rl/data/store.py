@@ -169,6 +169,10 @@ class FsStore:
                 log.warning("store: shard %s unreadable (%s); its episodes count as unfinished", p, e)
         return cache
 
+    def shards(self, folder) -> list[str]:
+        """Every published shard's name in `folder`, readable or not (the reader counts the unreadable)."""
+        return sorted(p.name for p in Path(folder).glob("*.h5")) if Path(folder).is_dir() else []
+
     def read(self, folder, name: str, vocab_size: int | None = None) -> list:
         from megatron_rl.data.shards import read_shard
 
@@ -330,6 +334,10 @@ class S3Store:
             if a["folder"] == fk and a["name"].startswith(prefix):
                 cache.setdefault(a["name"], list(a["episode_ids"]))
         return cache
+
+    def shards(self, folder) -> list[str]:
+        """Every shard announced in `folder` (after consuming the waiting announcements)."""
+        return sorted(self.published(folder))
 
     def read(self, folder, name: str, vocab_size: int | None = None) -> list:
         """The shard's trajectories, checked against its announced sha256 (ShardError when they differ)."""

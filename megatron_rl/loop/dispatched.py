@@ -380,7 +380,7 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
 
     store = store or FsStore()
     out: dict[str, dict] = {}
-    for name in sorted(store.published(shard_dir)):
+    for name in store.shards(shard_dir):
         p = store.where(shard_dir, name)
         try:
             trajs = store.read(shard_dir, name, vocab_size=vocab_size)
