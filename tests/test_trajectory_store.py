@@ -240,8 +240,8 @@ def test_train_refuses_a_missing_bucket_before_any_work(plane, tmp_path):
 @pytest.mark.multiproc
 def test_train_on_a_fleet_with_the_s3_store(plane, tmp_path):
     """`megatron-rl train` with `episodes.store: s3`: the fleet's workers upload shards to SeaweedFS and announce
-    them on NATS; the trainer reads every episode from there, each once, none missing, nothing on the run's
-    filesystem but the index."""
+    them on NATS; the trainer reads every episode from there, each once, none missing, no worker shard on the
+    run's filesystem."""
     import json
 
     proc = _train(tmp_path, plane)
@@ -252,8 +252,10 @@ def test_train_on_a_fleet_with_the_s3_store(plane, tmp_path):
     for r in rl:
         assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["unreadable_shards"] == 0
         assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
-    assert not list(run.rglob("*.h5"))  # no shard on the filesystem: all through the store
+    assert not list((run / "rl_episodes").rglob("*.h5"))  # no worker shard on the filesystem: all in the store
     index = [json.loads(line) for line in (run / "store_index.jsonl").read_text().splitlines()]
+    assert any("/eval_episodes/" in a["folder"] for a in index)  # evaluations went through the store too
+    index = [a for a in index if "/rl_episodes/" in a["folder"]]
     ids = [e for a in index for e in a["episode_ids"]]
     assert len(ids) == len(set(ids)) == sum(r["episodes_dispatched"] for r in rl)  # every episode once
     keys = {o["Key"] for o in plane.client().list_objects_v2(Bucket=plane.bucket, Prefix="train/")["Contents"]}
