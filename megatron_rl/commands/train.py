@@ -55,12 +55,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(C.dump_yaml(cfg))
         return 0
+    try:
+        check_store(cfg)
+    except RuntimeError as e:
+        print(f"megatron-rl train: {e}", file=sys.stderr)
+        return 2
     return drive(cfg, run_dir)
+
+
+def check_store(cfg: RunConfig) -> None:
+    """`episodes.store` other than fs: its servers answer, its bucket exists and its keys are accepted, before
+    any work (StoreError naming the setting)."""
+    if cfg.episodes.runner == "inprocess" or cfg.episodes.store == "fs":
+        return
+    from megatron_rl.data.store import build_store
+
+    store = build_store(cfg.episodes.store, cfg.episodes.s3)
+    try:
+        store.check()
+    finally:
+        store.close()
 
 
 def run(cfg: RunConfig) -> dict:
     """The Python API's `train`: drive the run of `cfg`; its summary.json, or RuntimeError naming the exit."""
     run_dir = Path(cfg.output_dir) / cfg.name
+    check_store(cfg)
     rc = drive(cfg, run_dir)
     if rc != 0:
         raise RuntimeError(f"run {cfg.name!r} ended with exit {rc} (3: stopped early with a checkpoint; run "

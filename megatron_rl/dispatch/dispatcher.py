@@ -136,22 +136,12 @@ class DispatchReport:
 
 
 def published_episode_ids(shard_dir: Path, cache: dict[str, list[str]] | None = None,
-                          prefix: str = "") -> dict[str, list[str]]:
-    """shard name -> episode ids, for every readable published shard (names ending .h5) in `shard_dir`."""
-    from megatron_rl.data.shards import ShardError, ShardReader
+                          prefix: str = "", store=None) -> dict[str, list[str]]:
+    """shard name -> episode ids, for every readable published shard in `shard_dir`, as `store` (the run's
+    trajectory store, `data.store`; None = the shared filesystem) knows them."""
+    from megatron_rl.data.store import FsStore
 
-    cache = {} if cache is None else cache
-    if not shard_dir.is_dir():
-        return cache
-    for p in sorted(shard_dir.glob(f"{prefix}*.h5")):
-        if p.name in cache:
-            continue
-        try:
-            with ShardReader(p) as r:
-                cache[p.name] = list(r.h5["episode_id"].asstr()[()]) if len(r) else []
-        except (ShardError, OSError) as e:  # left for ShardDirectory to quarantine; its episodes are redone
-            log.warning("dispatch: shard %s unreadable (%s); its episodes count as unfinished", p, e)
-    return cache
+    return (store or FsStore()).published(shard_dir, cache, prefix)
 
 
 def _tail(text: str | None, n: int = 40) -> str:
@@ -161,9 +151,14 @@ def _tail(text: str | None, n: int = 40) -> str:
 class Dispatcher:
     """Runs episodes on a submitit fleet until each is published exactly once (or retries run out)."""
 
-    def __init__(self, config: DispatchConfig, worker: WorkerConfig, shard_dir: str | Path, prefix: str = ""):
+    def __init__(self, config: DispatchConfig, worker: WorkerConfig, shard_dir: str | Path, prefix: str = "",
+                 store=None):
+        """store: where shards are published and read back (`data.store`; None = the worker config's)."""
+        from megatron_rl.data.store import store_for
+
         config.validate()
         self.config, self.worker, self.shard_dir = config, worker, Path(shard_dir)
+        self.store = store if store is not None else store_for(worker)
         self.run_id = prefix or f"d{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.folder = Path(config.folder).resolve() / self.run_id
         self.jobs: list = []
@@ -180,11 +175,11 @@ class Dispatcher:
         if len(ids) != len(set(ids)):
             dup = [k for k, c in Counter(ids).items() if c > 1][:5]
             raise ValueError(f"dispatch: episode ids must be unique; repeated: {dup}")
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.store.prepare(self.shard_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
         executor = self.config.build_executor(self.folder)
         cache: dict[str, list[str]] = {}
-        before = {e for names in published_episode_ids(self.shard_dir, cache).values() for e in names}
+        before = {e for ids in published_episode_ids(self.shard_dir, cache, store=self.store).values() for e in ids}
         pending = [e for e in episodes if e.episode_id not in before]  # published earlier: never run twice
         if len(pending) < len(episodes):
             log.info("dispatch %s: %d of %d episodes already published in %s; dispatching the other %d",
@@ -194,12 +189,12 @@ class Dispatcher:
             if not pending:
                 break
             rounds.append(self._round(executor, rnd, pending, failures, episode_failures))
-            published = published_episode_ids(self.shard_dir, cache)
+            published = published_episode_ids(self.shard_dir, cache, store=self.store)
             done = {e for names in published.values() for e in names}
             pending = [e for e in pending if e.episode_id not in done]
             rounds[-1]["left"] = len(pending)
             log.info("dispatch %s round %d: %s", self.run_id, rnd, rounds[-1])
-        published = published_episode_ids(self.shard_dir, cache)
+        published = published_episode_ids(self.shard_dir, cache, store=self.store)
         wanted = set(ids)
         counts = Counter(e for names in published.values() for e in names if e in wanted)
         mine = sorted(n for n, names in published.items() if any(e in wanted for e in names))

@@ -126,9 +126,13 @@ class FleetConfig:
 class Fleet:
     """The driver side of a fleet; see the module docstring. Thread-safe; `run_batch` may run concurrently."""
 
-    def __init__(self, config: FleetConfig, worker: WorkerConfig, folder: str | Path):
+    def __init__(self, config: FleetConfig, worker: WorkerConfig, folder: str | Path, store=None):
+        """store: where the workers' shards are published (`data.store`; None = the worker config's)."""
+        from megatron_rl.data.store import store_for
+
         config.validate()
         self.config, self.worker = config, worker
+        self.store = store if store is not None else store_for(worker)
         self.folder = Path(config.folder or folder).resolve()
         self.state = FleetState(LeaseQueue(config.lease_s, config.max_attempts))
         self.state.size = config.size
@@ -202,8 +206,8 @@ class Fleet:
         from megatron_rl.dispatch.dispatcher import published_episode_ids
 
         t0 = time.monotonic()
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        done = {e for ids in published_episode_ids(shard_dir).values() for e in ids}
+        self.store.prepare(shard_dir)
+        done = {e for ids in published_episode_ids(shard_dir, store=self.store).values() for e in ids}
         meta = {"shard_dir": str(shard_dir.resolve()), "url": url}
         with self.state.cond:
             self.state.queue.put(batch, episodes, meta, published=done)
@@ -301,7 +305,12 @@ class Fleet:
                 meta = self.state.queue.batches.get(le.batch)
                 if meta is None:
                     continue
-                published = {e for ids in published_episode_ids(Path(meta.meta["shard_dir"])).values() for e in ids}
+                try:
+                    published = {e for ids in published_episode_ids(
+                        Path(meta.meta["shard_dir"]), store=self.store).values() for e in ids}
+                except Exception as e:  # store unreachable: redo all (a copy is dropped by episode id when read)
+                    log.warning("fleet: published shards of %s unknown (%s); all its episodes re-queued", le.id, e)
+                    published = set()
                 log.warning("fleet: %s of worker %s (%s): %d episodes re-queued", le.id, le.worker, reason,
                             sum(e.episode_id not in published for e in le.episodes))
                 self.state.queue.requeue(le, published, reason)

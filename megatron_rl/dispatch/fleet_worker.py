@@ -133,12 +133,13 @@ class FleetWorker:
                     self.runner.stop.set()
 
     def _run_lease(self, lease: dict) -> None:
+        from megatron_rl.data.store import store_for
         from megatron_rl.dispatch.worker import ShardPublisher
 
         spec = self._spec(lease)
         runner = self._runner(spec)
         publisher = ShardPublisher(spec.shard_dir, f"{lease['batch']}-{lease['id']}-a{lease['attempt']}-w"
-                                   f"{self.job.replace('_', 'x')}", every=0)
+                                   f"{self.job.replace('_', 'x')}", every=0, store=store_for(self.cfg))
         runner.reset(spec, publisher)
         self.lost.clear()
         with self._lock:
@@ -192,7 +193,7 @@ class FleetWorker:
         from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
 
         if self.runner is None:
-            self.runner = EpisodeRunner(spec, ShardPublisher(spec.shard_dir, "unused", 0))
+            self.runner = EpisodeRunner(spec, ShardPublisher(spec.shard_dir, "unused", 0, store=_NoStore()))
         return self.runner
 
     def preempted(self) -> None:
@@ -204,6 +205,13 @@ class FleetWorker:
             return                                                    # settles the lease from the shards
         self.runner.stop.set()
         self._finish(lease, self.runner.publisher, self.runner, self.runner.spec, "worker preempted")
+
+
+class _NoStore:
+    """The placeholder publisher's store: every lease resets the runner with a real publisher first."""
+
+    def prepare(self, folder) -> None:
+        pass
 
 
 def _job_id() -> str:

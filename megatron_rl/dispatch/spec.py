@@ -12,6 +12,7 @@ from pathlib import Path
 from envs.mixture import MixtureConfig
 from envs.sandbox import SandboxConfig
 from megatron_rl.config import ConfigError, from_dict, to_dict
+from megatron_rl.data.store import S3StoreConfig
 
 
 @dataclass
@@ -117,6 +118,11 @@ class WorkerConfig:
     images: dict[str, dict[str, str]] = field(default_factory=dict)
     """Environment name -> its sandbox image {digest, file}: built once by the driver into the shared store
     (`MixtureConfig.worker_images`); each node extracts it once into image_cache and mounts it."""
+    store: str = "fs"
+    """Where shards are published (`data.store`): fs (the shard folder on the shared filesystem) or s3 (object
+    store + NATS announcements, `s3`); the driver copies the run's `episodes.store`."""
+    s3: S3StoreConfig = field(default_factory=S3StoreConfig)
+    """The s3 store's endpoint, bucket, prefix and queue (store=s3); no credentials (environment or file)."""
 
     def validate(self) -> None:
         import envs  # noqa: F401  (registers the built-in environments)
@@ -132,6 +138,8 @@ class WorkerConfig:
                 raise ConfigError(f"worker.envs.domains.{name}.agent_args={d.agent_args!r} is set but no agent is")
         if self.threads < 0 or self.episodes_per_shard < 0:
             raise ConfigError("worker.threads and worker.episodes_per_shard must be >= 0")
+        if self.store == "s3":
+            self.s3.check("worker.s3")
 
 
 @dataclass

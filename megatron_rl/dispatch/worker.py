@@ -35,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from megatron_rl.config import ConfigError
+from megatron_rl.data.store import store_for
 from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
 from megatron_rl.tokenizer import Tokenizer, from_path
@@ -284,9 +285,13 @@ class ShardPublisher:
     published after the caller decided which episodes are left to do.
     """
 
-    def __init__(self, shard_dir: str | Path, stem: str, every: int):
+    def __init__(self, shard_dir: str | Path, stem: str, every: int, store=None):
+        """store: where shards go (`data.store`: the worker config's; None = the shared filesystem)."""
+        from megatron_rl.data.store import FsStore
+
         self.dir, self.stem, self.every = Path(shard_dir), stem, every
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.store = store if store is not None else FsStore()
+        self.store.prepare(self.dir)
         self._buf: list = []
         self._lock = threading.Lock()
         self._frozen = False
@@ -321,12 +326,10 @@ class ShardPublisher:
             return list(self.published_ids)
 
     def _flush_locked(self) -> None:
-        from megatron_rl.data.shards import write_shard
-
         if not self._buf:
             return
         name = f"{self.stem}-p{len(self.shards):03d}-{uuid.uuid4().hex[:8]}.h5"
-        write_shard(self.dir / name, self._buf)
+        self.store.publish(self.dir, name, self._buf)
         self.published_ids += [t.episode_id for t in self._buf]
         self.shards.append(name)
         self._buf = []
@@ -484,7 +487,8 @@ def run_episode_batch(spec: WorkerSpec, rank: int = 0, episodes: Iterator[Episod
     retries the unfinished ones).
     """
     t0 = time.perf_counter()
-    publisher = ShardPublisher(spec.shard_dir, _shard_stem(spec, rank), spec.worker.episodes_per_shard)
+    publisher = ShardPublisher(spec.shard_dir, _shard_stem(spec, rank), spec.worker.episodes_per_shard,
+                               store_for(spec.worker))
     runner = EpisodeRunner(spec, publisher)
     if runner_hook is not None:
         runner_hook(runner)

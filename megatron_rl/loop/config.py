@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError
+from megatron_rl.data.store import STORES, S3StoreConfig
 from megatron_rl.dispatch.dispatcher import DispatchConfig
 from megatron_rl.dispatch.fleet import FleetConfig
 from megatron_rl.rl.config import LossConfig
@@ -114,6 +115,13 @@ class EpisodesConfig:
     """Executor, partition, batching and retries of the dispatched episodes ('' folder = <run>/dispatch)."""
     fleet: FleetConfig = field(default_factory=FleetConfig)
     """The persistent fleet of runner=fleet: size, resources, leases, heartbeats ('' folder = <run>/fleet)."""
+    store: str = "fs"
+    """Where the workers' shards go and how the trainer learns of them (runner dispatch or fleet; `data.store`):
+    fs, the batch folder on the shared filesystem (listed); s3, an S3-compatible object store (`s3`) with
+    "shard ready" announcements on a NATS JetStream server, for workers that do not share the trainer's
+    filesystem."""
+    s3: S3StoreConfig = field(default_factory=S3StoreConfig)
+    """Endpoint, bucket, prefix and queue of store=s3 (credentials: environment or s3.credentials_file)."""
 
     def validate(self) -> None:
         if self.runner not in ("inprocess", "dispatch", "fleet"):
@@ -129,3 +137,10 @@ class EpisodesConfig:
             raise ConfigError(f"episodes.server_threads must be >= 1, got {self.server_threads}")
         if self.worker_threads < 0:
             raise ConfigError(f"episodes.worker_threads must be >= 0, got {self.worker_threads}")
+        if self.store not in STORES:
+            raise ConfigError(f"episodes.store must be one of {', '.join(STORES.names())}, got {self.store!r}")
+        if self.store == "s3":
+            if self.runner == "inprocess":
+                raise ConfigError("episodes.store=s3 needs episodes.runner=dispatch or fleet (in-process episodes "
+                                  "publish no shards)")
+            self.s3.check()

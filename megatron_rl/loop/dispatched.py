@@ -77,6 +77,13 @@ class DispatchRollouts(Rollouts):
         self.worker_cfg = worker_cfg if worker_cfg is None else dataclasses.replace(worker_cfg, generator=(
             dataclasses.replace(worker_cfg.generator,
                                 token_file=worker_cfg.generator.token_file or str(self.token_file.resolve()))))
+        from megatron_rl.data.store import build_store
+
+        self.store = build_store(episodes_cfg.store, episodes_cfg.s3, index=Path(run_dir) / "store_index.jsonl")
+        """Where the workers publish shards and this rank reads them (`episodes.store`); its index of consumed
+        announcements (s3) lives in the run folder, so a restarted driver resumes where it acked."""
+        if self.rank0:
+            self.store.check()  # a missing bucket, refused credentials, no server: an error before any episode
         self.serve_group = tp_group
         """The engine's TP group, which serves the workers (not `Rollouts.tp_group`: the in-process rounds of
         eval are driven from rank 0 over the world; with it at TP=1 and 2+ ranks, rank 1 never got them)."""
@@ -99,7 +106,7 @@ class DispatchRollouts(Rollouts):
             if self.rank0:
                 from megatron_rl.dispatch.fleet import Fleet
 
-                self.fleet = Fleet(episodes_cfg.fleet, self.worker_cfg, run_dir / "fleet").start()
+                self.fleet = Fleet(episodes_cfg.fleet, self.worker_cfg, run_dir / "fleet", store=self.store).start()
         self.tool_stats: dict[tuple[str, str], list[float]] = {}
         """(domain, tool) -> [calls, errors, seconds] of the episodes taken since the last batch()."""
 
@@ -234,6 +241,7 @@ class DispatchRollouts(Rollouts):
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.server is not None:
             self.server.close()
+        self.store.close()
 
     def _hosts(self) -> tuple[str, str]:
         return server_hosts(self.episodes_cfg)
@@ -265,7 +273,7 @@ class DispatchRollouts(Rollouts):
 
         try:
             specs = self._specs(groups)
-            done = {e for ids in published_episode_ids(shard_dir).values() for e in ids}
+            done = {e for ids in published_episode_ids(shard_dir, store=self.store).values() for e in ids}
             todo = [s for s in specs if s.episode_id not in done]
             counters = {"episodes_recovered": len(specs) - len(todo), "episodes_dispatched": len(todo)}
             if todo and self.fleet is not None:
@@ -273,11 +281,12 @@ class DispatchRollouts(Rollouts):
             elif todo:
                 worker = dataclasses.replace(self.worker_cfg, generator=dataclasses.replace(
                     self.worker_cfg.generator, url=url))
-                report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name).run(todo)
+                report = Dispatcher(self._dispatch_cfg(), worker, shard_dir, prefix=shard_dir.name,
+                                    store=self.store).run(todo)
                 counters.update(dispatch_failed_tasks=len(report.failures), dispatch_rounds=len(report.rounds))
             unreadable: list[str] = []
             episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable,
-                                     vocab_size=getattr(self.tok, "vocab_size", None))
+                                     vocab_size=getattr(self.tok, "vocab_size", None), store=self.store)
             counters.update(episodes_missing=len(specs) - len(episodes), unreadable_shards=len(unreadable))
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
@@ -357,19 +366,25 @@ def batch_name(groups: list[Group]) -> str:
 
 
 def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None,
-                  vocab_size: int | None = None) -> dict[str, dict]:
+                  vocab_size: int | None = None, store=None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
     components, status, the engine's experts of its tokens (routing replay; None when not recorded) for the
     wanted episodes published in `shard_dir` (first copy wins). An unreadable shard, or one whose values break the
     shard contract (`ShardReader`: token ids below `vocab_size`, finite bounded rewards, ...), is skipped with a
-    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing."""
-    from megatron_rl.data.shards import ShardError, read_shard
+    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing. `store`: the run's
+    trajectory store (`data.store`; None = the shared filesystem)."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
+    from megatron_rl.data.shards import ShardError
+    from megatron_rl.data.store import FsStore
+
+    store = store or FsStore()
     out: dict[str, dict] = {}
-    for p in sorted(shard_dir.glob("*.h5")) if shard_dir.is_dir() else []:
+    for name in store.shards(shard_dir):
+        p = store.where(shard_dir, name)
         try:
-            trajs = read_shard(p, vocab_size=vocab_size)
-        except (ShardError, OSError) as e:
+            trajs = store.read(shard_dir, name, vocab_size=vocab_size)
+        except (ShardError, OSError, BotoCoreError, ClientError) as e:
             log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
             if unreadable is not None:
                 unreadable.append(f"{p}: {e}")

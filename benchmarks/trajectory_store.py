@@ -1,0 +1,114 @@
+"""Trajectory store: the s3 store (SeaweedFS + NATS JetStream, started here) against the shared filesystem.
+
+1. Throughput: the same STEPS batches of PER_STEP scripted episodes (deterministic, no sandbox run) run on one
+   local fleet (FLEET_SIZE workers) per store, each batch then read back by the trainer (`read_episodes`).
+   Reports episodes/s and the trainer's wait per step (queueing a batch -> its episodes in memory) for fs and
+   s3, and the ratio s3/fs of episodes/s (target >= 0.8 on one node).
+2. Announcement latency: a worker-side store publishes N small shards while a trainer-side store polls in a
+   loop; latency = the trainer's index time - the publish call's end (`seen_unix - published_unix`), p50/p99.
+
+Prints one JSON object. Usage: python benchmarks/trajectory_store.py [--steps 4] [--per-step 32]
+       [--fleet-size 2] [--per-lease 8] [--latency-shards 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run_store(store_name: str, plane, root: Path, args) -> dict:
+    from envs.tasks import load_domain
+    from megatron_rl.data.store import S3StoreConfig, build_store
+    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, episodes_from_tasks
+    from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+    from megatron_rl.loop.dispatched import read_episodes
+
+    tasks = load_domain("countdown", split="train")
+    s3 = S3StoreConfig(**plane.settings(), prefix=f"bench-{time.time_ns()}", spool_dir=str(root)) \
+        if store_name == "s3" else S3StoreConfig()
+    worker = WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store_name, s3=s3)
+    store = build_store(store_name, s3, index=root / f"{store_name}-index.jsonl")
+    fleet = Fleet(FleetConfig(size=args.fleet_size, episodes_per_lease=args.per_lease, heartbeat_s=1.0,
+                              wait_s=1.0), worker, root / f"{store_name}-fleet", store=store).start()
+    waits, n = [], 0
+    try:
+        fleet.run_batch("warm", episodes_from_tasks(tasks[:args.fleet_size], prefix="warm"),
+                        root / "run" / "rl_episodes" / f"{store_name}-warm", url="")  # workers up and warm
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            batch = episodes_from_tasks(tasks[step * args.per_step:(step + 1) * args.per_step], prefix=f"s{step}")
+            folder = root / "run" / "rl_episodes" / f"{store_name}-b{step}"
+            t = time.perf_counter()
+            fleet.run_batch(f"b{step}", batch, folder, url="")
+            got = read_episodes(folder, {e.episode_id for e in batch}, store=store)
+            waits.append(time.perf_counter() - t)
+            n += len(got)
+        seconds = time.perf_counter() - t0
+    finally:
+        fleet.close()
+        store.close()
+    return {"episodes": n, "episodes_per_s": round(n / seconds, 2), "wait_per_step_s": round(float(np.mean(waits)), 3)}
+
+
+def latency(plane, root: Path, shards: int) -> dict:
+    from megatron_rl.data.shards import Trajectory
+    from megatron_rl.data.store import S3StoreConfig, build_store
+
+    cfg = S3StoreConfig(**plane.settings(), prefix=f"lat-{time.time_ns()}", spool_dir=str(root))
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=root / "lat-index.jsonl")
+    folder = root / "run" / "rl_episodes" / "lat"
+    done = threading.Event()
+
+    def publish():
+        for i in range(shards):
+            t = Trajectory(tokens=np.arange(64, dtype=np.int32), logprobs=np.zeros(64, np.float32),
+                           loss_mask=np.ones(64, np.uint8), prompt_len=0, reward=0.0, group_id=i,
+                           policy_version_first=0, policy_version_last=0, env="countdown", task_id="t",
+                           episode_id=f"e{i}", status="ok")
+            worker.publish(folder, f"s{i:04d}.h5", [t])
+            time.sleep(0.05)
+        done.set()
+
+    trainer.published(folder)  # consumer created before the first publish
+    th = threading.Thread(target=publish)
+    th.start()
+    while not done.is_set() or len(trainer.published(folder)) < shards:
+        time.sleep(0.01)
+    th.join()
+    lat = [a["seen_unix"] - a["published_unix"] for a in trainer.index.values()]
+    worker.close()
+    trainer.close()
+    return {"shards": len(lat), "p50_ms": round(1e3 * float(np.percentile(lat, 50)), 1),
+            "p99_ms": round(1e3 * float(np.percentile(lat, 99)), 1)}
+
+
+def main() -> None:
+    from megatron_rl.data.servers import DataPlane
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--per-step", type=int, default=32)
+    ap.add_argument("--fleet-size", type=int, default=2)
+    ap.add_argument("--per-lease", type=int, default=8)
+    ap.add_argument("--latency-shards", type=int, default=50)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mrl-bench-store-") as tmp:
+        root = Path(tmp)
+        plane = DataPlane(root / "plane").start()
+        try:
+            out = {"fs": run_store("fs", plane, root, args), "s3": run_store("s3", plane, root, args)}
+            out["s3_over_fs_episodes_per_s"] = round(out["s3"]["episodes_per_s"] / out["fs"]["episodes_per_s"], 3)
+            out["announcement_latency"] = latency(plane, root, args.latency_shards)
+        finally:
+            plane.stop()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
