@@ -132,9 +132,10 @@ def test_rollouts_count_judge_masks_in_the_step_metrics():
 
     groups = [SimpleNamespace(task=None, samples=[0, 1, 2, 3], turns=None,
                               rewards=[(0.0, {"judge": 0.0, JUDGE_UNPARSED: 1.0}, "error"), (0.5, {"judge": 0.5}, "ok"),
-                                       (0.0, {"judge": 0.0}, "error"), (1.0, {"judge": 1.0}, "ok")])]
+                                       (0.0, {"judge": 0.0}, "error"), (1.0, {"judge": 1.0}, "ok")],
+                              valid=lambda: [1, 3])]
     fake = SimpleNamespace(cfg=SimpleNamespace(prompts_per_step=1, max_oversample=0.0, dynamic_sampling=False),
                            take=lambda step: groups, _keep=lambda g: True)
-    sampler = SimpleNamespace(record=lambda *a, **k: None)
+    sampler = SimpleNamespace(record=lambda *a, **k: None, record_group=lambda *a, **k: None)
     _, stats = Rollouts.batch(fake, 0, sampler)
     assert stats["judge_unparsed"] == 1 and stats["judge_unparsed_frac"] == 0.25
