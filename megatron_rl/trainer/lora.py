@@ -118,12 +118,18 @@ class _LoRAMixin:
         return self.lora_scale * torch.matmul(h, self.lora_B.t())  # [s, b, out(/tp)]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {"weight": 0, "bias": 0, "lora_B": 0} if self.lora_column else {"weight": 1, "lora_A": 1}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        sd = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                 sharded_offsets, tp_group=self.tp_group,
+                                                 dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if self.lora_column and getattr(self.lora_B, "partition_stride", 1) == 2:  # GLU fc1: saved as [gate; up]
+            key = f"{prefix}lora_B"  # (the MLP does the same to the weight)
+            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
+                                                   (metadata or {}).get("singleton_local_shards", False))
+        return sd
 
 
 _CLASSES: dict[type, type] = {}
@@ -182,7 +188,8 @@ def _adapt(mod, column: bool, cfg: LoRAConfig, global_name: str, seed: int) -> N
     mod.lora_A = torch.nn.Parameter(a.to(w.dtype).contiguous())
     mod.lora_B = torch.nn.Parameter(b.to(w.dtype))
     split, dim = (mod.lora_B, 0) if column else (mod.lora_A, 1)
-    set_tensor_model_parallel_attributes(split, True, dim, 1)
+    # a GLU fc1 holds [gate_t; up_t] on each rank (stride 2): B's rows are the weight's rows
+    set_tensor_model_parallel_attributes(split, True, dim, getattr(w, "partition_stride", 1) if column else 1)
     other = mod.lora_A if column else mod.lora_B
     set_tensor_model_parallel_attributes(other, False, -1, 1)
     mod.lora_column, mod.lora_scale, mod.lora_dropout = column, cfg.scale, cfg.dropout
