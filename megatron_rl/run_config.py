@@ -12,6 +12,7 @@ from megatron_rl.monitoring import MonitorConfig
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.rollout.engine import EngineConfig
 from megatron_rl.tokenizer import TokenizerConfig
+from megatron_rl.trainer.lora import LoRAConfig
 from megatron_rl.trainer.policy import OptimConfig
 from megatron_rl.trainer.teacher import DistillConfig, check_teacher
 
@@ -159,6 +160,8 @@ class RunConfig:
     """The HF export at the end of the run."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation: the teacher scoring every sampled token (off by default)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters trained in the RL phase instead of the full weights (off by default)."""
 
     def resolve_sources(self) -> None:
         """The run's resolve step (before `validate`): read model.init's checkpoint and fill the model's shape in."""
@@ -275,6 +278,7 @@ class RunConfig:
         self._check_routing_replay()
         check_teacher(self)  # the distillation teacher loads, tokenizes as the student and fits the layout
         self._check_export()
+        self.lora.check_model(self.model, self.parallel)
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")

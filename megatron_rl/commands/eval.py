@@ -136,8 +136,9 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    # a LoRA run's checkpoint holds adapters only: its base comes from model.init
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=None if checkpoint else initializer(cfg.model))
+                    init=None if checkpoint and not cfg.lora.enabled else initializer(cfg.model), lora=cfg.lora)
     if checkpoint is not None:
         load_checkpoint(policy, checkpoint)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)

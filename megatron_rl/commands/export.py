@@ -28,16 +28,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="output folder (must not exist; default <run>/export/hf-step-N)")
     p.add_argument("--verify", action="store_true", help="load with transformers and compare logits")
     p.add_argument("--tol", type=float, help="largest logit difference for --verify (default by dtype)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a Hugging Face PEFT folder (default <run>/export/"
+                        "adapter-step-N) instead of the merged model")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_rl.config import ConfigError
     from megatron_rl.convert.arch.base import ConvertError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        report = export_run(Path(args.run_dir), args.step, args.out, args.verify, args.tol)
-    except (ConvertError, FileNotFoundError) as e:
+        report = export_run(Path(args.run_dir), args.step, args.out, args.verify, args.tol, adapter=args.adapter)
+    except (ConvertError, ConfigError, FileNotFoundError) as e:
         print(f"megatron-rl export: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report), flush=True)
@@ -56,8 +60,8 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
     return path
 
 
-def default_out(run_dir: Path, ckpt: Path) -> Path:
-    return run_dir / "export" / f"hf-step-{int(ckpt.name.split('-')[-1])}"
+def default_out(run_dir: Path, ckpt: Path, adapter: bool = False) -> Path:
+    return run_dir / "export" / f"{'adapter' if adapter else 'hf'}-step-{int(ckpt.name.split('-')[-1])}"
 
 
 def hf_config_of(cfg) -> tuple[dict, str]:
@@ -75,44 +79,52 @@ def hf_config_of(cfg) -> tuple[dict, str]:
 
 
 def export_run(run_dir: Path, step: int | None = None, out: str | None = None, verify: bool = False,
-               tol: float | None = None, replace: bool = False) -> dict:
+               tol: float | None = None, replace: bool = False, adapter: bool = False) -> dict:
     """Write the HF folder; returns {step, out, tensors, side_files, verify?}. `replace`: an existing folder of
     that name (an earlier export of the same step, e.g. before a crash and resume) is replaced once the new one
-    is complete."""
+    is complete. `adapter`: a LoRA run's PEFT adapter folder instead (commands/lora_export.py)."""
     import shutil
 
     dest = Path(out) if out else None
     if replace and dest is not None and dest.exists():
         fresh = dest.with_name(dest.name + ".new")
         shutil.rmtree(fresh, ignore_errors=True)
-        report = export_run(run_dir, step, str(fresh), verify, tol)
+        report = export_run(run_dir, step, str(fresh), verify, tol, adapter=adapter)
         shutil.rmtree(dest)
         fresh.rename(dest)
         return {**report, "out": str(dest), "replaced": True}
     from megatron_rl import config as C
     from megatron_rl.convert import runtime
     from megatron_rl.convert.arch import for_hf_config
-    from megatron_rl.convert.convert import all_rules, ckpt_layout, export_hf
-    from megatron_rl.convert.hf_io import HFWriter, copy_side_files
+    from megatron_rl.convert.convert import all_rules, ckpt_layout
+    from megatron_rl.convert.hf_io import copy_side_files
     from megatron_rl.convert.tokenizer_files import normalize as normalize_tokenizer_files
     from megatron_rl.run_config import RunConfig
 
     cfg = C.load(RunConfig, run_dir / "config.yaml")
     ckpt = checkpoint_of(run_dir, step)
     if replace and out is None:
-        return export_run(run_dir, step, str(default_out(run_dir, ckpt)), verify, tol, replace=True)
+        return export_run(run_dir, step, str(default_out(run_dir, ckpt, adapter)), verify, tol, replace=True,
+                          adapter=adapter)
     n = int(ckpt.name.split("-")[-1])
     hf, tok_dir = hf_config_of(cfg)
     arch = for_hf_config(hf)
+    dest = Path(out) if out else default_out(run_dir, ckpt, adapter)
+    report = {"step": n, "checkpoint": str(ckpt), "out": str(dest), "arch": arch.name}
+    if cfg.lora.enabled and (adapter or verify):
+        if verify:
+            raise C.ConfigError("--verify compares a full checkpoint with the folder; a LoRA run's checkpoint "
+                                "holds adapters only: export without --verify")
+        from megatron_rl.commands.lora_export import export_lora_run
+
+        return {**report, **export_lora_run(cfg, ckpt, dest, hf, arch)}
+    if adapter:
+        raise C.ConfigError(f"--adapter exports LoRA adapters, but {run_dir} trained without lora.enabled")
     mcfg, extra = arch.model_config(hf)
     ctx = runtime.start()
-    entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra, ctx)
-    dest = Path(out) if out else default_out(run_dir, ckpt)
-    report = {"step": n, "checkpoint": str(ckpt), "out": str(dest), "arch": arch.name}
+    entries, dtypes = ckpt_layout(ckpt, arch, mcfg, extra, ctx) if not cfg.lora.enabled else (None, None)
     with runtime.atomic_dir(dest, ctx.world) as tmp:
-        writer = HFWriter(tmp)
-        export_hf(ckpt, entries, dtypes, arch, hf, writer, False)
-        report["tensors"] = len(writer.finish())
+        report["tensors"] = _write_tensors(tmp, cfg, ckpt, entries, dtypes, arch, hf)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         report["side_files"] = copy_side_files(Path(tok_dir), tmp) if tok_dir else []
         if tok_dir:  # eos = the template's end of turn, bos, pad, tokenizer class: read alike by every HF tool
@@ -125,6 +137,22 @@ def export_run(run_dir: Path, step: int | None = None, out: str | None = None, v
             copies = frozenset(c for names in arch.shared_copies(hf).values() for c in names)
             report["verify"] = V.verify_hf_folder(tmp, ckpt, mcfg, extra, all_rules(arch, hf), tol, copies)
     return report
+
+
+def _write_tensors(tmp: Path, cfg, ckpt: Path, entries, dtypes, arch, hf: dict) -> int:
+    """The policy's HF tensors into `tmp`: from the checkpoint, or for a LoRA run the base merged with its
+    adapters (commands/lora_export.py)."""
+    from megatron_rl.convert.convert import export_hf
+    from megatron_rl.convert.hf_io import HFWriter
+
+    if cfg.lora.enabled:
+        from megatron_rl.commands.lora_export import read_adapters, write_merged
+        from megatron_rl.model_init import parse
+
+        return write_merged(tmp, parse(cfg.model.init)[1], read_adapters(ckpt), cfg.lora, arch, hf)
+    writer = HFWriter(tmp)
+    export_hf(ckpt, entries, dtypes, arch, hf, writer, False)
+    return len(writer.finish())
 
 
 def _generation_config(folder: Path, cfg, hf: dict) -> None:

@@ -185,6 +185,9 @@ def _export(cfg: RunConfig, run_dir: Path) -> Path:
     diff = report.get("verify", {}).get("max_abs_logit_diff")
     checked = f" (verified: max |logit diff| {diff:.2e})" if diff is not None else ""
     _say(f"exported the policy of step {report['step']} as an HF folder: {report['out']}{checked}")
+    if cfg.lora.enabled:  # and the adapters alone, as a PEFT folder
+        peft = export_run(run_dir, step=None, out=None, replace=True, adapter=True)
+        _say(f"exported the LoRA adapters as a PEFT folder: {peft['out']}")
     return Path(report["out"])
 
 

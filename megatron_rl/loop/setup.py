@@ -75,6 +75,9 @@ class Parts:
     is_rank0: bool
     sync: object = None
     """The weight sync from the trainer's layout into the engine's (rollout/reshard.py)."""
+    sync_stats: dict = dataclasses.field(default_factory=dict)
+    """The last weight sync of this rank: sync_bytes (the tensors it passed in, its TP slice), sync_s, and with
+    LoRA sync_adapter_bytes (what an engine serving adapters would need instead of the merged weights)."""
 
     def prompt_fn(self, task) -> list[int]:
         return prompt_ids(self.tok, task)
@@ -161,7 +164,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
     t0 = time.monotonic()
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model))
+                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model),
+                    lora=cfg.lora)
     engine, sync = build_engine(cfg, ctx, tok.vocab_size)
     if rank0:
         source = "the warm-up's weights" if warm is not None else cfg.model.init or "random weights"
@@ -214,8 +218,21 @@ def episode_runner(cfg: RunConfig, run_dir: Path):
 def sync_weights(parts: Parts, rollouts, version: int) -> None:
     """Reshard the trainer's weights into the engine (every layer and expert, checked complete), then push the
     engine's (rank 0's holds the whole model at TP=1) to a separate rollout server when there is one."""
-    parts.sync(parts.engine, version, parts.policy.global_named_tensors())
+    t0, counted = time.perf_counter(), [0]
+    parts.sync(parts.engine, version, _counting(parts.policy.global_named_tensors(), counted))
     rollouts.push_weights(version, engine_weights(parts.engine))
+    parts.sync_stats = {"sync_bytes": float(counted[0]), "sync_s": time.perf_counter() - t0}
+    if getattr(parts.policy, "lora", None) is not None:
+        from megatron_rl.trainer.lora import adapter_bytes
+
+        parts.sync_stats["sync_adapter_bytes"] = float(sum(adapter_bytes(c.module) for c in parts.policy.chunks))
+
+
+def _counting(named, counted: list):
+    """`named` passed through, adding each tensor's bytes to counted[0]."""
+    for name, t in named:
+        counted[0] += t.numel() * t.element_size()
+        yield name, t
 
 
 def engine_weights(engine):
@@ -318,6 +335,7 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
     m.update(_runner_metrics(parts.runner))
+    m.update(parts.sync_stats)  # bytes and seconds of the weight sync after this update
     m["plugins_failed"] = sum(plugin_failures().values())  # each logged with its reason when it failed
     return m
 

@@ -4,7 +4,9 @@ One checkpoint directory holds the model (every virtual-pipeline chunk), the opt
 DistributedOptimizer's as `fully_reshardable`, so it loads under another TP/PP/DP layout), the frozen
 reference model when there is one, the PPO critic when there is one (its model, value head and optimizer
 under `critic.`, its scheduler and step in the common part), and in the common part the LR scheduler, the
-step counter and rank 0's torch RNG state. Callers that save must run under `if __name__ == "__main__":`
+step counter and rank 0's torch RNG state. A LoRA policy (`policy.lora`) saves its adapters only (model and
+optimizer): the frozen base, and the KL reference (the base itself), are rebuilt from model.init on resume.
+Callers that save must run under `if __name__ == "__main__":`
 (the save starts a multiprocessing manager and hangs without the guard).
 
 Without TE/Apex the torch Adam path of Megatron's optimizers loads one `step` tensor SHARED by every
@@ -31,8 +33,18 @@ def _model_state(chunks, prefix: str = "") -> dict:
     return {f"{prefix}model{i}": m.sharded_state_dict(prefix=prefix) for i, m in enumerate(chunks)}
 
 
+def _adapters_only(state: dict) -> dict:
+    """A chunk's sharded dict reduced to its LoRA adapters (trainer/lora.py)."""
+    from megatron_rl.trainer.lora import is_adapter
+
+    return {k: v for k, v in state.items() if is_adapter(k)}
+
+
 def _state(policy, reference, is_loading: bool, critic=None) -> dict:
     model = _model_state([c.module for c in policy.chunks])
+    if getattr(policy, "lora", None) is not None:  # the frozen base (and the reference: it is the base) comes
+        model = {k: _adapters_only(v) for k, v in model.items()}  # from model.init again on resume
+        reference = None
     state = {**model, "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                                         metadata=SHARDING)}
     if reference is not None:
@@ -71,20 +83,23 @@ def load_checkpoint(policy, path: str | Path, reference=None, critic=None) -> di
     """Load a checkpoint saved under any layout into `policy` (and `reference`, `critic`); returns `extra`."""
     from megatron.core import dist_checkpointing
 
-    if reference is not None and not has_reference(path):
+    if reference is not None and not has_reference(path) and getattr(policy, "lora", None) is None:
         raise ValueError(f"checkpoint {path} holds no KL reference model (saved with rl.trainer.reference=false or "
                          "before references were saved), but this run needs one; resume with the reference "
                          "setting it was saved with, or start the run over")
     if critic is not None and not has_prefix(path, "critic."):
         raise ValueError(f"checkpoint {path} holds no critic (value model), but this run trains one (advantage "
                          "gae); resume with the advantage estimator it was saved with, or start the run over")
+    if getattr(policy, "lora", None) is not None:
+        _check_adapters(policy, path)
     _prime_adam_state(policy.optimizer)
     if critic is not None:
         _prime_adam_state(critic.model.optimizer)
     state = dist_checkpointing.load(_state(policy, reference, is_loading=True, critic=critic), str(path))
+    lora = getattr(policy, "lora", None) is not None
     for i, chunk in enumerate(policy.chunks):
-        chunk.module.load_state_dict(state[f"model{i}"])
-    if reference is not None:
+        _load_model(chunk.module, state[f"model{i}"], lora)
+    if reference is not None and not lora:
         for i, m in enumerate(reference.chunks):
             m.load_state_dict(_strip(state[f"reference.model{i}"], "reference."))
     _load_optimizer(policy.optimizer, state["optimizer"])
@@ -96,6 +111,32 @@ def load_checkpoint(policy, path: str | Path, reference=None, critic=None) -> di
     if critic is not None:
         _load_critic(critic, state["critic"])
     return trainer.get("extra", {})
+
+
+def _check_adapters(policy, path) -> None:
+    """A LoRA policy's checkpoint must hold every adapter of the policy (same lora.targets, saved with lora)."""
+    from megatron.core import dist_checkpointing
+
+    want = {sh.key for i, c in enumerate(policy.chunks)
+            for sh in _adapters_only(c.module.sharded_state_dict()).values()}
+    missing = sorted(want - set(dist_checkpointing.load_tensors_metadata(str(path))))
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks LoRA adapters {missing[:4]}: it was saved without lora or with "
+                         "other lora.targets; resume with the run's lora settings or start the run over")
+
+
+def _load_model(module, state: dict, adapters_only: bool) -> None:
+    """Load a chunk; a LoRA policy's checkpoint holds its adapters only, and must hold every one of them."""
+    if not adapters_only:
+        module.load_state_dict(state)
+        return
+    missing = module.load_state_dict(state, strict=False).missing_keys
+    from megatron_rl.trainer.lora import is_adapter
+
+    if not state or any(is_adapter(k) for k in missing):
+        raise ValueError(f"checkpoint lacks LoRA adapters {[k for k in missing if is_adapter(k)][:4] or 'all'}: "
+                         "it was saved without lora or with other lora.targets; resume with the run's lora "
+                         "settings or start the run over")
 
 
 def _load_critic(critic, state: dict) -> None:

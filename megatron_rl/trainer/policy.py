@@ -66,9 +66,15 @@ class Policy:
     """Model chunks + DDP + optimizer of one rank."""
 
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, ctx: DistContext, total_steps: int,
-                 init: Callable[[torch.nn.Module], None] | None = None):
+                 init: Callable[[torch.nn.Module], None] | None = None, lora=None):
+        """lora: a `trainer.lora.LoRAConfig`; enabled, every chunk gets adapters after `init` (the base frozen,
+        only adapters in the optimizer and checkpoints; engines get merged weights)."""
         self.cfg, self.optim_cfg, self.ctx = model_cfg, optim_cfg, ctx
+        self.lora = lora if lora is not None and lora.enabled else None
         model_cfg.check_training(ctx.parallel)
+        if self.lora is not None:
+            self.lora.validate()
+            self.lora.check_model(model_cfg, ctx.parallel)
         self.tcfg = transformer_config(model_cfg, ctx.parallel)
         self.chunks = self._build_chunks(init)
         self.optimizer = self._build_optimizer()
@@ -111,6 +117,10 @@ class Policy:
                               vp_stage=v if vpp > 1 else None)
             if init is not None:
                 init(model)
+            if self.lora is not None:
+                from megatron_rl.trainer.lora import apply_lora
+
+                apply_lora(model, self.lora)
             install_hidden_head(model)
             install_routing_replay(model, self.cfg)
             chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model,
@@ -202,7 +212,7 @@ class Policy:
         expert bias, which Megatron keeps as a buffer; without it an engine would route differently)."""
         for i, chunk in enumerate(self.chunks):
             prefix = f"chunk{i}." if len(self.chunks) > 1 else ""
-            for name, t in _weights(chunk.module):
+            for name, t in engine_weights(chunk.module):
                 yield prefix + name, t
 
     def global_named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -212,10 +222,25 @@ class Policy:
         from megatron_rl.trainer.global_names import global_names
 
         for chunk in self.chunks:
-            local = list(_weights(chunk.module))
+            local = list(engine_weights(chunk.module))
             names = global_names(chunk.module, [n for n, _ in local])
             for name, t in local:
                 yield names[name], t
+
+
+def engine_weights(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """A chunk's weights as engines take them: with LoRA adapters, each adapted weight merged (W + scale B A,
+    this rank's slice) and no adapter tensors (trainer/lora.py); else `_weights`."""
+    from megatron_rl.trainer.lora import engine_weights as merged
+
+    return merged(module, _weights(module))
+
+
+def merged_state_dict(module: torch.nn.Module) -> dict:
+    """`module.state_dict()` of a model without adapters: with LoRA, each adapted weight merged, no adapters."""
+    from megatron_rl.trainer.lora import engine_weights as merged
+
+    return dict(merged(module, module.state_dict().items()))
 
 
 def _weights(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -294,7 +319,7 @@ class FrozenModel:
             m = build_gpt(self.cfg, par, pgs, pre_process=src.module.pre_process,
                           post_process=src.module.post_process, vp_stage=v if len(policy.chunks) > 1 else None)
             if init is None:
-                m.load_state_dict(src.module.state_dict())
+                m.load_state_dict(merged_state_dict(src.module))  # with LoRA: the adapted weights merged
             else:
                 init(m)
             install_hidden_head(m)
