@@ -13,7 +13,7 @@ fds, one reply per message, in order (`rollout/vllm_engine.py` is the other side
            one vLLM engine step after adding/aborting; `outputs` are the new tokens of each request this step
            (vLLM's DELTA outputs), the finish reason when it ended.
     {"op": "reload", "path": DIR}   -> {"seconds": s}   collective_rpc("reload_weights", weights_path=DIR)
-    {"op": "close"}                 -> exits
+    {"op": "close"}                 -> exits (also when the pipe closes: the proxy's process is gone)
 A failure of one message is answered {"error": "...traceback..."} and the worker goes on; the first line
 written is {"ready": vllm version} or {"error": ...}. Why a pipe and not vLLM's OpenAI server: the proxy steps
 the engine in lock-step with the RL loop (add, step, finish, reload between steps), exactly as it steps the
@@ -49,6 +49,24 @@ def _params(d: dict):
                           output_kind=RequestOutputKind.DELTA)
 
 
+def _retie(wrapper) -> None:
+    """A tied output layer is not in the checkpoint, so vLLM's in-place reload leaves it as it was processed
+    after the first load ("ParallelLMHead: Failed to load weights"): on CPU its GEMM (`cpu_linear`, packed at
+    load) still holds the old embedding. Tie it to the new embedding again and redo that processing; without
+    this the logits would come from the old embedding (measured: log-probs off by 0.8 after an update)."""
+    worker = getattr(wrapper, "worker", wrapper)
+    model = worker.model_runner.get_model()
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if not tied or embed is None or head is None or head is embed:
+        return
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
 class Worker:
     def __init__(self, engine):
         self.engine = engine
@@ -80,7 +98,11 @@ class Worker:
     def reload(self, msg: dict) -> dict:
         t0 = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_path": msg["path"]})
-        self.engine.reset_prefix_cache()  # K/V of the old weights are never shared with new requests
+        self.engine.collective_rpc(_retie)  # in this process (no multiprocessing): a plain callable
+        # K/V of the old weights are never reused: the prefix cache is emptied and requests in flight are
+        # preempted (their K/V recomputed under the new weights, as the native engine's kv_on_update=recompute)
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after reload_weights")
         return {"seconds": time.perf_counter() - t0}
 
 
@@ -102,7 +124,8 @@ def main() -> None:
     for line in fin:
         msg = json.loads(line)
         if msg["op"] == "close":
-            break
+            fout.close()
+            os._exit(0)  # no engine shutdown to wait for: the process and its memory go at once
         try:
             send(getattr(worker, msg["op"])(msg))
         except Exception:  # noqa: BLE001 - one failed message, the engine stays up
