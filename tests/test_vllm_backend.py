@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM environment: run `bash scripts/setup_vllm.sh` "
                                 "(scripts/test.sh does) to build .venv-vllm")
-SHAPE = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 1}  # head_dim 64 (vLLM's CPU attention has no 16)
+# head_dim 64 (vLLM's CPU attention has no 16); room for the main job's countdown prompts in the tiny tokenizer
+SHAPE = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 1, "max_positions": 1024}
 PROMPTS = [[5, 6, 7, 8], [40, 41, 9], [100, 3, 77, 12, 19, 2]]
 
 
@@ -194,7 +195,7 @@ def test_run_config_refuses_what_the_vllm_backend_does_not_serve(hf_dir):
     base = [f"model.init=hf:{hf_dir}", "model.max_seq_length=256", "data.domain=arithmetic", "train.steps=0",
             "curriculum.enabled=false", "engine.backend=vllm", f"engine.vllm.python={VLLM_PY}"]
     C.load(RunConfig, None, [*base, "launch.nproc_per_node=1"])  # accepted
-    cases = {"parallel.tp=2": "needs parallel.tp=pp=cp=ep=1", "episodes.runner=dispatch": "episodes.runner=inprocess",
+    cases = {"parallel.pp=2": "needs parallel.tp=pp=cp=ep=1", "episodes.runner=dispatch": "episodes.runner=inprocess",
              "engine.vllm.python=/nope/python": "no such executable", "engine.backend=sglang": "sglang",
              "engine.vllm.weight_transfer=nccl": "needs CUDA"}
     for override, msg in cases.items():
@@ -209,14 +210,14 @@ def test_run_config_refuses_what_the_vllm_backend_does_not_serve(hf_dir):
 @pytest.mark.multiproc
 def test_main_job_runs_a_step_with_vllm_and_reports_mismatch(hf_dir, tmp_path):
     """`megatron-rl train` with engine.backend=vllm: eval, one GRPO step on vLLM's rollouts, the weight sync, eval;
-    mismatch_kl (vLLM's log-probs vs the trainer's) logged and non-zero; no vLLM process or tmpfs folder left."""
+    mismatch_kl (vLLM's log-probs vs the trainer's) logged; no tmpfs folder left."""
     tok = json.loads((hf_dir / "config.json").read_text())
     exe = str(Path(sys.executable).parent / "megatron-rl")
     shm_before = set(Path("/dev/shm").glob("mrl-vllm-*"))
     proc = subprocess.run(
         [exe, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", f"model.init=hf:{hf_dir}",
          "model.num_attention_heads=2", "model.num_query_groups=1", f"model.vocab_size={tok['vocab_size']}",
-         "model.max_seq_length=256", "parallel.tp=1", "launch.nproc_per_node=1", "train.steps=0", "rl.steps=1",
+         "model.max_seq_length=1024", "parallel.tp=1", "launch.nproc_per_node=1", "train.steps=0", "rl.steps=1",
          "rl.prompts_per_step=2", "rl.group_size=4", "rl.dynamic_sampling=false", "rl.max_new_tokens=16",
          "eval.tasks=4", "eval.k=2", "eval.every=0", "data.heldout_tasks=8", "monitor.tensorboard=false",
          "export.enabled=false", "engine.backend=vllm", f"engine.vllm.python={VLLM_PY}"],
@@ -225,7 +226,8 @@ def test_main_job_runs_a_step_with_vllm_and_reports_mismatch(hf_dir, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["kind"] == "rl"]
     assert [r["step"] for r in rl] == [0] and [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1]
-    assert rl[0]["trained_samples"] == 8 and 0 < rl[0]["mismatch_kl"] < 0.05, rl[0]
+    # logged; ~0 here: in fp32 vLLM's log-probs agree with the trainer's to ~1e-6 (bf16 makes it non-zero)
+    assert rl[0]["trained_samples"] == 8 and 0 <= rl[0]["mismatch_kl"] < 1e-3, rl[0]
     assert (tmp_path / "demo" / "vllm").is_dir()
     assert set(Path("/dev/shm").glob("mrl-vllm-*")) <= shm_before  # the run's tmpfs folder removed at its end
 

@@ -34,7 +34,11 @@ def _engine(conf: dict):
                       max_model_len=int(conf["max_model_len"]), max_num_seqs=int(conf["max_num_seqs"]),
                       enforce_eager=bool(conf.get("enforce_eager", True)), enable_prefix_caching=True,
                       generation_config="vllm", logprobs_mode="processed_logprobs", disable_log_stats=True,
-                      skip_tokenizer_init=False, **conf.get("extra", {}))
+                      skip_tokenizer_init=False,
+                      # no prompt split over steps: vLLM 0.32 on CPU fails a seeded request whose partial-prefill
+                      # token is discarded ("CPU Generator does not use offset")
+                      enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(int(conf["max_model_len"]), 2048), **conf.get("extra", {}))
     return LLMEngine.from_engine_args(args)
 
 
