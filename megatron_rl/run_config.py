@@ -151,7 +151,7 @@ class RunConfig:
     episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
     """Where the RL loop's episodes run (in-process or dispatched to rollout workers)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The in-process rollout engine."""
+    """The rollout engine: the in-process native one, or vLLM engine processes (engine.backend)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """In-loop evaluation."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -247,6 +247,33 @@ class RunConfig:
                               "run has none (rl.trainer.old_logprobs=behaviour, no reference model): it would "
                               "change nothing; use routing_replay=everywhere, or old_logprobs=recompute")
 
+    def _check_vllm(self) -> None:
+        """engine.backend=vllm: what the vLLM backend serves (an HF folder, one replica per trainer rank of a
+        TP=PP=CP=EP=1 layout, in-process episodes, no routing replay), then its environment (a missing one or
+        another vLLM version refused here, before any rank starts)."""
+        if self.engine.backend != "vllm":
+            return
+        from megatron_rl.rollout.vllm_config import check_environment
+
+        if not self.model.init.startswith("hf:"):
+            raise ConfigError(f"engine.backend=vllm starts vLLM from an HF model folder: set model.init=hf:DIR "
+                              f"(got {self.model.init!r}); or use engine.backend=native")
+        p = self.parallel
+        if (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
+            raise ConfigError(f"engine.backend=vllm needs parallel.tp=pp=cp=ep=1 (got tp={p.tp} pp={p.pp} cp={p.cp} "
+                              f"ep={p.ep}): every trainer rank drives a vLLM engine of its own with the whole model; "
+                              f"use engine.backend=native for a sharded trainer")
+        if self.episodes.runner != "inprocess":
+            raise ConfigError(f"engine.backend=vllm runs with episodes.runner=inprocess (got "
+                              f"{self.episodes.runner!r}); use engine.backend=native for dispatched or fleet episodes")
+        if self.rl.trainer.routing_replay != "off":
+            raise ConfigError(f"rl.trainer.routing_replay={self.rl.trainer.routing_replay} needs the experts each "
+                              f"token was routed to, which engine.backend=vllm does not return; set "
+                              f"rl.trainer.routing_replay=off or engine.backend=native")
+        if self.engine.vllm.weight_transfer == "nccl" and not __import__("torch").cuda.is_available():
+            raise ConfigError("engine.vllm.weight_transfer=nccl needs CUDA GPUs; use engine.vllm.weight_transfer=file")
+        check_environment(self.engine.vllm)  # names engine.vllm.python and the fix (scripts/setup_vllm.sh)
+
     def validate(self) -> None:
         from megatron_rl.rollout.model_runner import check_servable
         from megatron_rl.rollout.reshard import check_engine_layout
@@ -277,6 +304,7 @@ class RunConfig:
                               f"parallel.tp=1 (got tp={self.parallel.tp}); use episodes.server=colocated")
         self._check_routing_replay()
         check_teacher(self)  # the distillation teacher loads, tokenizes as the student and fits the layout
+        self._check_vllm()
         self._check_export()
         self.lora.check_model(self.model, self.parallel)
         if self.monitor.alerts.mismatch_kl is not None:

@@ -128,7 +128,14 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     from megatron_rl.convert.source import initializer
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
-    from megatron_rl.loop.setup import build_engine, engine_weights, episode_runner, heldout_run, rollouts_for
+    from megatron_rl.loop.setup import (
+        build_engine,
+        close_engine,
+        engine_weights,
+        episode_runner,
+        heldout_run,
+        rollouts_for,
+    )
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.trainer.checkpoint import load_checkpoint
     from megatron_rl.trainer.policy import Policy
@@ -142,7 +149,7 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     if checkpoint is not None:
         load_checkpoint(policy, checkpoint)
     rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
-    engine, sync = build_engine(cfg, ctx, tok.vocab_size)
+    engine, sync = build_engine(cfg, ctx, tok.vocab_size, Path(cfg.output_dir) / cfg.name)
     sync(engine, policy.step_count, policy.global_named_tensors())
     run_dir = Path(cfg.output_dir) / cfg.name
     runner = episode_runner(cfg, run_dir) if rank0 else None
@@ -158,6 +165,7 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
                 rows += task_rows
     finally:
         rollouts.close()
+        close_engine(engine)
     if rank0:
         out.parent.mkdir(parents=True, exist_ok=True)
         report = write_report(out, rows, cfg.eval.k)

@@ -85,6 +85,7 @@ class Parts:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        close_engine(self.engine)
         self.monitor.close()
 
 
@@ -166,7 +167,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
                     init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model),
                     lora=cfg.lora)
-    engine, sync = build_engine(cfg, ctx, tok.vocab_size)
+    engine, sync = build_engine(cfg, ctx, tok.vocab_size, run_dir)
     if rank0:
         source = "the warm-up's weights" if warm is not None else cfg.model.init or "random weights"
         print(f"[megatron-rl] policy ({source}, {cfg.model.num_layers} layers) and rollout engine ready in "
@@ -185,9 +186,12 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
 
-def build_engine(cfg: RunConfig, ctx, valid_vocab: int):
+def build_engine(cfg: RunConfig, ctx, valid_vocab: int, run_dir: Path | None = None):
     """The in-process engine in its own layout (TP only: the whole model on every rank) and the weight sync
-    that reshards the trainer's layout into it (collective: every rank)."""
+    that reshards the trainer's layout into it (collective: every rank); with engine.backend=vllm, this rank's
+    vLLM engine process (its log in <run_dir>/vllm) and the sync that converts to HF names and reloads it."""
+    if cfg.engine.backend == "vllm":
+        return build_vllm_engine(cfg, ctx, valid_vocab, run_dir)
     from megatron_rl.rollout import RolloutEngine
     from megatron_rl.rollout.reshard import WeightSync, engine_layout
 
@@ -196,6 +200,24 @@ def build_engine(cfg: RunConfig, ctx, valid_vocab: int):
                                  record_routes=cfg.rl.trainer.routing_replay != "off",  # MoE routing replay
                                  device=ctx.device)
     return engine, WeightSync(ctx, pgs)
+
+
+def build_vllm_engine(cfg: RunConfig, ctx, valid_vocab: int, run_dir: Path | None = None):
+    """This rank's vLLM engine (every rank of a TP=1 run is a replica of its own) and its weight sync: the
+    trainer's whole model (PP = EP = 1: every tensor on every rank) converted and reloaded, checked complete."""
+    from megatron_rl.rollout.vllm_engine import VLLMEngine, dtype_name
+
+    log_dir = Path(run_dir) / "vllm" if run_dir is not None else None
+    engine = VLLMEngine(cfg.engine.vllm, cfg.engine, cfg.model.init, cfg.model.max_seq_length,
+                        dtype_name(cfg.engine.dtype, cfg.model.params_dtype), valid_vocab, log_dir)
+    return engine, lambda eng, version, named: eng.update_weights(version, named, complete=True)
+
+
+def close_engine(engine) -> None:
+    """Stop an engine that runs in a process of its own (engine.backend=vllm); nothing for the native one."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def scores_episodes(cfg: RunConfig, ctx) -> bool:

@@ -43,6 +43,7 @@ from megatron_rl.rollout.compression import CompressionConfig, CompressionRecord
 from megatron_rl.rollout.model_runner import ModelRunner, build_batch
 from megatron_rl.rollout.sampling import SamplingParams, sample
 from megatron_rl.rollout.scheduler import Scheduler, Sequence
+from megatron_rl.rollout.vllm_config import VLLMConfig
 
 UpdatePolicy = Literal["continue", "abort"]
 
@@ -71,8 +72,20 @@ class EngineConfig:
     dtype: Literal["model", "fp32", "bf16"] = "model"
     """Parameter dtype of the engine's copy of the policy: the trainer's (model.params_dtype), or fp32 / bf16
     (a bf16 engine serving an fp32 trainer; weight syncs cast)."""
+    backend: Literal["native", "vllm"] = "native"
+    """native: this engine, in-process on the trainer ranks; vllm: a vLLM engine per rollout replica in a process
+    of its own, from the environment `vllm` names (rollout/vllm_engine.py; made by scripts/setup_vllm.sh).
+    With vllm, max_running is vLLM's max_num_seqs and seed its seed; num_blocks, block_size,
+    max_tokens_per_step, kv_on_update and prefix_cache are the native engine's alone (vLLM recomputes in-flight
+    K/V after an update, as kv_on_update='recompute', and always caches prefixes)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM backend's environment and engine settings (read only with backend=vllm)."""
 
     def validate(self) -> None:
+        if self.backend not in ("native", "vllm"):
+            raise ConfigError(f"engine.backend={self.backend!r} is not one of native, vllm")
+        if self.backend == "vllm":
+            self.vllm.validate()
         if self.dtype not in ("model", "fp32", "bf16"):
             raise ConfigError(f"rollout.dtype={self.dtype!r} is not one of model, fp32, bf16")
         for name in ("num_blocks", "block_size", "max_tokens_per_step", "max_running"):

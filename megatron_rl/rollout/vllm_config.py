@@ -1,0 +1,82 @@
+"""Settings of the vLLM rollout backend (`engine.backend: vllm`, `engine.vllm`) and the check of its environment,
+kept apart from `vllm_engine.py` so that the engine config (rollout/engine.py) can hold them without importing
+the process machinery."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from megatron_rl.config import ConfigError
+
+SETUP = "scripts/setup_vllm.sh"
+"""The script that builds the vLLM environment (the fix every environment error names)."""
+
+
+@dataclass
+class VLLMConfig:
+    """The vLLM backend (engine.backend: vllm): where vLLM lives and how its engine runs."""
+
+    python: str = ".venv-vllm/bin/python"
+    """The vLLM environment's python: a path (relative: to the current directory), or a command prefix
+    ending in a python (e.g. `apptainer exec vllm.sif python3`); made by scripts/setup_vllm.sh."""
+    version: str = "0.32.0"
+    """The vLLM version required of that environment (checked before the run starts)."""
+    enforce_eager: bool = True
+    """No graph compilation (on CPU vLLM's inductor compile takes ~2.5 min at every start)."""
+    kv_cache_gb: int = 2
+    """KV cache of each engine on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    cpu_threads_bind: str = ""
+    """VLLM_CPU_OMP_THREADS_BIND (e.g. '0-1'; '' = vLLM's default 'auto', which keeps one core back)."""
+    weight_transfer: str = "file"
+    """file: safetensors on tmpfs + reload_weights (any device); nccl: vLLM's NCCL weight-transfer API (GPU
+    only; refused without CUDA)."""
+    shm_dir: str = "/dev/shm"
+    """Where the per-update weight folders are written (tmpfs); one folder per engine, removed at close."""
+    start_timeout_s: float = 900.0
+    """Seconds the vLLM process may take to load the model and answer ready."""
+    step_timeout_s: float = 600.0
+    """Seconds one engine step or weight reload may take before the process is declared hung (killed)."""
+
+    def validate(self) -> None:
+        if not self.python.strip():
+            raise ConfigError(f"engine.vllm.python is empty; name the vLLM environment's python (made by {SETUP})")
+        if self.weight_transfer not in ("file", "nccl"):
+            raise ConfigError(f"engine.vllm.weight_transfer={self.weight_transfer!r} is not one of file, nccl")
+        for name in ("kv_cache_gb", "start_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"engine.vllm.{name} must be > 0, got {getattr(self, name)}")
+
+    def command(self) -> list[str]:
+        """The python command as an argument list (a path, or a command prefix)."""
+        return shlex.split(self.python)
+
+
+def check_environment(cfg: VLLMConfig) -> str:
+    """The vLLM version of `cfg.python`'s environment, read from its package metadata (no `import vllm`, which
+    takes seconds); ConfigError naming engine.vllm.python and the fix when it is missing or another version."""
+    cmd = cfg.command()
+    fix = f"run `bash {SETUP}` (or point engine.vllm.python at the python of a vLLM {cfg.version} environment)"
+    if len(cmd) == 1 and not shutil.which(cmd[0]) and not os.access(cmd[0], os.X_OK):
+        raise ConfigError(f"engine.vllm.python={cfg.python!r}: no such executable; {fix}")
+    probe = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n"
+             "        print(m.version(d)); break\n    except m.PackageNotFoundError: pass\nelse: print('')")
+    try:
+        got = subprocess.run([*cmd, "-c", probe], capture_output=True, text=True, timeout=120)
+    except OSError as e:
+        raise ConfigError(f"engine.vllm.python={cfg.python!r} does not run ({e}); {fix}") from None
+    version = got.stdout.strip().split("+")[0]
+    if got.returncode != 0 or not version:
+        raise ConfigError(f"engine.vllm.python={cfg.python!r} has no vllm installed; {fix}")
+    if version != cfg.version:
+        raise ConfigError(f"engine.vllm.python={cfg.python!r} has vllm {version}, the backend needs "
+                          f"{cfg.version} (engine.vllm.version); {fix}")
+    return version
+
+
+def dtype_name(engine_dtype: str, params_dtype: str) -> str:
+    """vLLM's dtype for the engine's (EngineConfig.dtype: model, fp32, bf16) and the trainer's params dtype."""
+    d = params_dtype if engine_dtype == "model" else engine_dtype
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(d, d)
