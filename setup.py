@@ -33,6 +33,9 @@ setup(
         "tensorboard>=2.14",  # TensorBoard metrics of the RL loop (torch.utils.tensorboard needs it)
         "tokenizers>=0.19",  # HF tokenizers of real models (megatron_rl/tokenizer.py), no transformers needed
         "jinja2>=3.1",  # chat templates rendered as transformers renders them
+        # procedural task generators as domains (envs/procedural: reasoning_gym/<name>); pinned: the generators'
+        # tasks and scorers change between releases (task provenance records the version)
+        "reasoning-gym==0.1.25",
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.

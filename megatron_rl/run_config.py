@@ -76,7 +76,7 @@ class DataConfig:
         import envs  # noqa: F401  (registers the built-in environments)
         from envs.base import ENVIRONMENTS
 
-        if self.domain not in ENVIRONMENTS.names():
+        if self.domain not in ENVIRONMENTS:
             raise ConfigError(f"data.domain {self.domain!r} is not a registered environment; known: "
                               f"{sorted(ENVIRONMENTS.names())}")
         if self.sandbox_workers < 1 or self.episode_workers < 1:
