@@ -119,7 +119,7 @@ class MixtureConfig:
             if not d.weight >= 0 or d.max_turns < 1 or d.max_tokens < 0 or d.train_tasks < 0 or d.heldout_tasks < 0:
                 raise ConfigError(f"envs.domains.{name}: need weight >= 0, max_turns >= 1, max_tokens >= 0, "
                                   f"train_tasks >= 0 and heldout_tasks >= 0 (got {d})")
-            check_domain(name, d, lambda split, name=name: self.tasks(split, only=name)[name])
+            check_domain(name, d)
             try:
                 make_env(name, reward_weights=d.reward_weights)
             except EnvError as e:
@@ -136,6 +136,17 @@ class MixtureConfig:
                                   f"(payload.tier); leave it '' for all tasks")
         if not any(d.weight > 0 for d in domains.values()):
             raise ConfigError("envs.domains: no domain has a weight > 0, so the RL loop has nothing to sample")
+
+    def check_generated(self) -> None:
+        """Make the tasks of every task library's domain and refuse one whose generator cannot fill its splits or
+        whose held-out questions are train questions, naming it (the run's config check, before any rank starts;
+        not in `validate`, which rollout workers run too)."""
+        from envs.procedural import is_procedural
+        from envs.procedural.domains import check_splits
+
+        for name, d in self.domains.items():
+            if is_procedural(name):
+                check_splits(name, d, lambda split, name=name: self.tasks(split, only=name)[name])
 
     def _check_image(self, name: str, d: DomainConfig) -> None:
         """A domain's image names a spec that loads (unknown keys refused) or an image file that exists."""

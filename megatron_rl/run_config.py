@@ -177,6 +177,7 @@ class RunConfig:
             raise ConfigError("rl.reward_weights applies to data.domain alone; with envs.domains set, give each "
                               "domain its own envs.domains.<name>.reward_weights")
         self.envs.validate()
+        self.envs.check_generated()  # a task library's domains: their splits made and checked here
 
     def _check_warmup(self) -> None:
         """The supervised warm-up trains on reference answers (`payload.solution`); refuse a domain without."""

@@ -96,10 +96,9 @@ def prepare_mixture(data: dict, prefix: str = "envs") -> dict:
     return {**data, "domains": expanded, "patterns": {**(data.get("patterns") or {}), **patterns}}
 
 
-def check_domain(name: str, d, tasks) -> None:
-    """Refuse before any work: settings of a generated domain on another, unknown generator settings, a generator
-    that cannot fill the splits, held-out questions that are also train questions. `tasks(split)`: the domain's
-    tasks."""
+def check_domain(name: str, d) -> None:
+    """Refuse before any work: settings of a generated domain on another domain, generated tasks with task files,
+    unknown generator settings (cheap: runs wherever the mixture loads, rollout workers too)."""
     from megatron_rl.config import ConfigError
 
     key = f"envs.domains.{name}"
@@ -111,13 +110,20 @@ def check_domain(name: str, d, tasks) -> None:
     if d.task_files:
         raise ConfigError(f"{key}.task_files: {name!r} generates its tasks; drop task_files (set train_tasks, "
                           f"heldout_tasks, seed, generator instead)")
-    from envs.procedural.env import DEFAULT_COUNTS, TRAIN_DRAWS
-
     lib, gen = split_domain(name)
     try:
         LIBRARIES.get(lib).check_config(gen, dict(d.generator))
     except ValueError as e:
         raise ConfigError(f"{key}.generator: {e}") from None
+
+
+def check_splits(name: str, d, tasks) -> None:
+    """Refuse a generated domain whose generator cannot fill its splits, or whose held-out questions are train
+    questions (makes the tasks: `tasks(split)`, the driver's, before any rank starts)."""
+    from envs.procedural.env import DEFAULT_COUNTS, TRAIN_DRAWS
+    from megatron_rl.config import ConfigError
+
+    key = f"envs.domains.{name}"
     train, heldout = tasks("train"), tasks("heldout")
     if not heldout:
         raise ConfigError(f"{key}: the generator raised on every held-out task (see the log); change its "
@@ -144,3 +150,26 @@ def unknown_domain_message(name: str) -> str:
             return f"{lib}'s generator {gen!r} is not a domain: {why}"
         return f"{lib} has no generator {gen!r}; its generators: {sorted(library.generators())}"
     return ""
+
+
+def resolved(mixture) -> dict:
+    """The run's resolved domain list (saved as <run>/envs_domains.json): each pattern and the domains it matched,
+    every domain with its weight (and a generated one's category, task counts, seed, settings), and the tasks each
+    generator failed to make in this process."""
+    from envs.procedural.env import ERRORS
+
+    out = {}
+    for name, d in mixture.domains.items():
+        row = {"weight": d.weight}
+        if is_procedural(name):
+            lib, gen = split_domain(name)
+            row.update(category=LIBRARIES.get(lib).generators()[gen], train_tasks=d.train_tasks,
+                       heldout_tasks=d.heldout_tasks, seed=d.seed, generator=dict(d.generator))
+        out[name] = row
+    return {"patterns": dict(mixture.patterns), "domains": out, "tasks_not_made": dict(ERRORS["make"])}
+
+
+def describe(mixture) -> str:
+    """One line for the run's log: how many domains, from which patterns."""
+    pats = "; ".join(f"{p} -> {len(ds)}" for p, ds in mixture.patterns.items())
+    return f"envs.domains: {len(mixture.domains)} domains ({pats or 'no patterns'})"

@@ -22,7 +22,7 @@ import math
 from collections import Counter
 
 from envs.base import ENVIRONMENTS, RewardComponent, RewardContext, RewardOutput, RewardSpec, SingleTurnEnvironment
-from envs.procedural.contract import LIBRARIES, is_procedural, split_domain
+from envs.procedural.contract import LIBRARIES, Item, is_procedural, split_domain
 from envs.rewards import extract_tag, reward
 from envs.types import EnvError, Task
 
@@ -87,7 +87,7 @@ def _make(domain: str, split: str, indices: range, size: int, seed: int, config_
     version, tasks, failed = lib.version(), [], []
     for i in indices:
         try:
-            item = lib.make(gen, config, s, size, i)
+            item = _item(domain, s, size, i, config_json)
         except Exception as e:  # a generator bug: this task is left out, counted
             failed.append(f"{split} task {i}: {e.__class__.__name__}: {e}"[:200])
             continue
@@ -116,9 +116,10 @@ def _json_exact(entry):
 
 
 @functools.lru_cache(maxsize=4096)
-def _remade_entry(domain: str, seed: int, size: int, index: int, config_json: str):
+def _item(domain: str, seed: int, size: int, index: int, config_json: str) -> Item:
+    """Task `index` as the library makes it (made once per process)."""
     lib_name, gen = _parts(domain)
-    return LIBRARIES.get(lib_name).make(gen, json.loads(config_json), seed, size, index).entry
+    return LIBRARIES.get(lib_name).make(gen, json.loads(config_json), seed, size, index)
 
 
 def task_entry(task: Task):
@@ -126,7 +127,7 @@ def task_entry(task: Task):
     if task.payload.get("entry") is not None:
         return task.payload["entry"]
     p = task.payload["provenance"]
-    return _remade_entry(task.domain, p["seed"], p["size"], p["index"], json.dumps(p["config"], sort_keys=True))
+    return _item(task.domain, p["seed"], p["size"], p["index"], json.dumps(p["config"], sort_keys=True)).entry
 
 
 @reward("procedural", version="1")
@@ -164,8 +165,8 @@ class ProceduralEnvironment(SingleTurnEnvironment):
         return self.render_prompt(task) + "\n"
 
     def reference_response(self, task: Task, corrupt: bool = False) -> str | None:
-        """`<answer>reference</answer>`; corrupt: the answer of a neighbouring task of the same split that differs
-        (else 'none'). None when the generator has no reference answer."""
+        """`<answer>reference</answer>`; corrupt: a wrong answer (`wrong_answer`). None when the generator has no
+        reference answer."""
         answer = task.payload.get("answer")
         if not isinstance(answer, str):
             return None
@@ -174,17 +175,18 @@ class ProceduralEnvironment(SingleTurnEnvironment):
 
 def wrong_answer(task: Task) -> str:
     """A wrong but well-formed answer to `task`: another task's reference answer (same generator, settings and
-    seed), else 'none'."""
+    seed) that the generator does not score 1.0 for this task, else 'none'."""
     p, answer = task.payload["provenance"], task.payload.get("answer")
     lib_name, gen = _parts(task.domain)
-    lib = LIBRARIES.get(lib_name)
+    lib, config_json = LIBRARIES.get(lib_name), json.dumps(p["config"], sort_keys=True)
     for j in range(1, min(9, p["size"])):
         try:
-            other = lib.make(gen, p["config"], p["seed"], p["size"], (p["index"] + j) % p["size"]).answer
-        except Exception:
+            other = _item(task.domain, p["seed"], p["size"], (p["index"] + j) % p["size"], config_json).answer
+            if isinstance(other, str) and other.strip() != (answer or "").strip() and lib.score(
+                    gen, p["config"], p["seed"], p["size"], other, task_entry(task)) < 1.0:
+                return other
+        except Exception:  # noqa: S112  (a neighbour the generator cannot make or score: try the next)
             continue
-        if isinstance(other, str) and other.strip() != (answer or "").strip():
-            return other
     return "none"
 
 

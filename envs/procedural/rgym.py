@@ -85,7 +85,9 @@ class ReasoningGym:
             raise ValueError(f"unknown setting(s) {unknown} of reasoning-gym generator {generator!r}; known: {known}")
         try:
             json.dumps(config)
-            _dataset(generator, json.dumps(config, sort_keys=True), 0, 1)
+            settings = _datasets()[generator][1](**config)
+            if hasattr(settings, "validate"):
+                settings.validate()
         except Exception as e:
             raise ValueError(f"reasoning-gym generator {generator!r} refuses settings {config}: "
                              f"{e.__class__.__name__}: {e}") from None
