@@ -66,7 +66,13 @@ def play(env, task, response):
     return env.step(response)
 
 
-@pytest.mark.parametrize("generator", sorted(RG.generators()))
+SLOW = {"arc_agi", "futoshiki", "intermediate_integration", "knight_swap", "puzzle24", "quantum_lock", "sokoban",
+        "zebra_puzzles"}
+"""Generators that take over a second of CPU for a few tasks (knight_swap: about a second a task)."""
+
+
+@pytest.mark.parametrize("generator", [pytest.param(g, marks=pytest.mark.slow) if g in SLOW else g
+                                       for g in sorted(RG.generators())])
 def test_every_generator_makes_disjoint_splits_and_scores_its_reference(generator):
     domain = f"reasoning_gym/{generator}"
     tasks = generate(domain, counts={"train": 2, "heldout": 2})
@@ -194,6 +200,7 @@ def test_a_generator_that_raises_is_masked_and_counted(tiny):
     assert m["tiny/flaky/infra_error_frac"] == 0.5 and m["tiny/flaky/reward_mean"] == pytest.approx(1.1)
 
 
+@pytest.mark.slow
 def test_a_100_domain_mixture_with_multi_turn_and_judged_domains_runs_on_a_worker(tmp_path):
     """Every reasoning-gym domain plus tool_use (multi-turn) and docqa (judged; rules only without a judge), one
     train task each, played on a rollout worker's runner (the worker builds its environments from the spec's
