@@ -35,6 +35,9 @@ setup(
         "jinja2>=3.1",  # chat templates rendered as transformers renders them
         "boto3>=1.34",  # episodes.store=s3: shards in any S3-compatible object store (megatron_rl/data/store.py)
         "nats-py>=2.7",  # episodes.store=s3: "shard ready" announcements on NATS JetStream
+        # procedural task generators as domains (envs/procedural: reasoning_gym/<name>); pinned: the generators'
+        # tasks and scorers change between releases (task provenance records the version)
+        "reasoning-gym==0.1.25",
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.

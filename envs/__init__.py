@@ -1,8 +1,8 @@
 """Environments, task suites, sandboxes and rewards for megatron-rl.
 
 Importing `envs` registers the built-in environments (arithmetic, code, math, tool_use, terminal, docqa, countdown,
-harbor)
-and reward functions; third-party ones come through the `megatron_rl.environments` and
+harbor), the domains of the procedural task libraries (`envs.procedural`: reasoning_gym/<generator>, made on
+first use) and reward functions; third-party ones come through the `megatron_rl.environments` and
 `megatron_rl.rewards` entry-point groups.
 """
 from envs import (  # noqa: F401  (register the built-ins)
@@ -12,6 +12,7 @@ from envs import (  # noqa: F401  (register the built-ins)
     docqa,
     harbor,
     math,
+    procedural,
     terminal,
     tool_use,
 )

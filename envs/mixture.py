@@ -10,6 +10,10 @@
       judge_base_url: http://judge:8000/v1        # optional
       curriculum: {enabled: true, floor: 0.2}     # optional: weights move toward learnable domains (envs/curriculum.py)
 
+A key of `domains` may be a pattern: `reasoning_gym/*` (a glob), `reasoning_gym:arithmetic` (a task library's
+category), with shared settings that exact names override (envs/procedural/domains.py). A task library's domain
+(`reasoning_gym/<generator>`, envs/procedural) generates its tasks from `seed` with the settings `generator`.
+
 Every domain is a registered environment; its tasks are its shipped suite or `task_files`, split into train
 (sampled by the RL loop, weighted, resumable) and heldout (evaluated per domain). `build_env` makes one
 environment for one episode with the domain's reward weights and budget; the RL loop, eval, warm-up and the
@@ -37,7 +41,14 @@ class DomainConfig:
     """Task files (.jsonl/.yaml), or folders for a folder domain (harbor: task folders or folders of them);
     [] = the environment's shipped suite."""
     train_tasks: int = 0
-    """Train tasks used at most (0 = all)."""
+    """Train tasks used at most (0 = all); a task library's domain (envs/procedural) makes this many (0 = 64)."""
+    heldout_tasks: int = 0
+    """Held-out tasks used at most (0 = all); a task library's domain makes this many (0 = 16)."""
+    seed: int = 0
+    """A task library's domain: the seed its train tasks are drawn from (held-out: seed + 2**30)."""
+    generator: dict[str, Any] = field(default_factory=dict)
+    """A task library's domain: its generator's settings (e.g. reasoning-gym's difficulty fields); unknown names
+    are refused; {} = the generator's defaults."""
     tier: str = ""
     """Only tasks whose payload `tier` is this (the generated suites' easy / medium); '' = all tasks."""
     reward_weights: dict[str, float] = field(default_factory=dict)
@@ -79,6 +90,16 @@ class MixtureConfig:
     curriculum: DomainCurriculumConfig = field(default_factory=DomainCurriculumConfig)
     """Online curriculum across the domains (envs/curriculum.py): sampling weights move toward domains whose
     groups have mixed outcomes, above a floor; off by default (the weights above, fixed)."""
+    patterns: dict[str, list[str]] = field(default_factory=dict)
+    """Filled by the config loader: each pattern of `domains` and the domains it matched (saved in the run's
+    config.yaml); not set by hand."""
+
+    @staticmethod
+    def prepare_config(data: dict, prefix: str = "") -> dict:
+        """The raw `envs:` mapping with the patterns of `domains` expanded (see envs/procedural/domains.py)."""
+        from envs.procedural.domains import prepare_mixture
+
+        return prepare_mixture(data, prefix)
 
     def validate(self) -> None:
         import envs  # noqa: F401  (registers the built-in environments)
@@ -87,13 +108,23 @@ class MixtureConfig:
         domains = self.domains
         if not domains:  # a run config fills it from data.domain (RunConfig._resolve_domains)
             return
+        from envs.procedural.domains import check_domain, is_pattern, unknown_domain_message
+
+        if any(is_pattern(k) for k in domains):  # a mixture built in code: expand as the loader does
+            from envs.procedural.domains import expand
+            from megatron_rl.config import from_dict, to_dict
+
+            expanded, patterns = expand(to_dict(domains))
+            self.domains = domains = {k: from_dict(DomainConfig, v, f"envs.domains.{k}") for k, v in expanded.items()}
+            self.patterns.update(patterns)
         for name, d in domains.items():
-            if name not in ENVIRONMENTS.names():
-                raise ConfigError(f"envs.domains.{name}: not a registered environment; known: "
-                                  f"{sorted(ENVIRONMENTS.names())}")
-            if not d.weight >= 0 or d.max_turns < 1 or d.max_tokens < 0 or d.train_tasks < 0:
-                raise ConfigError(f"envs.domains.{name}: need weight >= 0, max_turns >= 1, max_tokens >= 0 and "
-                                  f"train_tasks >= 0 (got {d})")
+            if name not in ENVIRONMENTS:
+                raise ConfigError(f"envs.domains.{name}: not a registered environment; "
+                                  f"{unknown_domain_message(name) or f'known: {sorted(ENVIRONMENTS.names())}'}")
+            if not d.weight >= 0 or d.max_turns < 1 or d.max_tokens < 0 or d.train_tasks < 0 or d.heldout_tasks < 0:
+                raise ConfigError(f"envs.domains.{name}: need weight >= 0, max_turns >= 1, max_tokens >= 0, "
+                                  f"train_tasks >= 0 and heldout_tasks >= 0 (got {d})")
+            check_domain(name, d)
             try:
                 make_env(name, reward_weights=d.reward_weights)
             except EnvError as e:
@@ -110,6 +141,17 @@ class MixtureConfig:
                                   f"(payload.tier); leave it '' for all tasks")
         if not any(d.weight > 0 for d in domains.values()):
             raise ConfigError("envs.domains: no domain has a weight > 0, so the RL loop has nothing to sample")
+
+    def check_generated(self) -> None:
+        """Make the tasks of every task library's domain and refuse one whose generator cannot fill its splits or
+        whose held-out questions are train questions, naming it (the run's config check, before any rank starts;
+        not in `validate`, which rollout workers run too)."""
+        from envs.procedural import is_procedural
+        from envs.procedural.domains import check_splits
+
+        for name, d in self.domains.items():
+            if is_procedural(name):
+                check_splits(name, d, lambda split, name=name: self.tasks(split, only=name)[name])
 
     def _check_image(self, name: str, d: DomainConfig) -> None:
         """A domain's image names a spec that loads (unknown keys refused) or an image file that exists."""
@@ -165,12 +207,19 @@ class MixtureConfig:
         return {name: publish(d.image) for name, d in self.domains.items() if d.image and name != "harbor"}
 
     def loader_options(self, name: str) -> dict:
-        """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/."""
+        """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/; a
+        task library's domain: task counts, seed and generator settings."""
+        from envs.procedural import is_procedural
+
         d = self.domains.get(name)
+        if d is not None and is_procedural(name):
+            return {"counts": {"train": d.train_tasks, "heldout": d.heldout_tasks}, "seed": d.seed,
+                    "config": dict(d.generator)}
         return {"images": True} if name == "harbor" and d is not None and d.image == "dockerfile" else {}
 
     def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
-        """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (train: capped at train_tasks)."""
+        """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (capped at train_tasks or
+        heldout_tasks)."""
         from envs.tasks import load_domain
 
         out = {}
@@ -180,7 +229,8 @@ class MixtureConfig:
             tasks = load_domain(name, d.task_files or None, split=split, **self.loader_options(name))
             if d.tier:
                 tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
-            out[name] = tasks[:d.train_tasks] if split == "train" and d.train_tasks else tasks
+            cap = {"train": d.train_tasks, "heldout": d.heldout_tasks}.get(split, 0)
+            out[name] = tasks[:cap] if cap else tasks
         return out
 
     def budget(self, name: str, max_seq_length: int, unlisted: DomainConfig | None = None) -> Budget:

@@ -131,13 +131,20 @@ FOLDER_DOMAINS = {"harbor": "envs.harbor.loader:load_harbor"}
 
 def load_domain(domain: str, files: Iterable[str | Path] | None = None, split: str | None = None,
                 **options) -> list[Task]:
-    """Tasks of one domain: the given files (folders for a folder domain), or the shipped suite. `options` go
-    to a folder domain's loader (harbor: images=True)."""
+    """Tasks of one domain: the given files (folders for a folder domain), the shipped suite, or a task library's
+    generated tasks (envs/procedural). `options` go to a folder domain's loader (harbor: images=True) or to the
+    generator (`envs.procedural.env.generate`: counts, seed, config)."""
     if domain in FOLDER_DOMAINS:
         import importlib
 
         module, fn = FOLDER_DOMAINS[domain].split(":")
         return getattr(importlib.import_module(module), fn)(list(files) if files else None, split=split, **options)
+    from envs.procedural import is_procedural
+
+    if not files and is_procedural(domain):  # a task library's generator (options: counts, seed, config)
+        from envs.procedural.env import generate
+
+        return generate(domain, split, **options)
     if options:
         raise ValueError(f"domain {domain!r} takes no loader options, got {sorted(options)}")
     return load_tasks(list(files) if files else builtin_task_files(domain), domain=domain, split=split)

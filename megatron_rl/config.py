@@ -6,6 +6,8 @@ on the line after the field). This module turns plain data (YAML) into those dat
 - unknown keys are rejected, naming the full dotted key and the closest known one;
 - values are type-checked against the annotations (int, float, bool, str, Optional, Literal, list, tuple,
   dict, Enum and nested dataclasses); an int is accepted for a float, nothing else is coerced;
+- a dataclass may rewrite its raw mapping before that (a static `prepare_config(data, prefix)`: `envs.domains`
+  patterns expand to the domains they match);
 - after construction every dataclass's `validate()` (if it has one) runs, innermost first, so impossible
   combinations fail before any work starts. `validate()` is pure; what a config names outside itself (the
   checkpoint of model.init) is read in the dataclass's `resolve_sources()`, which runs just before it.
@@ -189,6 +191,9 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "", base: Any = Non
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config section '{prefix or cls.__name__}': expected a mapping, got {data!r}")
+    prepare = getattr(cls, "prepare_config", None)
+    if callable(prepare):  # the class rewrites its raw mapping first (envs: domain patterns)
+        data = prepare(data, prefix)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for k in data:
         if k not in fields:

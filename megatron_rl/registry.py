@@ -34,7 +34,22 @@ class Registry(Generic[T]):
         self._entry_points_loaded = False
         self.failed: dict[str, str] = {}
         """Entry-point name -> why it failed to load."""
+        self._families: list[tuple[Callable[[str], T | None], Callable[[], list[str]]]] = []
         _ALL.add(self)
+
+    def add_family(self, resolve: Callable[[str], T | None], names: Callable[[], list[str]]) -> None:
+        """Entries made on first use (e.g. one per generator of a task library, whose import is slow): a name not
+        registered goes to `resolve(name)` (its entry, or None: not of this family), which is registered;
+        `names()` lists the family for `names()` (called only when the whole registry is listed)."""
+        self._families.append((resolve, names))
+
+    def _resolve_family(self, name: str) -> bool:
+        for resolve, _ in self._families:
+            obj = resolve(name)
+            if obj is not None:
+                self._items[name] = obj
+                return True
+        return False
 
     def register(self, name: str, obj: T | None = None, *, overwrite: bool = False):
         if obj is None:
@@ -61,6 +76,8 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         if name not in self._items:
             self._load_entry_points()
+        if name not in self._items and name not in self.failed:
+            self._resolve_family(name)
         if name in self.failed:
             raise RegistryError(f"{self.kind} {name!r} (entry point group {self.entry_point_group}) failed to "
                                 f"load: {self.failed[name]}")
@@ -71,17 +88,17 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         self._load_entry_points()
-        return sorted(self._items)
+        return sorted({*self._items, *(n for _, names in self._families for n in names())})
 
     def __contains__(self, name: str) -> bool:
         self._load_entry_points()
-        return name in self._items
+        return name in self._items or self._resolve_family(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def items(self) -> list[tuple[str, T]]:
-        return [(n, self._items[n]) for n in self.names()]
+        return [(n, self.get(n)) for n in self.names()]
 
 
 Factory = Callable[..., T]

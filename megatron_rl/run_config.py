@@ -78,7 +78,7 @@ class DataConfig:
         import envs  # noqa: F401  (registers the built-in environments)
         from envs.base import ENVIRONMENTS
 
-        if self.domain not in ENVIRONMENTS.names():
+        if self.domain not in ENVIRONMENTS:
             raise ConfigError(f"data.domain {self.domain!r} is not a registered environment; known: "
                               f"{sorted(ENVIRONMENTS.names())}")
         if self.sandbox_workers < 1 or self.episode_workers < 1:
@@ -183,6 +183,7 @@ class RunConfig:
             raise ConfigError("rl.reward_weights applies to data.domain alone; with envs.domains set, give each "
                               "domain its own envs.domains.<name>.reward_weights")
         self.envs.validate()
+        self.envs.check_generated()  # a task library's domains: their splits made and checked here
 
     def _check_warmup(self) -> None:
         """The supervised warm-up trains on reference answers (`payload.solution`); refuse a domain without."""

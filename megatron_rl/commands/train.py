@@ -92,6 +92,11 @@ def drive(cfg: RunConfig, run_dir: Path) -> int:
     t0, cpu0 = time.time(), cpu_seconds()  # a baseline: what ran before (scripts/run.sh's set-up) is not counted
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
+    if cfg.envs.patterns:  # envs.domains by pattern: the resolved list, logged and saved with the run
+        from envs.procedural.domains import describe, resolved
+
+        (run_dir / "envs_domains.json").write_text(json.dumps(resolved(cfg.envs), indent=1) + "\n")
+        _say(f"{describe(cfg.envs)}; list: {run_dir / 'envs_domains.json'}")
     _say(f"run '{cfg.name}' -> {run_dir}  (layout tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}, "
          f"{cfg.launch.nproc_per_node} ranks; RL: {cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x "
          f"{cfg.rl.group_size} samples, max_staleness={cfg.rl.max_staleness})")

@@ -226,7 +226,10 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
             raise
         return [failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))]
     timings = {"generate": gen_s[0], **r.timings, "turns": float(r.turns), "total": time.perf_counter() - t0}
+    from envs.procedural import task_provenance
+
     prov = {k: json.dumps(v, sort_keys=True) for k, v in r.reward.provenance.items()}
+    prov.update(task_provenance(task))  # a generated task's library, version, generator, seed, index, settings
     if isinstance(generator, ScriptedGenerator):
         prov["policy"] = "scripted test policy (not a model)"
     model_versions = [v for v, m in zip(r.versions, r.loss_mask) if m] or [0]

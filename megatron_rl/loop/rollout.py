@@ -434,6 +434,8 @@ def sample_routes(g: Group, i: int, tokens: np.ndarray) -> np.ndarray | None:
 
 def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
     """Sample i of g as a shard row: the prompt (mask 0), then its episode's tokens with their loss mask."""
+    from envs.procedural import task_provenance
+
     s, (total, comps, _) = g.samples[i], g.rewards[i]
     prompt = g.prompts[i] if g.prompts and g.prompts[i] is not None else g.prompt
     n, versions = len(prompt), list(s.policy_versions) or [0]
@@ -446,6 +448,7 @@ def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
                       policy_version_last=max(model), env=g.task.domain, task_id=g.task.id,
                       episode_id=episode_id, reward_components={k: float(v) for k, v in comps.items()},
                       token_versions=np.asarray([versions[0]] * n + versions, np.int32),
-                      provenance={"finish_reason": str(s.finish_reason), "replica": str(g.replica)},
+                      provenance={"finish_reason": str(s.finish_reason), "replica": str(g.replica),
+                                  **task_provenance(g.task)},  # a generated task's library, generator, seed
                       timings={**(g.timings[i] if g.timings else {}), "turns": float(g.turns[i] if g.turns else 1)},
                       routed_experts=sample_routes(g, i, tokens))
