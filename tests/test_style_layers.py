@@ -35,6 +35,7 @@ GROUND = {
     "megatron_rl.registry": "the plug-in registry: stdlib only",
     "megatron_rl.slurm_env": "reads the Slurm/torchrun environment: stdlib only",
     "megatron_rl.parallel": "the parallel layout config: imports config only",
+    "megatron_rl.stages": "the pipeline stages' layer split (first/last counts, explicit layout): imports config only",
     "megatron_rl.tokenizer": "the tokenizer: imports config only",
     "megatron_rl.model_init": "what model.init names (kind, folder): path checks only, imports config only",
     "megatron_rl.distributed": "process-group set-up: imports parallel, slurm_env and compat only",
