@@ -118,7 +118,7 @@ def is_procedural(domain: str) -> bool:
 def task_provenance(task) -> dict[str, str]:
     """A task's provenance as shard strings (`task.<key>`): library, version, generator, seed, size, index,
     settings of a generated task; {} for a task of a hand-written suite."""
-    prov = (task.payload or {}).get("provenance")
+    prov = (getattr(task, "payload", None) or {}).get("provenance")  # a stand-in task may have no payload
     if not isinstance(prov, dict):
         return {}
     import json
