@@ -72,7 +72,8 @@ def test_main_job_sync(tmp_path, warm):
         assert abs(r["mismatch_kl"]) < 1e-3  # engine and trainer compute the same log-probs
         assert r["groups_seen"] - r["groups_filtered"] >= 0 and r["trained_samples"] <= 16
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000003"
-    assert sorted(p.name for p in (run / "plots").iterdir()) == ["lengths.png", "rewards.png", "time.png"]
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["domains_heldout.png", "lengths.png", "rewards.png",
+                                                                  "time.png"]  # + the per-domain heat map
     from megatron_rl.data.shards import read_shard
 
     shard = read_shard(run / "rl_shards" / "step-000001.h5")
