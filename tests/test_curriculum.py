@@ -137,7 +137,7 @@ def test_loop_step_metrics_and_console_summary_over_120_domains(tmp_path, capsys
         s.record_group(t, rewards)
         for r in rewards:
             s.record(t, r)
-    parts = SimpleNamespace(sampler=s, engine=SimpleNamespace(version=1), runner=None)
+    parts = SimpleNamespace(sampler=s, engine=SimpleNamespace(version=1), runner=None, sync_stats={})
     m = step_metrics(parts, None, None, {"loss": 0.1}, {}, _Clock())
     assert all(f"{d}/weight" in m and f"{d}/count" in m for d in names)
     assert sum(m[f"{d}/weight"] for d in names) == pytest.approx(1.0)
