@@ -59,6 +59,31 @@ def test_mcore_to_hf_with_arch_name_writes_loadable_config(tmp_path, capsys):
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
 
 
+def test_entries_sharing_a_key_are_all_read(tmp_path, capsys):
+    """A last pipeline stage's tied output layer is stored under the embedding's key: reading both entries (as
+    reshard --verify does with the entries of every stage) fills both with the embedding, not one with torch.empty
+    (the bug: reshard --verify to a tied model at pp > 1 compared against an HF model with a garbage embedding)."""
+    from dataclasses import replace
+
+    from megatron_rl.convert import layout, runtime
+    from megatron_rl.convert.arch import for_hf_config
+
+    hf = make_hf_model("qwen2", tmp_path / "hf")  # tied embeddings
+    run_ok(["hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mc")], capsys)
+    hf_cfg = json.loads((hf / "config.json").read_text())
+    cfg, extra = for_hf_config(hf_cfg).model_config(hf_cfg)
+    entries = layout.ckpt_entries(layout.build_model(cfg, extra, runtime.start(), num_layers=1))
+    emb = next(e for e in entries if e.template == "embedding.word_embeddings.weight")
+    tied = replace(emb, template="output_layer.weight")  # as Megatron's last stage (not the first) names it
+    counts, dtypes = (hf_cfg["num_hidden_layers"], 0), {emb.key: torch.float32}
+    alone = layout.load_canonical(str(tmp_path / "mc"), [emb], None, counts, dtypes)[emb.template]
+    assert torch.equal(alone[: hf_cfg["vocab_size"]], hf_tensors(hf)["model.embed_tokens.weight"])
+    both = layout.load_canonical(str(tmp_path / "mc"), [emb, tied], None, counts, dtypes)
+    assert torch.equal(both[emb.template], alone) and torch.equal(both["output_layer.weight"], alone)
+    with pytest.raises(ValueError, match="output_layer.weight.*one shape"):
+        layout.load_canonical(str(tmp_path / "mc"), [emb, replace(tied, shape=(1, 1))], None, counts, dtypes)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 def test_unknown_architecture_lists_supported(tmp_path, capsys):
     hf = make_hf_model("llama", tmp_path / "hf")

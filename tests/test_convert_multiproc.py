@@ -106,8 +106,10 @@ def test_deepseek_v3_tp2_ep2_round_trip_and_reshard_to_pp2(tmp_path):
 
 def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path):
     """3 layers over PP=2 (uneven): written with --first-stage-layers 1 -> HF bitwise equal, logits of the HF model;
-    resharded to --pipeline-layout 'Ettt|L' (the last rank: final norm and the tied output layer only) -> HF
-    bitwise equal again; an impossible split is refused, in this process before any rank starts, naming the fix."""
+    resharded to --pipeline-layout 'Ettt|L' (the last rank: final norm and the tied output layer only) -> the HF
+    model's logits (--verify: its reference reads the tied output layer's entry, stored under the embedding's key)
+    and HF bitwise equal again; an impossible split is refused, in this process before any rank starts, naming
+    the fix."""
     hf = make_hf_model("qwen2", tmp_path / "hf", num_hidden_layers=3)  # tied embeddings: a copy on the last stage
     reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--pp", "2",
                    "--first-stage-layers", "1", "--verify")
@@ -116,8 +118,9 @@ def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path):
     convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=True)
     reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--pp", "2",
-                   "--pipeline-layout", "Ettt|L")
+                   "--pipeline-layout", "Ettt|L", "--verify")
     assert reps[0]["layout"]["pipeline_layout"] == "Ettt|L"
+    assert len(logit_diffs(reps)) == 1 and max(logit_diffs(reps)) <= 1e-4
     convert("mcore-to-hf", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "hf3"))
     assert_same_tensors(hf, tmp_path / "hf3", tied=True)
     from megatron_rl.convert.arch.base import ConvertError

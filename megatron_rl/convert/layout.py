@@ -165,7 +165,8 @@ def load_canonical(ckpt: str, entries: list[CkptEntry], layer: int | None, count
     """Global tensors of one layer (or, with layer=None, the non-layer ones) read from a checkpoint.
 
     Reads through torch.distributed.checkpoint, one region per key ([layer] or [layer, all experts]):
-    dist_checkpointing's own load cannot read a partial region in a single process.
+    dist_checkpointing's own load cannot read a partial region in a single process. Entries sharing a key (the
+    tied output layer of a last pipeline stage, stored as the embedding's key) share the one read.
     """
     n_layers, n_experts = counts
     picked = [e for e in entries if e.per_layer != (layer is None) and (layer is None or e.has_layer(layer))]
@@ -174,6 +175,9 @@ def load_canonical(ckpt: str, entries: list[CkptEntry], layer: int | None, count
         key = ent.key.format(l=layer) if layer is not None else ent.key
         expert = "{e}" in ent.template
         lead = ((1,) if ent.layer_axis else ()) + ((n_experts,) if expert else ())
+        if key in state:  # one buffer per key: a second one would stay unread (torch.empty)
+            bufs[ent.template] = _shared_buffer(state[key][0], lead + ent.shape, ent.template, key)
+            continue
         dtype = dtypes.get(key, dtypes.get(ent.key))
         buf = bufs[ent.template] = torch.empty(lead + ent.shape, dtype=dtype)  # [(1,) (E,) ...]
         offsets = ((layer,) if ent.layer_axis else ()) + (0,) * (buf.dim() - (1 if ent.layer_axis else 0))
@@ -189,6 +193,13 @@ def load_canonical(ckpt: str, entries: list[CkptEntry], layer: int | None, count
         else:
             out[ent.template.format(l=layer) if layer is not None else ent.template] = buf
     return out
+
+
+def _shared_buffer(buf: torch.Tensor, shape: tuple[int, ...], template: str, key: str) -> torch.Tensor:
+    if tuple(buf.shape) != shape:
+        raise ValueError(f"checkpoint key {key!r} is read as {tuple(buf.shape)} and, for {template!r}, as {shape}: "
+                         f"canonical tensors stored under one key must have one shape")
+    return buf
 
 
 def _read_regions(ckpt: str, regions: dict[str, tuple[torch.Tensor, tuple[int, ...]]]) -> None:
