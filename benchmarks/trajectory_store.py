@@ -79,7 +79,7 @@ def latency(plane, root: Path, shards: int) -> dict:
     trainer.published(folder)  # consumer created before the first publish
     th = threading.Thread(target=publish)
     th.start()
-    while not done.is_set() or len(trainer.published(folder)) < shards:
+    while len(trainer.published(folder)) < shards or not done.is_set():  # poll while the worker publishes
         time.sleep(0.01)
     th.join()
     lat = [a["seen_unix"] - a["published_unix"] for a in trainer.index.values()]
