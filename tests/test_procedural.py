@@ -233,3 +233,34 @@ def test_a_100_domain_mixture_with_multi_turn_and_judged_domains_runs_on_a_worke
                 assert t.status == "error" or t.reward_components["correct"] == 1.0, (name, t.reward_components)
     assert sum(t.reward_components.get("correct") == 1.0 for t in trajs) >= 95
     assert by_env["tool_use"].status in ("ok", "truncated") and by_env["docqa"].status == "ok"
+
+
+_WITHOUT_PYCOSAT = r'''
+import sys
+sys.modules["pycosat"] = None  # as if not installed: import pycosat fails, find_spec says None
+from envs.procedural import LIBRARIES
+from envs.mixture import MixtureConfig
+from megatron_rl.config import ConfigError, from_dict
+lib = LIBRARIES.get("reasoning_gym")
+gens = lib.generators()
+assert "zebra_puzzles" not in gens and "basic_arithmetic" in gens, sorted(gens)
+print("TASK", bool(lib.make("basic_arithmetic", {}, 0, 4, 0).question))
+try:
+    from_dict(MixtureConfig, {"domains": {"reasoning_gym/zebra_puzzles": {}}})
+except ConfigError as e:
+    print("REFUSED", e)
+'''
+
+
+def test_reasoning_gym_loads_without_pycosat_and_refuses_zebra_puzzles_by_name(tmp_path):
+    """scripts/setup.sh installs reasoning-gym without pycosat (no Python 3.11 wheel: it compiles C): every other
+    generator loads; zebra_puzzles, its only user, is refused naming pycosat and the fix."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_PYCOSAT], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TASK True" in out.stdout
+    assert "zebra_puzzles' is not a domain" in out.stdout and "pycosat" in out.stdout, out.stdout

@@ -27,6 +27,13 @@ EXCLUDED = {
 }
 """Generators that are not domains, and why."""
 
+NEEDS_PYCOSAT = {
+    "zebra_puzzles": "it solves its puzzles with pycosat, which has no wheel for Python 3.11 (it compiles a C "
+                     "extension); scripts/setup.sh installs reasoning-gym without it. `pip install pycosat` (needs a "
+                     "C compiler) makes it a domain",
+}
+"""Generators that need pycosat; excluded, with this reason, where pycosat is not installed."""
+
 _SPLIT_KEYS = ("seed", "size")
 _quiet_lock = threading.Lock()
 
@@ -38,7 +45,39 @@ def _quiet():
         yield
 
 
+def _pycosat_missing() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("pycosat") is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _stand_in_pycosat() -> None:
+    """reasoning-gym imports pycosat when it is imported (for zebra_puzzles only): where pycosat is not installed,
+    a module that refuses any use stands in for it, so that every other generator loads."""
+    import sys
+    import types
+
+    if sys.modules.get("pycosat") is not None or not _pycosat_missing():
+        return
+    stub = types.ModuleType("pycosat", "stand-in: pycosat is not installed (envs.procedural.rgym)")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"pycosat is not installed: {NEEDS_PYCOSAT['zebra_puzzles']}")
+
+    stub.itersolve = stub.solve = refuse
+    sys.modules["pycosat"] = stub
+
+
+def excluded() -> dict[str, str]:
+    """Generators that are not domains here, and why (pycosat's only where it is missing)."""
+    return {**EXCLUDED, **(NEEDS_PYCOSAT if _pycosat_missing() else {})}
+
+
 def _datasets() -> dict:
+    _stand_in_pycosat()
     from reasoning_gym.factory import DATASETS
 
     return DATASETS
@@ -56,7 +95,10 @@ class ReasoningGym:
     """The reasoning-gym task library (`envs.procedural.TaskLibrary`)."""
 
     name = "reasoning_gym"
-    excluded = EXCLUDED
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        return excluded()
 
     def version(self) -> str:
         import importlib.metadata
@@ -67,7 +109,7 @@ class ReasoningGym:
     def generators(self) -> dict[str, str]:
         out = {}
         for name, (cls, _) in _datasets().items():
-            if name not in EXCLUDED:
+            if name not in self.excluded:
                 parts = cls.__module__.split(".")
                 out[name] = parts[1] if len(parts) >= 3 else "other"
         return dict(sorted(out.items()))
