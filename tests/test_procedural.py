@@ -261,10 +261,20 @@ try:
     err = ""
 except ConfigError as e:
     err = str(e)
-print(json.dumps({"n": len(gens), "zebra": "zebra_puzzles" in gens, "tasks": len(tasks), "err": err}))
+import inspect
+stub_probe = hasattr(sys.modules["pycosat"], "__file__")  # module probes (inspect, torch) see a plain module
+import torch.distributed.tensor  # registers custom ops: inspect.getmodule walks every module in sys.modules
+try:
+    sys.modules["pycosat"].itersolve([[1]])
+    call = ""
+except ModuleNotFoundError as e:
+    call = str(e)
+print(json.dumps({"n": len(gens), "zebra": "zebra_puzzles" in gens, "tasks": len(tasks), "err": err,
+                  "probe": stub_probe, "call": call}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["n"] == len(RG.generators()) - 1 and not got["zebra"] and got["tasks"] == 2
     assert "zebra_puzzles' is not a domain: it needs pycosat" in got["err"] and "pip install pycosat" in got["err"]
+    assert got["probe"] is False and "pycosat is not installed" in got["call"]

@@ -34,20 +34,25 @@ NEEDS = {"zebra_puzzles": "pycosat"}
 
 def _placeholder(module: str) -> None:
     """reasoning-gym imports every generator's module on import (zebra_puzzles' imports pycosat at the top): with
-    `module` missing, a stand-in whose every attribute raises lets the others load; the generators that need it
-    are refused by name (`excluded`), so the stand-in is never called through a domain."""
+    `module` missing, a stand-in whose functions (pycosat's solve and itersolve) raise lets the others load; the
+    generators that need it are refused by name (`excluded`), so the stand-in is never called through a domain."""
     import sys
     import types
 
     if _importable(module):
         return
 
-    class Missing(types.ModuleType):
-        def __getattr__(self, attr):
-            raise ModuleNotFoundError(f"{module} is not installed ({module}.{attr} was called); `pip install "
-                                      f"{module}` (it compiles C) enables the generators that need it", name=module)
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError(f"{module} is not installed; `pip install {module}` (it compiles C) enables the "
+                                  "generators that need it", name=module)
 
-    sys.modules[module] = Missing(module)
+    class Missing(types.ModuleType):
+        """Only the callables (pycosat's solve, itersolve) raise; any other attribute is absent (AttributeError), as
+        tools that probe modules (inspect reads `__file__` of every module) expect."""
+
+    stub = Missing(module)
+    stub.solve = stub.itersolve = missing
+    sys.modules[module] = stub
 
 
 def _importable(module: str) -> bool:
