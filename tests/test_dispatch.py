@@ -84,7 +84,7 @@ def test_tool_calls_per_tool_reach_the_shards_and_the_loop_metrics(tmp_path):
     from envs.sandbox import SandboxConfig
     from megatron_rl.data.shards import write_shard
     from megatron_rl.dispatch import EpisodeSpec
-    from megatron_rl.dispatch.worker import run_episode
+    from megatron_rl.dispatch.episode_rows import run_episode
     from megatron_rl.loop.dispatched import DispatchRollouts, read_episodes
     from megatron_rl.tokenizer import ByteTokenizer
 

@@ -119,7 +119,8 @@ def test_one_worker_runner_is_reset_for_the_next_batch(tmp_path):
     (its episodes, its shard, a new generator when the lease's differs) and clears the last lease's stop and
     failures, keeping the sandbox pool and the environments."""
     from megatron_rl.dispatch import WorkerConfig, WorkerSpec
-    from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
+    from megatron_rl.dispatch.publisher import ShardPublisher
+    from megatron_rl.dispatch.worker import EpisodeRunner
 
     eps = episodes_from_tasks(load_domain("countdown", split="train")[:4])
     first = WorkerSpec(episodes=eps[:2], shard_dir=str(tmp_path / "a"),

@@ -207,7 +207,8 @@ def test_a_100_domain_mixture_with_multi_turn_and_judged_domains_runs_on_a_worke
     mixture) by the scripted test policy, which answers from the task's reference."""
     from megatron_rl.data.shards import read_shard
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
-    from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
+    from megatron_rl.dispatch.publisher import ShardPublisher
+    from megatron_rl.dispatch.worker import EpisodeRunner
 
     mix = MixtureConfig(domains={"reasoning_gym/*": DomainConfig(train_tasks=2, heldout_tasks=2),  # as above: made once
                                  "tool_use": DomainConfig(max_turns=3), "docqa": DomainConfig()})

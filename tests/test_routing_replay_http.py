@@ -17,7 +17,8 @@ import torch
 from envs.tasks import load_domain
 from megatron_rl.data.routes import decode_routes, encode_routes
 from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
-from megatron_rl.dispatch.worker import GenerationError, HttpGenerator, run_episode_batch
+from megatron_rl.dispatch.generators import GenerationError, HttpGenerator
+from megatron_rl.dispatch.worker import run_episode_batch
 from megatron_rl.rollout import EngineConfig, RolloutEngine
 from megatron_rl.rollout.server import ServerThread
 from megatron_rl.tokenizer import ByteTokenizer
@@ -140,7 +141,7 @@ def test_multi_turn_episode_keeps_the_latest_requests_routes_when_they_cover_it(
     from envs.base import Budget, make_env
     from envs.sandbox import SandboxConfig
     from megatron_rl.dispatch import EpisodeSpec
-    from megatron_rl.dispatch.worker import run_episode
+    from megatron_rl.dispatch.episode_rows import run_episode
 
     task = next(t for t in load_domain("tool_use", split="train") if t.id == "tool-calc-mod-0")
     tok = ByteTokenizer(384)
