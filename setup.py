@@ -8,9 +8,11 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "envs", "envs.*",
-                                    "kernels", "kernels.*", "tools", "tools.*"]),
-    package_data={"envs": ["**/*.jsonl", "**/*.yaml"]},
+    # envs/, kernels/ and tools/ (the repository's fixed layout) install under the project's namespace as
+    # megatron_rl.envs, megatron_rl.kernels and megatron_rl.tools (the links megatron_rl/{envs,kernels,tools} ->
+    # ../<name>), never as top-level packages: PyPI has packages named `envs` and `kernels`.
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    package_data={"megatron_rl.envs": ["**/*.jsonl", "**/*.yaml"]},
     install_requires=[
         # Python 3.11 resolves to 0.16.1 (0.17+ require Python >= 3.12); clusters on 3.12 get newer ones.
         "megatron-core>=0.16.1,<0.20",

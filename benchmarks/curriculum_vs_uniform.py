@@ -76,9 +76,9 @@ def real(args) -> dict:
 
 # ------------------------------------------------------------------------------------------ simulation
 def simulate(args) -> dict:
-    from envs.base import Task
-    from envs.curriculum import DomainCurriculumConfig
-    from envs.sampler import DomainSampler
+    from megatron_rl.envs.base import Task
+    from megatron_rl.envs.curriculum import DomainCurriculumConfig
+    from megatron_rl.envs.sampler import DomainSampler
 
     rng = random.Random(args.seed)
     n = args.domains

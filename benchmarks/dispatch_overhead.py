@@ -39,8 +39,8 @@ def cluster(action: str) -> subprocess.CompletedProcess:
 
 
 def measure(executor: str, per_task: int, tasks: int, root: Path) -> dict:
-    from envs.tasks import load_domain
     from megatron_rl.dispatch import DispatchConfig, Dispatcher, GeneratorConfig, WorkerConfig, episodes_from_tasks
+    from megatron_rl.envs.tasks import load_domain
 
     suite = load_domain("countdown", split="train")
     n = per_task * tasks
@@ -71,8 +71,8 @@ def _sacct_calls() -> int:
 
 
 def _batches(steps: int, per_step: int, tag: str) -> list[list]:
-    from envs.tasks import load_domain
     from megatron_rl.dispatch import episodes_from_tasks
+    from megatron_rl.envs.tasks import load_domain
 
     suite = load_domain("countdown", split="train")
     out = []

@@ -319,7 +319,7 @@ def check_logprob_kernels(args) -> dict:
     """Triton vs the PyTorch reference backend of kernels.logprob on one problem: values, gradients, time."""
     import torch
 
-    from kernels.logprob import fused_logprob_entropy
+    from megatron_rl.kernels.logprob import fused_logprob_entropy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, V = args.kernel_tokens, args.hidden, args.vocab

@@ -53,8 +53,8 @@ def _inputs(T: int, H: int, V: int, seed: int = 0):
 
 
 def _step(path: str, h, w, targets, ca, cc, temperature: float, chunk_tokens: int, chunk_vocab: int) -> None:
-    from kernels.logprob import fused_logprob_entropy
-    from kernels.logprob.reference import naive_logprob_entropy
+    from megatron_rl.kernels.logprob import fused_logprob_entropy
+    from megatron_rl.kernels.logprob.reference import naive_logprob_entropy
 
     if path == "naive":
         logprob, entropy = naive_logprob_entropy(h, w, targets, temperature)

@@ -30,14 +30,14 @@ import re
 import tempfile
 from pathlib import Path
 
-from envs.episode import drive, open_episode
+from megatron_rl.envs.episode import drive, open_episode
 
 FILES = 6
 
 
 def build_task(root: Path, lines: int, seed: int = 0):
     """The task folder and its answer."""
-    from envs.harbor.loader import load_task_folder
+    from megatron_rl.envs.harbor.loader import load_task_folder
 
     rng = random.Random(seed)
     d = root / "sum-the-codes"
@@ -64,7 +64,7 @@ class Reader:
         self.tok, self.prompt_tokens, self.calls = tok, 0, 0
 
     def __call__(self, tokens, turn):
-        from envs.agents.shell_agent import SUMMARY_ASK
+        from megatron_rl.envs.agents.shell_agent import SUMMARY_ASK
 
         self.prompt_tokens, self.calls = self.prompt_tokens + len(tokens), self.calls + 1
         context = self.tok.decode(tokens)
@@ -84,7 +84,7 @@ class Reader:
 
 
 def run(strategy: str, budget: int, task, tok, sandbox, cut_chars: int) -> dict:
-    from envs.base import Budget, make_env
+    from megatron_rl.envs.base import Budget, make_env
 
     chars = 1 << 16 if strategy == "full" else cut_chars  # full: every output whole
     soft = {"drop-oldest": budget, "summary": budget - 700}.get(strategy)
@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--file-lines", type=int, default=60)
     ap.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct")
     args = ap.parse_args(argv)
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.tokenizer import HFTokenizer
 
     tok = HFTokenizer(args.tokenizer)

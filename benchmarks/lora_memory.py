@@ -66,9 +66,9 @@ def run_mode(args) -> dict:
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from kernels.logprob import LogprobKernelConfig
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.convert.runtime import start
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.models.gpt import ModelConfig
     from megatron_rl.rl.config import LossConfig
     from megatron_rl.trainer.lora import LoRAConfig, adapter_bytes

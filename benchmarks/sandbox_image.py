@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envs.sandbox import SandboxConfig  # noqa: E402
-from envs.sandbox.image import ImageSpec, build, has_squashfs  # noqa: E402
+from megatron_rl.envs.sandbox import SandboxConfig  # noqa: E402
+from megatron_rl.envs.sandbox.image import ImageSpec, build, has_squashfs  # noqa: E402
 
 
 def first_run(cfg: SandboxConfig, command: str) -> tuple[float, float]:

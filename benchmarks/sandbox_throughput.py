@@ -43,9 +43,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envs.code.verifier import _VERIFIER_ZYGOTE, _ZYGOTE_NAME, run_unit_tests  # noqa: E402
-from envs.sandbox import Sandbox, SandboxJob, SandboxPool  # noqa: E402
-from envs.sandbox.bwrap import BwrapSandbox  # noqa: E402
+from megatron_rl.envs.code.verifier import _VERIFIER_ZYGOTE, _ZYGOTE_NAME, run_unit_tests  # noqa: E402
+from megatron_rl.envs.sandbox import Sandbox, SandboxJob, SandboxPool  # noqa: E402
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox  # noqa: E402
 
 PROGRAM = """\
 def fizzbuzz(n):

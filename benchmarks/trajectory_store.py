@@ -23,10 +23,10 @@ import numpy as np
 
 
 def run_store(store_name: str, plane, root: Path, args) -> dict:
-    from envs.tasks import load_domain
     from megatron_rl.data.store import S3StoreConfig, build_store
     from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, episodes_from_tasks
     from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+    from megatron_rl.envs.tasks import load_domain
     from megatron_rl.loop.dispatched import read_episodes
 
     tasks = load_domain("countdown", split="train")

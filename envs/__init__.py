@@ -5,7 +5,7 @@ harbor), the domains of the procedural task libraries (`envs.procedural`: reason
 first use) and reward functions; third-party ones come through the `megatron_rl.environments` and
 `megatron_rl.rewards` entry-point groups.
 """
-from envs import (  # noqa: F401  (register the built-ins)
+from megatron_rl.envs import (  # noqa: F401  (register the built-ins)
     arithmetic,
     code,
     countdown,
@@ -16,8 +16,8 @@ from envs import (  # noqa: F401  (register the built-ins)
     terminal,
     tool_use,
 )
-from envs.base import ENVIRONMENTS, Environment, Observation, RewardResult, StepResult, Task, make_env
-from envs.rewards import REWARDS
+from megatron_rl.envs.base import ENVIRONMENTS, Environment, Observation, RewardResult, StepResult, Task, make_env
+from megatron_rl.envs.rewards import REWARDS
 
 __all__ = ["ENVIRONMENTS", "REWARDS", "Environment", "Observation", "RewardResult", "StepResult",
            "Task", "make_env"]

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from envs.reward_spec import RewardComponent, RewardContext, RewardSpec
-from envs.sandbox import SandboxConfig
-from envs.sandbox.base import Limits, Sandbox, SandboxResult
-from envs.tools import TOOL_CALL_RE, Tool, ToolCall, has_tool_call, parse_tool_calls
-from envs.types import EnvError, Observation, RewardOutput, RewardResult, StepResult, Task
-from envs.workspace import Workspace, safe_relpath, sandbox_problem
+from megatron_rl.envs.reward_spec import RewardComponent, RewardContext, RewardSpec
+from megatron_rl.envs.sandbox import SandboxConfig
+from megatron_rl.envs.sandbox.base import Limits, Sandbox, SandboxResult
+from megatron_rl.envs.tools import TOOL_CALL_RE, Tool, ToolCall, has_tool_call, parse_tool_calls
+from megatron_rl.envs.types import EnvError, Observation, RewardOutput, RewardResult, StepResult, Task
+from megatron_rl.envs.workspace import Workspace, safe_relpath, sandbox_problem
 from megatron_rl.registry import Registry
 
 __all__ = ["ENVIRONMENTS", "TOOL_CALL_RE", "Budget", "EnvError", "Environment", "Observation", "RewardComponent",

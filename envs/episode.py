@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 
-from envs.base import Environment, RewardResult, Task
-from envs.episode_result import SEGMENT_KEYS, EpisodeResult, GenOut  # noqa: F401 (this module's result types)
+from megatron_rl.envs.base import Environment, RewardResult, Task
+from megatron_rl.envs.episode_result import SEGMENT_KEYS, EpisodeResult, GenOut  # noqa: F401 (this module's result types)
 
 MIN_TURN_TOKENS = 8
 """A turn is not started with fewer tokens than this left in the episode's budget."""
@@ -66,7 +66,7 @@ def open_episode(env: Environment, task: Task, tok, max_tokens: int, prompt: lis
     """The episode coroutine for `env`: the loop's own turns (`episode`), or its black-box agent's calls
     (`envs.agents.episode.agent_episode`) when the environment is played by one (`env.agent`)."""
     if env.agent:
-        from envs.agents.episode import agent_episode
+        from megatron_rl.envs.agents.episode import agent_episode
 
         return agent_episode(env, task, tok, max_tokens, prompt)
     return episode(env, task, tok, max_tokens, prompt)

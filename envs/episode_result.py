@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from envs.types import RewardResult
+from megatron_rl.envs.types import RewardResult
 
 SEGMENT_KEYS = ("tokens", "logprobs", "loss_mask", "versions", "prompt_len")
 """The fields of one segment of `EpisodeResult.segments`."""

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
-from envs.curriculum import DomainCurriculumConfig
+from megatron_rl.envs.base import ENVIRONMENTS, Budget, EnvError, Environment, Task, make_env
+from megatron_rl.envs.curriculum import DomainCurriculumConfig
 
 
 @dataclass
@@ -97,22 +97,22 @@ class MixtureConfig:
     @staticmethod
     def prepare_config(data: dict, prefix: str = "") -> dict:
         """The raw `envs:` mapping with the patterns of `domains` expanded (see envs/procedural/domains.py)."""
-        from envs.procedural.domains import prepare_mixture
+        from megatron_rl.envs.procedural.domains import prepare_mixture
 
         return prepare_mixture(data, prefix)
 
     def validate(self) -> None:
-        import envs  # noqa: F401  (registers the built-in environments)
+        import megatron_rl.envs  # noqa: F401  (registers the built-in environments)
         from megatron_rl.config import ConfigError
 
         domains = self.domains
         if not domains:  # a run config fills it from data.domain (RunConfig._resolve_domains)
             return
-        from envs.procedural.domains import check_domain, is_pattern, unknown_domain_message
+        from megatron_rl.envs.procedural.domains import check_domain, is_pattern, unknown_domain_message
 
         if any(is_pattern(k) for k in domains):  # a mixture built in code: expand as the loader does
-            from envs.procedural.domains import expand
             from megatron_rl.config import from_dict, to_dict
+            from megatron_rl.envs.procedural.domains import expand
 
             expanded, patterns = expand(to_dict(domains))
             self.domains = domains = {k: from_dict(DomainConfig, v, f"envs.domains.{k}") for k, v in expanded.items()}
@@ -146,8 +146,8 @@ class MixtureConfig:
         """Make the tasks of every task library's domain and refuse one whose generator cannot fill its splits or
         whose held-out questions are train questions, naming it (the run's config check, before any rank starts;
         not in `validate`, which rollout workers run too)."""
-        from envs.procedural import is_procedural
-        from envs.procedural.domains import check_splits
+        from megatron_rl.envs.procedural import is_procedural
+        from megatron_rl.envs.procedural.domains import check_splits
 
         for name, d in self.domains.items():
             if is_procedural(name):
@@ -168,7 +168,7 @@ class MixtureConfig:
         if d.image == "dockerfile":
             raise ConfigError(f"envs.domains.{name}.image='dockerfile' applies to harbor only; name an image spec YAML")
         if d.image.endswith((".yaml", ".yml")):
-            from envs.sandbox.image import ImageSpec
+            from megatron_rl.envs.sandbox.image import ImageSpec
 
             if not os.path.isfile(d.image):
                 raise ConfigError(f"envs.domains.{name}.image: spec {d.image!r} does not exist")
@@ -182,10 +182,10 @@ class MixtureConfig:
         that a package that cannot be had is refused before any episode, naming it. Returns the image count."""
         import json
 
-        from envs.sandbox import image_cache
-        from envs.sandbox.domain_images import configure
-        from envs.sandbox.image import ImageBuildError, ImageSpec
         from megatron_rl.config import ConfigError
+        from megatron_rl.envs.sandbox import image_cache
+        from megatron_rl.envs.sandbox.domain_images import configure
+        from megatron_rl.envs.sandbox.image import ImageBuildError, ImageSpec
 
         configure(self.image_store, self.image_cache)
         specs = {json.dumps(t.payload["image"], sort_keys=True) for split in ("train", "heldout")
@@ -201,7 +201,7 @@ class MixtureConfig:
     def worker_images(self) -> dict[str, dict[str, str]]:
         """Domain -> its image {digest, file} for dispatched and fleet workers: each domain image (harbor's are
         per task, built by `prepare_images`) built once into the shared store, here in the driver."""
-        from envs.sandbox.domain_images import configure, publish
+        from megatron_rl.envs.sandbox.domain_images import configure, publish
 
         configure(self.image_store, self.image_cache)
         return {name: publish(d.image) for name, d in self.domains.items() if d.image and name != "harbor"}
@@ -209,7 +209,7 @@ class MixtureConfig:
     def loader_options(self, name: str) -> dict:
         """Options of domain `name`'s task loader (`envs.tasks.load_domain`): harbor images from environment/; a
         task library's domain: task counts, seed and generator settings."""
-        from envs.procedural import is_procedural
+        from megatron_rl.envs.procedural import is_procedural
 
         d = self.domains.get(name)
         if d is not None and is_procedural(name):
@@ -220,7 +220,7 @@ class MixtureConfig:
     def tasks(self, split: str, only: str | None = None) -> dict[str, list[Task]]:
         """Tasks per domain (or of domain `only`) of `split`, of the domain's tier (capped at train_tasks or
         heldout_tasks)."""
-        from envs.tasks import load_domain
+        from megatron_rl.envs.tasks import load_domain
 
         out = {}
         for name, d in self.domains.items():
@@ -258,7 +258,7 @@ class MixtureConfig:
         <run_dir>/judge_cache)."""
         if not self.judge_base_url:
             return None
-        from envs.rewards import JudgeConfig
+        from megatron_rl.envs.rewards import JudgeConfig
 
         return JudgeConfig(base_url=self.judge_base_url, model=self.judge_model,
                            cache_dir=self.judge_cache_dir or f"{run_dir}/judge_cache").build()
@@ -298,7 +298,7 @@ class EnvFactory:
     def sandbox(self, name: str, default=None):
         """The sandbox of domain `name`: its image's (one per image per process), else `default`. Harbor picks
         each task's image itself (envs.harbor.env)."""
-        from envs.sandbox import domain_images
+        from megatron_rl.envs.sandbox import domain_images
 
         d = self.mixture.domains.get(name) or self.unlisted
         workers = getattr(default, "workers", 1)
@@ -322,7 +322,7 @@ def _check_agent_args(name: str, d: DomainConfig) -> None:
     if not d.agent:
         raise ConfigError(f"envs.domains.{name}.agent_args={d.agent_args!r} is set but no agent is: set "
                           f"envs.domains.{name}.agent")
-    from envs.agents.shell_agent import build_parser
+    from megatron_rl.envs.agents.shell_agent import build_parser
 
     try:
         build_parser().parse_args(["--socket", "-", "--task", "-", *shlex.split(d.agent_args)])

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.sandbox.base import Sandbox
-from envs.types import EnvError, RewardOutput, RewardResult, Task
+from megatron_rl.envs.sandbox.base import Sandbox
+from megatron_rl.envs.types import EnvError, RewardOutput, RewardResult, Task
 from megatron_rl.registry import Registry
 
 log = logging.getLogger(__name__)

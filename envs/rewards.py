@@ -43,8 +43,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.reward_spec import JUDGE_UNPARSED, REWARDS, RewardContext, RewardFn, reward, run_reward  # noqa: F401
-from envs.types import RewardOutput
+from megatron_rl.envs.reward_spec import JUDGE_UNPARSED, REWARDS, RewardContext, RewardFn, reward, run_reward  # noqa: F401
+from megatron_rl.envs.types import RewardOutput
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def math_equal(gold: str, answer: str, timeout_s: float = 5.0) -> bool:
     """Whether `answer` equals `gold` mathematically (math-verify: LaTeX/expressions/sets/intervals), decided in
     a worker process killed at `timeout_s` (`envs.math.verify_pool`): never in this process, from any thread.
     Raises MathVerifyTimeout past the deadline, MathVerifyError when the worker fails."""
-    from envs.math.verify_pool import default_pool
+    from megatron_rl.envs.math.verify_pool import default_pool
 
     return default_pool().equal(gold, answer, timeout_s)
 
@@ -164,7 +164,7 @@ def math_equal(gold: str, answer: str, timeout_s: float = 5.0) -> bool:
 def math_verify_reward(ctx: RewardContext, answer_key: str = "answer", timeout_s: float = 5.0) -> RewardOutput:
     """1 if the final answer (\\boxed{} or 'Answer:' line) equals the payload's answer (math-verify, in a worker
     process with a `timeout_s` deadline; an answer that runs past it scores 0, noted in reason and provenance)."""
-    from envs.math.verify_pool import MathVerifyError, MathVerifyTimeout
+    from megatron_rl.envs.math.verify_pool import MathVerifyError, MathVerifyTimeout
 
     prov = {"math_verify": _math_verify_version()}
     gold = str(ctx.task.payload.get(answer_key, ""))

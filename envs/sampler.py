@@ -17,7 +17,7 @@ import math
 import random
 from collections import defaultdict
 
-from envs.base import EnvError, RewardResult, Task
+from megatron_rl.envs.base import EnvError, RewardResult, Task
 
 
 def _fingerprint(tasks: list[Task]) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from envs.base import Task
+from megatron_rl.envs.base import Task
 
 ENVS_DIR = Path(__file__).resolve().parent
 SPLITS = ("train", "heldout")
@@ -125,7 +125,7 @@ def builtin_task_files(domain: str) -> list[Path]:
     return files
 
 
-FOLDER_DOMAINS = {"harbor": "envs.harbor.loader:load_harbor"}
+FOLDER_DOMAINS = {"harbor": "megatron_rl.envs.harbor.loader:load_harbor"}
 """Domains whose tasks are folders, not task files: domain -> 'module:function(roots, split)'."""
 
 
@@ -139,10 +139,10 @@ def load_domain(domain: str, files: Iterable[str | Path] | None = None, split: s
 
         module, fn = FOLDER_DOMAINS[domain].split(":")
         return getattr(importlib.import_module(module), fn)(list(files) if files else None, split=split, **options)
-    from envs.procedural import is_procedural
+    from megatron_rl.envs.procedural import is_procedural
 
     if not files and is_procedural(domain):  # a task library's generator (options: counts, seed, config)
-        from envs.procedural.env import generate
+        from megatron_rl.envs.procedural.env import generate
 
         return generate(domain, split, **options)
     if options:

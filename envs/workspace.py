@@ -7,7 +7,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from envs.sandbox.base import Limits, Sandbox, SandboxResult
+from megatron_rl.envs.sandbox.base import Limits, Sandbox, SandboxResult
 
 _RESERVED = ".mrl_"
 _DUMP = (

@@ -15,8 +15,9 @@ SUBCOMMANDS: dict[str, tuple[str | None, str, str]] = {
     "train": ("megatron_rl.commands.train", "run RL post-training from a YAML config (the main job)", ""),
     "rollout-worker": ("megatron_rl.dispatch.worker", "run a batch of environment episodes and write HDF5 shards",
                        ""),
-    "convert": ("tools.convert.cli", "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard", ""),
-    "plan": ("tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
+    "convert": ("megatron_rl.tools.convert.cli", "convert checkpoints HF <-> Megatron (dist_checkpointing) and reshard",
+                ""),
+    "plan": ("megatron_rl.tools.plan", "memory and parallel-layout planner for a config (up to 1T-parameter MoE)", ""),
     "inspect": ("megatron_rl.data.inspect", "summarise trajectory shards (counts, rewards, lengths, versions)", ""),
     "report": ("megatron_rl.commands.report", "plot a run's rewards, lengths, time split and per-domain held-out "
                "success (table + heat map)", ""),

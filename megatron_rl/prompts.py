@@ -14,8 +14,8 @@ def compact_prompt(task) -> str:
 @cache
 def environment(domain: str):
     """A default instance of the domain's environment (its prompt format, tools and success definition)."""
-    import envs  # noqa: F401  (registers the built-in environments)
-    from envs.base import make_env
+    import megatron_rl.envs  # noqa: F401  (registers the built-in environments)
+    from megatron_rl.envs.base import make_env
 
     return make_env(domain)
 

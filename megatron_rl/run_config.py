@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from envs.countdown.curriculum import CurriculumConfig
-from envs.mixture import DomainConfig, MixtureConfig
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.countdown.curriculum import CurriculumConfig
+from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 from megatron_rl.loop.config import EpisodesConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
@@ -70,13 +70,13 @@ class DataConfig:
     """Threads running episodes' env steps and rewards on rank 0."""
 
     def sandbox_config(self):
-        from envs.sandbox import SandboxConfig
+        from megatron_rl.envs.sandbox import SandboxConfig
 
         return SandboxConfig(backend=self.sandbox, workers=self.sandbox_workers, lease_dir=self.sandbox_lease_dir)
 
     def validate(self) -> None:
-        import envs  # noqa: F401  (registers the built-in environments)
-        from envs.base import ENVIRONMENTS
+        import megatron_rl.envs  # noqa: F401  (registers the built-in environments)
+        from megatron_rl.envs.base import ENVIRONMENTS
 
         if self.domain not in ENVIRONMENTS:
             raise ConfigError(f"data.domain {self.domain!r} is not a registered environment; known: "
@@ -189,7 +189,7 @@ class RunConfig:
         """The supervised warm-up trains on reference answers (`payload.solution`); refuse a domain without."""
         if self.train.steps == 0 or self.curriculum.enabled:
             return
-        from envs.tasks import load_domain
+        from megatron_rl.envs.tasks import load_domain
 
         missing = [t.id for t in load_domain(self.data.domain, split="train")[:self.data.train_tasks]
                    if not isinstance(t.payload.get("solution"), str)]

@@ -56,7 +56,7 @@ def hf_tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sandbox():
     """The default sandbox (bubblewrap), closed after the module."""
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sandbox import SandboxConfig
 
     sb = SandboxConfig().build()
     yield sb

@@ -28,9 +28,9 @@ import threading
 import time
 from collections.abc import Generator
 
-from envs.agents.session import AgentSession
-from envs.base import Environment, RewardResult, Task
-from envs.episode_result import SEGMENT_KEYS, EpisodeResult
+from megatron_rl.envs.agents.session import AgentSession
+from megatron_rl.envs.base import Environment, RewardResult, Task
+from megatron_rl.envs.episode_result import SEGMENT_KEYS, EpisodeResult
 
 log = logging.getLogger(__name__)
 

@@ -113,7 +113,7 @@ class Recorder:
 
 def tool_calls(text: str) -> list[dict]:
     """OpenAI `tool_calls` of the well-formed `<tool_call>` blocks in a completion."""
-    from envs.tools import parse_tool_calls
+    from megatron_rl.envs.tools import parse_tool_calls
 
     return [{"id": f"call_{i}", "type": "function",
              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 
-from envs.agents.recorder import Recorder, chat_response
+from megatron_rl.envs.agents.recorder import Recorder, chat_response
 
 MIN_TURN_TOKENS = 8
 """A call is not answered with fewer tokens than this left in the episode's budget (as envs.episode)."""

@@ -1,4 +1,5 @@
-"""Build the arithmetic suite: python -m envs.arithmetic.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the arithmetic suite: python -m megatron_rl.envs.arithmetic.build_tasks
+(writes tasks/train.jsonl, heldout.jsonl).
 
 Every question of four families (one-digit a+b and a*b, a-b with a in 10..19, two-digit + one-digit sums);
 one in five, chosen by a seeded shuffle, is held out, so the splits share no question.
@@ -8,8 +9,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from envs.base import Task
-from envs.tasks import write_splits
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.tasks import write_splits
 
 FAMILIES = {
     "add": [(a, b, "+", a + b) for a in range(1, 10) for b in range(1, 10)],

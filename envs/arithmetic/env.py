@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardContext, RewardSpec, SingleTurnEnvironment
-from envs.rewards import RewardOutput, reward
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardContext, RewardSpec, SingleTurnEnvironment
+from megatron_rl.envs.rewards import RewardOutput, reward
 
 _ANSWER = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*\$?\s*(-?\d+)", re.I)
 

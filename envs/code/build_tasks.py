@@ -1,4 +1,4 @@
-"""Build the shipped code task suite: python -m envs.code.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the shipped code task suite: python -m megatron_rl.envs.code.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
 Hand-written problems (`PROBLEMS`): (id, signature, description, canonical solution, tests). Every fifth is
 held out.
@@ -22,9 +22,9 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.base import Task
-from envs.suite_gen import Family, meta, split_of
-from envs.tasks import write_splits
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.suite_gen import Family, meta, split_of
+from megatron_rl.envs.tasks import write_splits
 
 PROBLEMS = [
     ("add_digits", "add_digits(n: int) -> int",

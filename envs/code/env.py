@@ -16,9 +16,9 @@ return values (objects, generators) or read a solution's constants need another 
 """
 from __future__ import annotations
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
-from envs.rewards import extract_code
-from envs.sandbox.base import Limits
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
+from megatron_rl.envs.rewards import extract_code
+from megatron_rl.envs.sandbox.base import Limits
 
 
 @ENVIRONMENTS.register("code")

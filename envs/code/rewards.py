@@ -3,11 +3,11 @@ candidate and verifier in separate sandboxes; its threat model is in that module
 Registered into `envs.reward_spec.REWARDS` when `envs.code` is imported."""
 from __future__ import annotations
 
-from envs.code.verifier import run_unit_tests as _run
-from envs.reward_spec import RewardContext, reward
-from envs.rewards import extract_code
-from envs.sandbox.base import Limits
-from envs.types import RewardOutput
+from megatron_rl.envs.code.verifier import run_unit_tests as _run
+from megatron_rl.envs.reward_spec import RewardContext, reward
+from megatron_rl.envs.rewards import extract_code
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.types import RewardOutput
 
 
 def run_unit_tests(sandbox, code: str, tests: list[str], limits: Limits | None = None,

@@ -53,9 +53,9 @@ import marshal
 import threading
 from collections import OrderedDict
 
-from envs.base import sandbox_problem
-from envs.sandbox.base import Limits, SandboxResult
-from envs.sandbox.zygote import ZygoteError
+from megatron_rl.envs.base import sandbox_problem
+from megatron_rl.envs.sandbox.base import Limits, SandboxResult
+from megatron_rl.envs.sandbox.zygote import ZygoteError
 
 MAX_ROUNDS = 4
 """Most candidate runs per reward (a test whose calls depend on earlier answers needs one per step)."""

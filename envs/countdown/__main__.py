@@ -1,4 +1,4 @@
-"""python -m envs.countdown: regenerate the shipped task files."""
-from envs.countdown.env import main
+"""python -m megatron_rl.envs.countdown: regenerate the shipped task files."""
+from megatron_rl.envs.countdown.env import main
 
 main()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from envs.base import Task
-from envs.countdown.env import PROMPT
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.countdown.env import PROMPT
 
 
 @dataclass

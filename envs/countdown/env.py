@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from envs.base import (
+from megatron_rl.envs.base import (
     ENVIRONMENTS,
     RewardComponent,
     RewardContext,
@@ -21,9 +21,9 @@ from envs.base import (
     SingleTurnEnvironment,
     Task,
 )
-from envs.rewards import extract_tag, reward
-from envs.sandbox.base import Limits
-from envs.workspace import sandbox_problem
+from megatron_rl.envs.rewards import extract_tag, reward
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.workspace import sandbox_problem
 
 PROMPT = ("Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
           "operations (+, -, *, /) and each number can be used at most once. Show your work in <think> </think> "
@@ -165,10 +165,10 @@ SHIPPED = {"train": (256, 0), "heldout": (32, 1)}
 
 
 def main() -> None:
-    """Regenerate the shipped files: python -m envs.countdown"""
+    """Regenerate the shipped files: python -m megatron_rl.envs.countdown"""
     from pathlib import Path
 
-    from envs.tasks import write_tasks
+    from megatron_rl.envs.tasks import write_tasks
 
     for split, (n, seed) in SHIPPED.items():
         write_tasks(Path(__file__).parent / "tasks" / f"{split}.jsonl", generate_tasks(n, seed, split))

@@ -1,4 +1,4 @@
 """DocQA: questions over a provided document (financial statements), rule checks plus an LLM judge."""
-from envs.docqa.env import DocQAEnv
+from megatron_rl.envs.docqa.env import DocQAEnv
 
 __all__ = ["DocQAEnv"]

@@ -1,4 +1,4 @@
-"""Build the shipped docqa suite: python -m envs.docqa.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the shipped docqa suite: python -m megatron_rl.envs.docqa.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
 Three fictional companies' financial statements (two fiscal years, USD millions); ten questions each whose
 answers are computed here from the same table the model reads. Every fifth task is held out.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.base import Task
-from envs.tasks import write_splits
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.tasks import write_splits
 
 COMPANIES = {
     "Northwind Robotics": {

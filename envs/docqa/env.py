@@ -9,7 +9,7 @@ the weights are rules 0.8 and judge 0.2; without one (no endpoint configured) on
 """
 from __future__ import annotations
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
 
 
 @ENVIRONMENTS.register("docqa")

@@ -1,6 +1,6 @@
 """Convert the terminal domain's JSONL suite (envs/terminal/tasks/*.jsonl) into Harbor task folders.
 
-    python -m envs.harbor.convert_terminal [--out envs/harbor/tasks]
+    python -m megatron_rl.envs.harbor.convert_terminal [--out envs/harbor/tasks]
 
 Per task: `instruction.md` (the prompt), `task.toml` (its split in `[metadata] split`), `environment/Dockerfile`
 (`FROM python:3.11-slim-bookworm`, `WORKDIR /app`, `COPY files/ /app/`) with the initial files under
@@ -14,8 +14,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from envs.harbor.loader import TASKS_DIR
-from envs.tasks import ENVS_DIR, load_tasks
+from megatron_rl.envs.harbor.loader import TASKS_DIR
+from megatron_rl.envs.tasks import ENVS_DIR, load_tasks
 
 RUN_TESTS_HEAD = '''"""Run the pristine test files of /tests against the code in /app: exit 0 only when every test they
 define (counted from their syntax tree) ran and passed, none skipped.
@@ -80,8 +80,8 @@ os._exit(0 if ok else 1)
 
 def run_tests_source() -> str:
     """tests/run_tests.py: the codec, the proxy and the candidate process's script of the terminal verifier."""
-    from envs.code.verifier import _CODEC
-    from envs.terminal.verifier import _PROXY, _SERVER, RPC_MAX_BYTES
+    from megatron_rl.envs.code.verifier import _CODEC
+    from megatron_rl.envs.terminal.verifier import _PROXY, _SERVER, RPC_MAX_BYTES
 
     return (RUN_TESTS_HEAD + _CODEC + _PROXY + f"SERVER = {_SERVER!r}\nRPC_MAX = {RPC_MAX_BYTES}\n"
             + RUN_TESTS_MAIN)

@@ -21,10 +21,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.base import ENVIRONMENTS, EnvError, Observation, RewardComponent, RewardSpec, ToolEnvironment, Workspace
-from envs.harbor.loader import decode_files
-from envs.sandbox.base import Limits, Sandbox
-from envs.terminal.env import SHELL
+from megatron_rl.envs.base import (
+    ENVIRONMENTS,
+    EnvError,
+    Observation,
+    RewardComponent,
+    RewardSpec,
+    ToolEnvironment,
+    Workspace,
+)
+from megatron_rl.envs.harbor.loader import decode_files
+from megatron_rl.envs.sandbox.base import Limits, Sandbox
+from megatron_rl.envs.terminal.env import SHELL
 
 
 @dataclass
@@ -88,7 +96,7 @@ class HarborEnv(ToolEnvironment):
         image = self.task.payload.get("image") if self.task is not None else None
         if not image:
             return super().sandbox
-        from envs.sandbox.domain_images import image_sandbox
+        from megatron_rl.envs.sandbox.domain_images import image_sandbox
 
         return image_sandbox(image, workers=getattr(self._sandbox, "workers", 1))
 

@@ -12,7 +12,7 @@ import json
 import re
 import subprocess
 
-from envs.harbor.spec import EnvironmentSpec
+from megatron_rl.envs.harbor.spec import EnvironmentSpec
 
 HOST_PYTHON = "/usr/bin/python3"
 _PIP_Q = ("import importlib.metadata as m, json, sys\nout = {}\nfor n in sys.argv[1:]:\n    try:\n"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 
-from envs.harbor.host import MissingPackage, apt_version, host_python_version, pip_versions
-from envs.harbor.spec import EnvironmentSpec
-from envs.sandbox.image import ImageSpec
+from megatron_rl.envs.harbor.host import MissingPackage, apt_version, host_python_version, pip_versions
+from megatron_rl.envs.harbor.spec import EnvironmentSpec
+from megatron_rl.envs.sandbox.image import ImageSpec
 
 DEB_DIRS = ["/var/cache/apt/archives"]
 """Local .deb folders searched before `apt-get download` (a site with a package mirror on disk adds it here)."""

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import tomllib
 
-from envs.base import Task
-from envs.harbor import paths
-from envs.harbor.host import check_host
-from envs.harbor.image import image_spec
-from envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.harbor import paths
+from megatron_rl.envs.harbor.host import check_host
+from megatron_rl.envs.harbor.image import image_spec
+from megatron_rl.envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_TIMEOUT_S = 600.0  # Harbor's default agent and verifier timeouts

@@ -2,10 +2,10 @@
 suite's own tests check that every shipped task is solvable and that doing nothing fails it."""
 from __future__ import annotations
 
-from envs.base import Task
-from envs.harbor import paths
-from envs.harbor.env import HarborEnv
-from envs.harbor.loader import decode_files
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.harbor import paths
+from megatron_rl.envs.harbor.env import HarborEnv
+from megatron_rl.envs.harbor.loader import decode_files
 
 
 def solve_command() -> str:

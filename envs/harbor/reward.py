@@ -8,14 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 
-from envs.base import RewardContext, RewardOutput
-from envs.rewards import reward
+from megatron_rl.envs.base import RewardContext, RewardOutput
+from megatron_rl.envs.rewards import reward
 
 
 @reward("harbor_tests", version="1")
 def harbor_tests_reward(ctx: RewardContext) -> RewardOutput:
     """The reward test.sh wrote (clamped to [0, 1]; none or unparsable: 0)."""
-    from envs.harbor.verifier import run_tests
+    from megatron_rl.envs.harbor.verifier import run_tests
 
     ws = ctx.state.get("workspace")
     if ws is None or not (ctx.task.payload.get("tests") or {}).get("text", {}).get("test.sh"):

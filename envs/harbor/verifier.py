@@ -57,11 +57,11 @@ from __future__ import annotations
 import json
 import math
 
-from envs.base import sandbox_problem
-from envs.harbor import paths
-from envs.harbor.loader import decode_files
-from envs.sandbox.base import Limits, SandboxResult
-from envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
+from megatron_rl.envs.base import sandbox_problem
+from megatron_rl.envs.harbor import paths
+from megatron_rl.envs.harbor.loader import decode_files
+from megatron_rl.envs.sandbox.base import Limits, SandboxResult
+from megatron_rl.envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
 
 VERDICT = "MRL-HARBOR-VERDICT "
 

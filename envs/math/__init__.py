@@ -1,4 +1,4 @@
 """Math: a final answer checked with math-verify, plus a format component."""
-from envs.math.env import MathEnv
+from megatron_rl.envs.math.env import MathEnv
 
 __all__ = ["MathEnv"]

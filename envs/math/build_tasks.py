@@ -1,4 +1,4 @@
-"""Build the shipped math task suite: python -m envs.math.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the shipped math task suite: python -m megatron_rl.envs.math.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
 Hand-written problems (`PROBLEMS`): (id, question, answer, check) where `check` recomputes the answer in Python
 so a typo in an answer cannot ship (the builder asserts it). Every fifth of them is held out.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import sympy as sp
 
-from envs.base import Task
-from envs.suite_gen import Family, meta, split_of
-from envs.tasks import write_splits
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.suite_gen import Family, meta, split_of
+from megatron_rl.envs.tasks import write_splits
 
 x = sp.symbols("x")
 
@@ -236,7 +236,7 @@ def generated() -> list[tuple[Task, object]]:
 
 
 def _check(answer: str, value) -> None:
-    from envs.rewards import math_equal
+    from megatron_rl.envs.rewards import math_equal
 
     if not math_equal(answer, sp.latex(sp.sympify(value)) if not isinstance(value, sp.Set) else sp.latex(value)):
         raise AssertionError(f"shipped answer {answer!r} does not equal the recomputed {value!r}")

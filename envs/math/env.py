@@ -6,7 +6,7 @@ Task payload: `answer` (a LaTeX or plain expression). Reward: `correct` (weight 
 """
 from __future__ import annotations
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, SingleTurnEnvironment
 
 
 @ENVIRONMENTS.register("math")

@@ -5,8 +5,8 @@ the reasoning-gym library (when installed) and the environments of every library
 Modules: contract (`TaskLibrary`, `LIBRARIES`, `register_library`), env (tasks, environment, reward), rgym (the
 reasoning-gym adapter), domains (`envs.domains` patterns, checks). Guide: docs/task_libraries.md.
 """
-from envs.procedural import env, rgym  # noqa: F401  (the environments' family; reasoning-gym when installed)
-from envs.procedural.contract import (
+from megatron_rl.envs.procedural import env, rgym  # noqa: F401  (the environments' family; reasoning-gym when installed)
+from megatron_rl.envs.procedural.contract import (
     LIBRARIES,
     SEP,
     Item,

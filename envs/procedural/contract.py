@@ -16,7 +16,7 @@ in-process and on rollout workers, with
 
 The contract is `TaskLibrary`; a minimal second library (docs/task_libraries.md):
 
-    from envs.procedural import Item, register_library
+    from megatron_rl.envs.procedural import Item, register_library
 
     class Doubling:
         name = "doubling"

@@ -21,7 +21,7 @@ import dataclasses
 import fnmatch
 from typing import Any
 
-from envs.procedural.contract import LIBRARIES, is_procedural, library_domains, split_domain
+from megatron_rl.envs.procedural.contract import LIBRARIES, is_procedural, library_domains, split_domain
 
 CATEGORY_SEP = ":"
 _MERGED = ("generator", "reward_weights")
@@ -34,8 +34,8 @@ def is_pattern(key: str) -> bool:
 
 def matches(pattern: str, where: str = "envs.domains") -> list[str]:
     """The domains `pattern` stands for (sorted); ConfigError naming it when none or it is malformed."""
-    from envs.base import ENVIRONMENTS
     from megatron_rl.config import ConfigError
+    from megatron_rl.envs.base import ENVIRONMENTS
 
     if CATEGORY_SEP in pattern:
         lib, _, category = pattern.partition(CATEGORY_SEP)
@@ -90,7 +90,7 @@ def prepare_mixture(data: dict, prefix: str = "envs") -> dict:
     domains = data.get("domains")
     if not isinstance(domains, dict) or not any(isinstance(k, str) and is_pattern(k) for k in domains):
         return data
-    import envs  # noqa: F401  (registers the environments the patterns match)
+    import megatron_rl.envs  # noqa: F401  (registers the environments the patterns match)
 
     expanded, patterns = expand(domains, f"{prefix}.domains" if prefix else "envs.domains")
     return {**data, "domains": expanded, "patterns": {**(data.get("patterns") or {}), **patterns}}
@@ -120,8 +120,8 @@ def check_domain(name: str, d) -> None:
 def check_splits(name: str, d, tasks) -> None:
     """Refuse a generated domain whose generator cannot fill its splits, or whose held-out questions are train
     questions (makes the tasks: `tasks(split)`, the driver's, before any rank starts)."""
-    from envs.procedural.env import DEFAULT_COUNTS, TRAIN_DRAWS
     from megatron_rl.config import ConfigError
+    from megatron_rl.envs.procedural.env import DEFAULT_COUNTS, TRAIN_DRAWS
 
     key = f"envs.domains.{name}"
     train, heldout = tasks("train"), tasks("heldout")
@@ -156,7 +156,7 @@ def resolved(mixture) -> dict:
     """The run's resolved domain list (saved as <run>/envs_domains.json): each pattern and the domains it matched,
     every domain with its weight (and a generated one's category, task counts, seed, settings), and the tasks each
     generator failed to make in this process."""
-    from envs.procedural.env import ERRORS
+    from megatron_rl.envs.procedural.env import ERRORS
 
     out = {}
     for name, d in mixture.domains.items():

@@ -21,10 +21,17 @@ import logging
 import math
 from collections import Counter
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardContext, RewardOutput, RewardSpec, SingleTurnEnvironment
-from envs.procedural.contract import LIBRARIES, Item, is_procedural, split_domain
-from envs.rewards import extract_tag, reward
-from envs.types import EnvError, Task
+from megatron_rl.envs.base import (
+    ENVIRONMENTS,
+    RewardComponent,
+    RewardContext,
+    RewardOutput,
+    RewardSpec,
+    SingleTurnEnvironment,
+)
+from megatron_rl.envs.procedural.contract import LIBRARIES, Item, is_procedural, split_domain
+from megatron_rl.envs.rewards import extract_tag, reward
+from megatron_rl.envs.types import EnvError, Task
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import json
 import threading
 from typing import Any
 
-from envs.procedural.contract import Item, register_library
+from megatron_rl.envs.procedural.contract import Item, register_library
 
 EXCLUDED = {
     "composite": "it mixes other generators; mix domains in envs.domains instead",

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from envs.sandbox import apptainer, bwrap, subprocess_backend  # noqa: F401  (register the backends)
-from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
-from envs.sandbox.image_cache import resolve as resolve_image
-from envs.sandbox.pool import SandboxJob, SandboxPool
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.sandbox import apptainer, bwrap, subprocess_backend  # noqa: F401  (register the backends)
+from megatron_rl.envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from megatron_rl.envs.sandbox.image_cache import resolve as resolve_image
+from megatron_rl.envs.sandbox.pool import SandboxJob, SandboxPool
 
 __all__ = ["SANDBOXES", "Limits", "Sandbox", "SandboxConfig", "SandboxJob", "SandboxPool", "SandboxResult",
            "SandboxUnavailable", "build_sandbox"]

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.base import Limits
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import errno
 import os
 import time
 
-from envs.sandbox._cgroup import _kv, _read, _write, sigkill
-from envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox._cgroup import _kv, _read, _write, sigkill
+from megatron_rl.envs.sandbox.base import Limits
 
 _PERIOD_US = 100_000
 LEAF = "mrl-worker"
@@ -188,7 +188,7 @@ class SlotCgroup2:
 def create_slot_groups(group: str, slot: str):
     """The slot's cgroups: v1 hierarchies where writable (`envs.sandbox._cgroup`), else a delegated v2 subtree;
     returns (None or the groups, notes on what is not enforced)."""
-    from envs.sandbox._cgroup import SlotCgroups
+    from megatron_rl.envs.sandbox._cgroup import SlotCgroups
 
     v1, notes = SlotCgroups.create(group, slot)
     if v1 is not None:

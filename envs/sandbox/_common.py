@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.base import Limits
 
 _READ_CHUNK = 1 << 16
 

@@ -21,7 +21,7 @@ import contextlib
 import os
 import subprocess
 
-from envs.sandbox import _linux
+from megatron_rl.envs.sandbox import _linux
 
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
 _MS_REC, _MS_PRIVATE = 0x4000, 1 << 18

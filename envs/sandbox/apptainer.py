@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
-from envs.sandbox.image_cache import ImageLayer
-from envs.sandbox.subprocess_backend import _argv, run_in_scratch
+from megatron_rl.envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from megatron_rl.envs.sandbox.image_cache import ImageLayer
+from megatron_rl.envs.sandbox.subprocess_backend import _argv, run_in_scratch
 
 _HINT = ("install Apptainer (https://apptainer.org/docs/admin/main/installation.html) or `module load "
          "apptainer` on the cluster, pass binary=/path/to/apptainer, or use backend 'bwrap'")

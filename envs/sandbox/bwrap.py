@@ -97,10 +97,10 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from envs.sandbox import _linux, _seccomp
-from envs.sandbox._cgroup import remove_stale_groups
-from envs.sandbox._cgroup2 import create_slot_groups
-from envs.sandbox._common import (
+from megatron_rl.envs.sandbox import _linux, _seccomp
+from megatron_rl.envs.sandbox._cgroup import remove_stale_groups
+from megatron_rl.envs.sandbox._cgroup2 import create_slot_groups
+from megatron_rl.envs.sandbox._common import (
     apply_rlimits,
     check_collect,
     check_relpath,
@@ -113,9 +113,9 @@ from envs.sandbox._common import (
     tree_bytes,
     write_files,
 )
-from envs.sandbox._userns_scratch import ScratchNamespace
-from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
-from envs.sandbox.image_cache import ImageLayer
+from megatron_rl.envs.sandbox._userns_scratch import ScratchNamespace
+from megatron_rl.envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult, SandboxUnavailable
+from megatron_rl.envs.sandbox.image_cache import ImageLayer
 
 log = logging.getLogger(__name__)
 
@@ -782,7 +782,7 @@ class BwrapSandbox(Sandbox):
     def zygote(self, name: str, source: str):
         """A `Zygote` serving `source` from a sandbox of its own (a one-slot sibling of this one: same root,
         image, environment, seccomp; prespawn off), built on first use and closed with this sandbox."""
-        from envs.sandbox.zygote import Zygote
+        from megatron_rl.envs.sandbox.zygote import Zygote
 
         with self._lock:
             if self._s.closed:

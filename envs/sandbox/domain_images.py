@@ -13,10 +13,10 @@ import os
 import threading
 from dataclasses import dataclass
 
-from envs.sandbox import image_cache
-from envs.sandbox.base import Sandbox
-from envs.sandbox.image import ImageSpec
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.sandbox import image_cache
+from megatron_rl.envs.sandbox.base import Sandbox
+from megatron_rl.envs.sandbox.image import ImageSpec
 
 
 @dataclass
@@ -46,7 +46,7 @@ def image_sandbox(ref: str | ImageSpec | dict, workers: int = 1, backend: str = 
                   base_image: str | None = None) -> Sandbox:
     """The sandbox running in image `ref` (an ImageSpec or its dict, a spec YAML, or a built image file): built,
     cached and started once per process and image; later calls return the same one."""
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sandbox import SandboxConfig
 
     if isinstance(ref, dict):
         ref = ImageSpec.from_dict(ref)
@@ -64,7 +64,7 @@ def image_sandbox(ref: str | ImageSpec | dict, workers: int = 1, backend: str = 
 def publish(ref: str | ImageSpec) -> dict[str, str]:
     """The driver's half of a dispatched domain image: `ref` (a spec YAML or a built file) as a file of the
     shared store, {digest, file}, which the worker spec carries to every worker (`worker_sandbox`)."""
-    from envs.sandbox import image as img
+    from megatron_rl.envs.sandbox import image as img
 
     if isinstance(ref, str) and ref.endswith((".sqfs", ".tar")):
         if not os.path.isfile(ref):
@@ -97,7 +97,7 @@ def worker_sandbox(name: str, ref: dict, workers: int = 1, backend: str = "bwrap
 def _manifest_digest(root: str) -> str | None:
     import json
 
-    from envs.sandbox.image import MANIFEST
+    from megatron_rl.envs.sandbox.image import MANIFEST
 
     with open(os.path.join(root, MANIFEST)) as f:
         return json.load(f).get("digest")

@@ -28,8 +28,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from envs.sandbox import image as img
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.sandbox import image as img
 
 
 @dataclass

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from envs.sandbox._common import check_collect
-from envs.sandbox.base import Limits, Sandbox, SandboxResult
+from megatron_rl.envs.sandbox._common import check_collect
+from megatron_rl.envs.sandbox.base import Limits, Sandbox, SandboxResult
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class SandboxPool(Sandbox):
     def zygote(self, name: str, source: str):
         """The slots' zygotes (`Sandbox.zygote`) as one `ZygoteSet`, made once per name; None when a slot's
         backend has none."""
-        from envs.sandbox.zygote import ZygoteSet
+        from megatron_rl.envs.sandbox.zygote import ZygoteSet
 
         with self._zygote_lock:
             if name not in self._zygotes:

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from envs.sandbox._common import (
+from megatron_rl.envs.sandbox._common import (
     apply_rlimits,
     check_collect,
     check_relpath,
@@ -36,7 +36,7 @@ from envs.sandbox._common import (
     rlimits_for,
     write_files,
 )
-from envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult
+from megatron_rl.envs.sandbox.base import SANDBOXES, Limits, Sandbox, SandboxResult
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.base import Limits
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Build the shipped terminal suite: python -m envs.terminal.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the shipped terminal suite: python -m megatron_rl.envs.terminal.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
 
 Three kinds: a failing test to fix, a multi-file edit, a missing dependency (a module to create). Each task
 has a hidden verifier (unittest over hidden tests plus the visible ones) and reference commands that solve it;
@@ -10,8 +10,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from envs.base import Task
-from envs.tasks import write_splits
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.tasks import write_splits
 
 VERIFY = "python3 -m unittest discover -s . -p 'test_*.py' 2>&1"
 

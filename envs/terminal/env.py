@@ -21,8 +21,8 @@ values from workspace code (they fail with a reason).
 """
 from __future__ import annotations
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, Tool, ToolEnvironment, Workspace
-from envs.sandbox.base import Limits
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, Tool, ToolEnvironment, Workspace
+from megatron_rl.envs.sandbox.base import Limits
 
 SHELL = Tool("shell", "Run a shell command (/bin/sh) in your workspace directory. No network. Each command starts "
              "in a fresh shell: files persist between commands, environment variables and processes do not.",

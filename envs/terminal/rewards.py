@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 
-from envs.reward_spec import RewardContext, reward
-from envs.terminal import verifier
-from envs.types import RewardOutput
-from envs.workspace import sandbox_problem
+from megatron_rl.envs.reward_spec import RewardContext, reward
+from megatron_rl.envs.terminal import verifier
+from megatron_rl.envs.types import RewardOutput
+from megatron_rl.envs.workspace import sandbox_problem
 
 
 def _sha(text: str) -> str:

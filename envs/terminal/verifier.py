@@ -46,10 +46,10 @@ from __future__ import annotations
 import json
 import posixpath
 
-from envs.base import sandbox_problem
-from envs.code.verifier import _CODEC
-from envs.sandbox.base import Limits, SandboxResult
-from envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
+from megatron_rl.envs.base import sandbox_problem
+from megatron_rl.envs.code.verifier import _CODEC
+from megatron_rl.envs.sandbox.base import Limits, SandboxResult
+from megatron_rl.envs.verdict import FENCE, host_pidns, new_nonce, verdict_line
 
 VERDICT = "MRL-VERDICT "
 RPC_MAX_BYTES = 16 << 20

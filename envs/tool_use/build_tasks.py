@@ -1,4 +1,5 @@
-"""Build the shipped tool-use suite: python -m envs.tool_use.build_tasks (writes tasks/train.jsonl, heldout.jsonl).
+"""Build the shipped tool-use suite: python -m megatron_rl.envs.tool_use.build_tasks
+(writes tasks/train.jsonl, heldout.jsonl).
 
 Hand-written tasks (ids tool-calc-*, tool-sales-*, tool-log-*, tool-json-*): calculator problems and questions
 over data files in the workspace (CSV, logs, JSON), answers computed here from the same data the model gets.
@@ -27,10 +28,10 @@ import random
 import statistics
 from pathlib import Path
 
-from envs.base import Task
-from envs.suite_gen import Family, meta, split_of
-from envs.tasks import write_splits
-from envs.tool_use.env import calculate
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.suite_gen import Family, meta, split_of
+from megatron_rl.envs.tasks import write_splits
+from megatron_rl.envs.tool_use.env import calculate
 
 REGIONS = ["north", "south", "east", "west"]
 PRODUCTS = ["widget", "gadget", "gizmo", "doohickey"]

@@ -15,8 +15,8 @@ import ast
 import math
 import operator
 
-from envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, Tool, ToolEnvironment, Workspace
-from envs.sandbox.base import Limits
+from megatron_rl.envs.base import ENVIRONMENTS, RewardComponent, RewardSpec, Tool, ToolEnvironment, Workspace
+from megatron_rl.envs.sandbox.base import Limits
 
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kernels.logprob.common import LogprobEntropyFunction, VocabSlice
-from kernels.logprob.reference import TorchBackend
+from megatron_rl.kernels.logprob.common import LogprobEntropyFunction, VocabSlice
+from megatron_rl.kernels.logprob.reference import TorchBackend
 
 Impl = Literal["auto", "torch", "triton"]
 __all__ = ["LogprobKernelConfig", "fused_logprob_entropy", "triton_available"]
@@ -33,7 +33,7 @@ __all__ = ["LogprobKernelConfig", "fused_logprob_entropy", "triton_available"]
 def triton_available() -> bool:
     """True when the Triton backend imports (triton installed and working)."""
     try:
-        import kernels.logprob.triton_kernels  # noqa: F401
+        import megatron_rl.kernels.logprob.triton_kernels  # noqa: F401
     except ImportError:
         return False
     return True
@@ -48,7 +48,7 @@ def _backend(impl: str, hidden: torch.Tensor):
     if not triton_available():
         raise RuntimeError("fused_logprob_entropy: impl='triton' but triton does not import; "
                            "pip install triton, or use impl='torch'")
-    from kernels.logprob.triton_kernels import TritonBackend
+    from megatron_rl.kernels.logprob.triton_kernels import TritonBackend
     return TritonBackend
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.logprob.common import NEG, LogprobEntropyFunction, VocabSlice, acc_dtype, merge_splits
+from megatron_rl.kernels.logprob.common import NEG, LogprobEntropyFunction, VocabSlice, acc_dtype, merge_splits
 
 
 def _scaled(h_c: torch.Tensor, inv_temp: float) -> torch.Tensor:

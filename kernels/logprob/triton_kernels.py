@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.logprob.common import VocabSlice
+from megatron_rl.kernels.logprob.common import VocabSlice
 
 # GPU tile sizes (H100/H200 class); each is shrunk to the problem (>= 16, tl.dot's minimum).
 BLOCK_T, BLOCK_V, BLOCK_H = 64, 128, 64

@@ -69,8 +69,8 @@ def _say(results: dict, out: Path) -> None:
 
 def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
     """Checkpoint, domains and output path; errors name the fix."""
-    import envs  # noqa: F401  (registers the built-in environments)
-    from envs.base import ENVIRONMENTS
+    import megatron_rl.envs  # noqa: F401  (registers the built-in environments)
+    from megatron_rl.envs.base import ENVIRONMENTS
     from megatron_rl.loop.state import latest
 
     run_dir = Path(cfg.output_dir) / cfg.name
@@ -104,7 +104,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def _heldout(cfg: RunConfig, domain: str) -> list:
-    from envs.tasks import load_domain
+    from megatron_rl.envs.tasks import load_domain
     from megatron_rl.loop.setup import task_lists
 
     if cfg.curriculum.enabled and domain == "countdown":

@@ -91,7 +91,7 @@ def drive(cfg: RunConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
     if cfg.envs.patterns:  # envs.domains by pattern: the resolved list, logged and saved with the run
-        from envs.procedural.domains import describe, resolved
+        from megatron_rl.envs.procedural.domains import describe, resolved
 
         (run_dir / "envs_domains.json").write_text(json.dumps(resolved(cfg.envs), indent=1) + "\n")
         _say(f"{describe(cfg.envs)}; list: {run_dir / 'envs_domains.json'}")

@@ -34,7 +34,7 @@ def _trajectory(tok, task, answer: str, reward, episode: str):
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     """Check each task's reference answer (and a corrupted one) with the environment's reward in the sandbox
     (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts."""
-    import envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
+    import megatron_rl.envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from megatron_rl.data.shards import write_shard
     from megatron_rl.loop.setup import episode_runner, task_lists
     from megatron_rl.prompts import environment

@@ -26,7 +26,7 @@ from megatron_rl.slurm_env import SlurmEnv
 
 
 def _tasks(args):
-    from envs.tasks import load_domain
+    from megatron_rl.envs.tasks import load_domain
 
     tasks = load_domain(args.env, split=args.split)
     return tasks[: args.num] if args.num else tasks

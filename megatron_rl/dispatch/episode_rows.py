@@ -28,10 +28,10 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
     A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
     `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
     """
-    from envs.base import Task
-    from envs.episode import drive, open_episode
     from megatron_rl.data.routes import context_routes
     from megatron_rl.data.shards import Trajectory, segment_rows
+    from megatron_rl.envs.base import Task
+    from megatron_rl.envs.episode import drive, open_episode
 
     t0, gen_s, routes = time.perf_counter(), [0.0], {}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
@@ -43,7 +43,7 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
             raise
         return [failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))]
     timings = {"generate": gen_s[0], **r.timings, "turns": float(r.turns), "total": time.perf_counter() - t0}
-    from envs.procedural import task_provenance
+    from megatron_rl.envs.procedural import task_provenance
 
     prov = {k: json.dumps(v, sort_keys=True) for k, v in r.reward.provenance.items()}
     prov.update(task_provenance(task))  # a generated task's library, version, generator, seed, index, settings

@@ -9,10 +9,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from envs.mixture import MixtureConfig
-from envs.sandbox import SandboxConfig
 from megatron_rl.config import ConfigError, from_dict, to_dict
 from megatron_rl.data.store import S3StoreConfig
+from megatron_rl.envs.mixture import MixtureConfig
+from megatron_rl.envs.sandbox import SandboxConfig
 
 
 @dataclass
@@ -125,8 +125,8 @@ class WorkerConfig:
     """The s3 store's endpoint, bucket, prefix and queue (store=s3); no credentials (environment or file)."""
 
     def validate(self) -> None:
-        import envs  # noqa: F401  (registers the built-in environments)
-        from envs.base import EnvError, make_env
+        import megatron_rl.envs  # noqa: F401  (registers the built-in environments)
+        from megatron_rl.envs.base import EnvError, make_env
         from megatron_rl.registry import RegistryError
 
         for name, d in self.envs.domains.items():

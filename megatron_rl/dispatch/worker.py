@@ -75,8 +75,8 @@ def env_factory(spec: WorkerSpec, tok: Tokenizer, workers: int):
     """The worker's environment factory: the run's mixture (`spec.worker.envs`) with its LLM judge, its budgets
     capped at the model's context, the domains' published images (opened here, once per node) and the run's
     tokenizer counting observation tokens; an environment not in the mixture gets the worker's max_turns."""
-    from envs.base import Budget
-    from envs.mixture import DomainConfig
+    from megatron_rl.envs.base import Budget
+    from megatron_rl.envs.mixture import DomainConfig
 
     w = spec.worker
     unlisted = DomainConfig(max_turns=w.max_turns, max_observation_chars=Budget().max_observation_chars)

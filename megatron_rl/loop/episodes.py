@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from envs.base import RewardResult, Task
+from megatron_rl.envs.base import RewardResult, Task
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ThreadEpisodeRunner:
         return self.pool.submit(self._run, task, response)
 
     def _registry_env(self, domain: str, sandbox):
-        from envs.base import make_env
+        from megatron_rl.envs.base import make_env
 
         return make_env(domain, sandbox=sandbox, reward_weights=self.reward_weights.get(domain))
 
@@ -57,7 +57,7 @@ class ThreadEpisodeRunner:
     def open(self, task: Task, prompt: list[int], tok, limit: int):
         """The episode coroutine of `task` (not started: `advance(co, None, prime=True)` resets the env), its
         tokens capped at `limit` and at the domain's budget."""
-        from envs.episode import open_episode
+        from megatron_rl.envs.episode import open_episode
 
         def run():  # the environment is built when the episode starts, on the pool (a bad domain: status error)
             budget = min(limit, self.max_tokens(task.domain)) if self.max_tokens else limit
@@ -73,7 +73,7 @@ class ThreadEpisodeRunner:
         return self.pool.submit(self._advance, co, out, task, prime)
 
     def _advance(self, co, out, task, prime):
-        from envs.episode import advance
+        from megatron_rl.envs.episode import advance
 
         t0 = time.perf_counter()
         try:

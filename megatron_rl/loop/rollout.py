@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from envs.reward_spec import JUDGE_UNPARSED  # the component marking a sample masked for an unparsable judge answer
 from megatron_rl.data.shards import Trajectory, segment_rows
 from megatron_rl.distributed import group_leader, group_size
+from megatron_rl.envs.reward_spec import (
+    JUDGE_UNPARSED,  # the component marking a sample masked for an unparsable judge answer
+)
 from megatron_rl.rollout import SamplingParams
 
 
@@ -434,7 +436,7 @@ def sample_routes(g: Group, i: int, tokens: np.ndarray) -> np.ndarray | None:
 
 def trajectory(g: Group, i: int, episode_id: str) -> Trajectory:
     """Sample i of g as a shard row: the prompt (mask 0), then its episode's tokens with their loss mask."""
-    from envs.procedural import task_provenance
+    from megatron_rl.envs.procedural import task_provenance
 
     s, (total, comps, _) = g.samples[i], g.rewards[i]
     prompt = g.prompts[i] if g.prompts and g.prompts[i] is not None else g.prompt

@@ -22,13 +22,13 @@ def task_lists(cfg: RunConfig) -> dict:
     """Tasks: train and heldout of data.domain (the warm-up's), rl (the RL loop's, per domain of the mixture)
     and eval (held-out tasks of every domain of the mixture, eval.tasks each)."""
     if cfg.curriculum.enabled:
-        from envs.countdown.curriculum import generate
+        from megatron_rl.envs.countdown.curriculum import generate
 
         heldout = generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")
         return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"), "heldout": heldout,
                 "rl": {"countdown": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl")},
                 "eval": heldout[:cfg.eval.tasks]}
-    from envs.tasks import load_domain
+    from megatron_rl.envs.tasks import load_domain
 
     evals = cfg.envs.tasks("heldout")
     return {"train": load_domain(cfg.data.domain, split="train")[:cfg.data.train_tasks],
@@ -153,8 +153,8 @@ def monitor_config(cfg: RunConfig):
 
 
 def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
-    from envs.sampler import DomainSampler
     from megatron_rl.convert.source import initializer
+    from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
@@ -443,7 +443,7 @@ def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, 
 
 
 def _solved(g) -> list[int]:
-    from envs.base import RewardResult
+    from megatron_rl.envs.base import RewardResult
     from megatron_rl.prompts import environment
 
     env = environment(g.task.domain)

@@ -28,7 +28,7 @@ import hmac
 
 from aiohttp import web
 
-from envs.agents.recorder import Recorder, chat_response
+from megatron_rl.envs.agents.recorder import Recorder, chat_response
 from megatron_rl.rollout.http_api import BadRequest, has_token, sampling_from, unauthorised
 from megatron_rl.rollout.http_api import error_response as _error
 from megatron_rl.rollout.http_api import json_body as _json_body

@@ -81,8 +81,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.logprob import LogprobKernelConfig
 from megatron_rl.config import ConfigError
+from megatron_rl.kernels.logprob import LogprobKernelConfig
 from megatron_rl.models import mtp
 from megatron_rl.models.output_head import HeadOutput
 from megatron_rl.rl.advantages import AdvantageInputs, AdvantageOutput, reverse_kl

@@ -8,11 +8,11 @@ import pytest
 
 from megatron_rl.config import ConfigError, undocumented_fields
 from megatron_rl.parallel import ParallelConfig
-from tools.plan import main
-from tools.plan.count import Arch
-from tools.plan.memory import plan_layout, rank_chunks, resolve_layout
-from tools.plan.search import search
-from tools.plan.spec import PlanConfig, load_plan_config
+from megatron_rl.tools.plan import main
+from megatron_rl.tools.plan.count import Arch
+from megatron_rl.tools.plan.memory import plan_layout, rank_chunks, resolve_layout
+from megatron_rl.tools.plan.search import search
+from megatron_rl.tools.plan.spec import PlanConfig, load_plan_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -188,7 +188,7 @@ def test_search_returns_only_fitting_layouts_sorted():
 def test_search_proposes_only_layouts_the_trainer_accepts():
     """94 layers: where pp * vpp does not divide 94 (pp=4, pp=8) the candidate carries the uneven layout the
     trainer proposes; every candidate is one the trainer accepts."""
-    from tools.plan.search import candidate_layouts
+    from megatron_rl.tools.plan.search import candidate_layouts
 
     cfg, arch = _load("qwen3_235b_a22b")
     uneven = []

@@ -144,6 +144,6 @@ def test_export_without_a_checkpoint_is_named(tmp_path):
 
 
 def _task_prompt(task_id: str) -> str:
-    from envs.tasks import load_domain
+    from megatron_rl.envs.tasks import load_domain
 
     return {t.id: t.prompt for t in load_domain("arithmetic")}[task_id]

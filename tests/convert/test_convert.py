@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.tools.convert.cli import main
 from tests.mp.convert_models import CONFIGS, hf_tensors, make_hf_model
-from tools.convert.cli import main
 
 
 def _leftovers(out: Path) -> list[str]:

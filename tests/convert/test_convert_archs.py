@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.mp.convert_models import KIMI_K2, hf_tensors, make_hf_model
 from tests.convert.test_convert import run_err, run_ok
+from tests.mp.convert_models import KIMI_K2, hf_tensors, make_hf_model
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4

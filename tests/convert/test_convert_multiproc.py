@@ -21,11 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def convert(*argv: str) -> list[dict]:
-    """Run `python -m tools.convert.cli ARGV`; return the JSON reports printed (one per reporting rank)."""
+    """Run `python -m megatron_rl.tools.convert.cli ARGV`; return the JSON reports printed (one per reporting rank)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for k in [k for k in env if k.startswith(("SLURM_", "OMPI_", "PMI"))] + ["RANK", "WORLD_SIZE"]:
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "tools.convert.cli", *argv], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.convert.cli", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"op"')]
@@ -72,8 +72,8 @@ def test_failure_on_one_rank_leaves_nothing(tmp_path):
     hf = make_hf_model("llama", tmp_path / "hf")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, "-m", "tools.convert.cli", "hf-to-mcore", "--hf", str(hf), "--out",
-                           str(tmp_path / "a"), "--tp", "2", "--verify", "--tol", "-1"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.convert.cli", "hf-to-mcore", "--hf", str(hf),
+                           "--out", str(tmp_path / "a"), "--tp", "2", "--verify", "--tol", "-1"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "logits differ" in proc.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("a")] == []
@@ -124,7 +124,7 @@ def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path):
     convert("mcore-to-hf", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "hf3"))
     assert_same_tensors(hf, tmp_path / "hf3", tied=True)
     from megatron_rl.convert.arch.base import ConvertError
-    from tools.convert.cli import build_parser, run
+    from megatron_rl.tools.convert.cli import build_parser, run
 
     args = build_parser().parse_args(["reshard", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "c"),
                                       "--pp", "2", "--pipeline-layout", "Ett|L"])

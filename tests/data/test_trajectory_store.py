@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs.tasks import load_domain
 from megatron_rl import config as C
 from megatron_rl.config import ConfigError
 from megatron_rl.data.shards import ShardError, Trajectory
 from megatron_rl.data.store import S3StoreConfig, StoreError, build_store
 from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
 from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+from megatron_rl.envs.tasks import load_domain
 from megatron_rl.loop.dispatched import read_episodes
 
 REPO = Path(__file__).resolve().parents[2]

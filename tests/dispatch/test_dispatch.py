@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs.tasks import load_domain
 from megatron_rl.config import undocumented_fields
 from megatron_rl.data.shards import ShardDirectory, read_shard
 from megatron_rl.dispatch import (
@@ -28,6 +27,7 @@ from megatron_rl.dispatch import (
     episodes_from_tasks,
 )
 from megatron_rl.dispatch.worker import run_episode_batch
+from megatron_rl.envs.tasks import load_domain
 
 TASKS = load_domain("countdown", split="train")
 
@@ -80,11 +80,11 @@ def test_worker_token_layout_and_rewards(tmp_path):
 def test_tool_calls_per_tool_reach_the_shards_and_the_loop_metrics(tmp_path):
     """A multi-turn tool episode: the worker records calls, errors and latency per tool in the trajectory's
     timings; the RL loop's dispatched rollouts turn them into per-domain, per-tool step metrics."""
-    from envs.base import Budget, make_env
-    from envs.sandbox import SandboxConfig
     from megatron_rl.data.shards import write_shard
     from megatron_rl.dispatch import EpisodeSpec
     from megatron_rl.dispatch.episode_rows import run_episode
+    from megatron_rl.envs.base import Budget, make_env
+    from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.loop.dispatched import DispatchRollouts, read_episodes
     from megatron_rl.tokenizer import ByteTokenizer
 

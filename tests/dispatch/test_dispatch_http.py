@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from envs.tasks import load_domain
 from megatron_rl.data.shards import STATUSES, ShardDirectory, read_shard
 from megatron_rl.dispatch import (
     DispatchConfig,
@@ -24,6 +23,7 @@ from megatron_rl.dispatch import (
     episodes_from_tasks,
 )
 from megatron_rl.dispatch.worker import run_episode_batch
+from megatron_rl.envs.tasks import load_domain
 from megatron_rl.models.gpt import ModelConfig, build_gpt
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.rollout import EngineConfig, RolloutEngine

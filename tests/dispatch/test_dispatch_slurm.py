@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from envs.tasks import load_domain
 from megatron_rl.data.shards import ShardDirectory
 from megatron_rl.dispatch import (
     DispatchConfig,
@@ -30,6 +29,7 @@ from megatron_rl.dispatch import (
     WorkerSpec,
     episodes_from_tasks,
 )
+from megatron_rl.envs.tasks import load_domain
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 

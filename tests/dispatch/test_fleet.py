@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from envs.tasks import load_domain
 from megatron_rl.config import ConfigError
 from megatron_rl.dispatch import EpisodeSpec, FaultConfig, GeneratorConfig, WorkerConfig, episodes_from_tasks
 from megatron_rl.dispatch.fleet import Fleet, FleetConfig
 from megatron_rl.dispatch.lease_queue import LeaseQueue
+from megatron_rl.envs.tasks import load_domain
 from megatron_rl.loop.dispatched import read_episodes
 
 REPO = Path(__file__).resolve().parents[2]

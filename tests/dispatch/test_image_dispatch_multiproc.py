@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envs.base import Task
-from envs.sandbox import domain_images
 from megatron_rl import config as C
 from megatron_rl.config import ConfigError
 from megatron_rl.data.shards import read_shard
 from megatron_rl.dispatch import DispatchConfig, Dispatcher, GeneratorConfig, episodes_from_tasks
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.sandbox import domain_images
 
 MOD = "mrl_only_in_image"
 SOLUTION = f"```python\ndef add_secret(x):\n    import {MOD}\n    return x + {MOD}.SECRET\n```"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.episode import drive, open_episode
+from megatron_rl.envs.episode import drive, open_episode
 
 WRITE_OK = '<tool_call>{"name": "shell", "arguments": {"command": "echo done > ok && ls"}}</tool_call>'
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def tok(hf_tok):
 
 def _task(tmp_path):
     """A Harbor task: create /app/ok; its test checks the file."""
-    from envs.harbor.loader import load_task_folder
+    from megatron_rl.envs.harbor.loader import load_task_folder
 
     d = tmp_path / "make-ok"
     (d / "environment").mkdir(parents=True)
@@ -52,7 +52,7 @@ class Scripted:
 
 
 def _env(sandbox, budget_tokens=4096, max_turns=8):
-    from envs.base import Budget, make_env
+    from megatron_rl.envs.base import Budget, make_env
 
     return make_env("harbor", agent="shell", sandbox=sandbox, budget=Budget(max_turns=max_turns,
                                                                              max_tokens=budget_tokens))
@@ -101,7 +101,7 @@ def test_drop_oldest_history_splits_into_exact_segments_that_are_all_trained(tok
     """With a context budget the agent drops old exchanges: the gateway starts a new segment. The episode's
     sequence is the last segment and the earlier ones come with it; each is exactly what the model saw and
     sampled at one call (token for token), and together they hold every model token once."""
-    from envs.harbor.env import HarborEnv
+    from megatron_rl.envs.harbor.env import HarborEnv
 
     task = _task(tmp_path)
     env = _env(sandbox)
@@ -158,8 +158,8 @@ def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
         path.write_text(yaml.safe_dump({**base, "envs": {"domains": domains}}))
         with pytest.raises(ConfigError, match=message):
             load_config(str(path))
-    from envs.mixture import DomainConfig, MixtureConfig
     from megatron_rl.dispatch import WorkerConfig
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     def worker(**domain) -> WorkerConfig:
         return WorkerConfig(envs=MixtureConfig({name: DomainConfig(**d) for name, d in domain.items()}))
@@ -174,8 +174,8 @@ def test_the_run_config_refuses_agents_it_cannot_serve(tmp_path):
 def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups():
     """A split or re-prompted agent episode: the in-process loop's shard row is the episode's own sequence
     (its prompt, then its tokens and mask), not the group's prompt with the episode's tail."""
-    from envs.base import RewardResult
-    from envs.episode import EpisodeResult
+    from megatron_rl.envs.base import RewardResult
+    from megatron_rl.envs.episode import EpisodeResult
     from megatron_rl.loop.rollout import Group, _fill, _sample_state, trajectory
 
     group_prompt = [1, 2, 3, 4]
@@ -195,7 +195,7 @@ def test_the_loop_trains_an_episode_on_its_own_prompt_when_it_is_not_the_groups(
 def test_a_completion_that_stopped_on_another_stop_token_stays_exact(tok):
     """SmolLM2 stops on <|im_start|> as well as <|im_end|>: the agent sends the reply back, the template closes
     the turn with <|im_end|>; the call continues the segment after the model's own stop token."""
-    from envs.agents.recorder import Recorder
+    from megatron_rl.envs.agents.recorder import Recorder
 
     start, end = tok.encode("<|im_start|>"), tok.encode("<|im_end|>")
     assert len(start) == len(end) == 1
@@ -257,7 +257,7 @@ def test_model_commands_cannot_replace_or_crash_the_gateway(tok, sandbox, tmp_pa
 def test_summary_history_asks_the_policy_and_continues_from_its_summary(tok, sandbox, tmp_path):
     """`--history summary`: over the budget, the agent sends the outputs with a summary request (still the same
     exact segment), then continues from the first message and the policy's own summary (a new segment)."""
-    from envs.agents.shell_agent import SUMMARY_ASK
+    from megatron_rl.envs.agents.shell_agent import SUMMARY_ASK
 
     class Summarizer(Scripted):
         def __call__(self, tokens, turn):

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from envs.base import EnvError, Task
-from envs.curriculum import DomainCurriculumConfig
-from envs.mixture import MixtureConfig
-from envs.sampler import DomainSampler
 from megatron_rl.config import ConfigError, from_dict
+from megatron_rl.envs.base import EnvError, Task
+from megatron_rl.envs.curriculum import DomainCurriculumConfig
+from megatron_rl.envs.mixture import MixtureConfig
+from megatron_rl.envs.sampler import DomainSampler
 
 
 def _tasks(domains: list[str], n: int = 5) -> dict[str, list[Task]]:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envs.tasks import load_domain
 from megatron_rl import config as C
 from megatron_rl.data.shards import read_shard
 from megatron_rl.dispatch import DispatchConfig, Dispatcher, GeneratorConfig, episodes_from_tasks
+from megatron_rl.envs.tasks import load_domain
 
 GOOD = '{"value": 20.0, "unit": "%", "explanation": "Revenue FY2023 1488.0 / Revenue FY2022 1240.0 - 1"}'
 

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-import envs  # noqa: F401  (registers the built-in environments and sandbox backends)
-from envs.base import (
+import megatron_rl.envs  # noqa: F401  (registers the built-in environments and sandbox backends)
+from megatron_rl.config import ConfigError, from_dict, undocumented_fields
+from megatron_rl.envs.base import (
     ENVIRONMENTS,
     Budget,
     EnvError,
@@ -21,12 +22,18 @@ from envs.base import (
     make_env,
     parse_tool_calls,
 )
-from envs.countdown import generate_tasks
-from envs.sampler import DomainSampler
-from envs.sandbox import SandboxConfig
-from envs.sandbox.base import SANDBOXES, Limits, Sandbox
-from envs.tasks import TaskFileError, builtin_task_files, load_domain, load_task_file, load_tasks, write_tasks
-from megatron_rl.config import ConfigError, from_dict, undocumented_fields
+from megatron_rl.envs.countdown import generate_tasks
+from megatron_rl.envs.sampler import DomainSampler
+from megatron_rl.envs.sandbox import SandboxConfig
+from megatron_rl.envs.sandbox.base import SANDBOXES, Limits, Sandbox
+from megatron_rl.envs.tasks import (
+    TaskFileError,
+    builtin_task_files,
+    load_domain,
+    load_task_file,
+    load_tasks,
+    write_tasks,
+)
 from megatron_rl.registry import RegistryError
 
 BUILTINS = ["code", "countdown", "docqa", "math", "terminal", "tool_use"]
@@ -71,7 +78,7 @@ def test_builtins_registered_and_unknown_name_lists_known():
 
 def test_third_party_environment_via_entry_point(tmp_path, monkeypatch):
     (tmp_path / "mrl_thirdparty_env.py").write_text(
-        "from envs.base import RewardComponent, RewardSpec, SingleTurnEnvironment\n\n"
+        "from megatron_rl.envs.base import RewardComponent, RewardSpec, SingleTurnEnvironment\n\n"
         "class EchoEnv(SingleTurnEnvironment):\n    name = 'echo'\n\n"
         "    def reward_spec(self):\n        return RewardSpec([RewardComponent('match', 'answer_match')])\n")
     dist = tmp_path / "mrl_thirdparty-0.1.dist-info"
@@ -89,7 +96,7 @@ def test_third_party_environment_via_entry_point(tmp_path, monkeypatch):
 
 
 def test_mixture_config_documented_validated_and_loaded_from_dict():
-    from envs.mixture import DomainConfig, MixtureConfig
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     assert undocumented_fields(MixtureConfig) == [] and undocumented_fields(DomainConfig) == []
     cfg = from_dict(MixtureConfig, {"domains": {"countdown": {}, "math": {"weight": 0.5, "max_turns": 3,
@@ -111,7 +118,7 @@ def test_mixture_config_documented_validated_and_loaded_from_dict():
 
 
 def test_mixture_config_builds_environments_for_concurrent_episodes_on_a_sandbox_pool():
-    from envs.mixture import DomainConfig, MixtureConfig
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     cfg = MixtureConfig({"countdown": DomainConfig(max_turns=2, reward_weights={"format": 0.0}),
                          "math": DomainConfig(weight=0.0)})
@@ -574,7 +581,7 @@ def test_sampler_bad_weights_and_metrics():
     with pytest.raises(EnvError, match="finite and >= 0"):
         DomainSampler(tasks, {"a": -1})
     s = DomainSampler(tasks, {"a": 1, "b": 0})
-    from envs.base import RewardResult
+    from megatron_rl.envs.base import RewardResult
 
     s.record(tasks["a"][0], RewardResult(1.1, {"correct": 1.0, "format": 1.0}))
     bad = RewardResult(0.1, {"correct": 0.0, "format": 1.0}, status="sandbox_error")

@@ -12,10 +12,10 @@ import shlex
 
 import pytest
 
-from envs.harbor import paths
-from envs.harbor.host import MissingPackage
-from envs.harbor.loader import TASKS_DIR, HarborTaskError, load_harbor, load_task_folder
-from envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
+from megatron_rl.envs.harbor import paths
+from megatron_rl.envs.harbor.host import MissingPackage
+from megatron_rl.envs.harbor.loader import TASKS_DIR, HarborTaskError, load_harbor, load_task_folder
+from megatron_rl.envs.harbor.spec import EnvironmentSpec, UnsupportedInstruction, parse_dockerfile
 from tests.loop.test_multiturn import _rollouts  # the scripted engine (a test double of RolloutEngine)
 
 FAST_TASKS = ["fix-inventory-package", "csv-sales-report"]
@@ -52,7 +52,7 @@ def test_shipped_suite_ids_splits_and_solutions(suite):
 
 
 def test_converted_terminal_tasks_match_the_jsonl_suite(suite):
-    from envs.tasks import load_domain
+    from megatron_rl.envs.tasks import load_domain
 
     for t in load_domain("terminal"):
         h = suite[t.id]
@@ -63,7 +63,7 @@ def test_converted_terminal_tasks_match_the_jsonl_suite(suite):
 
 
 def _check_solution_and_empty(task, sandbox):
-    from envs.harbor.oracle import attempt
+    from megatron_rl.envs.harbor.oracle import attempt
 
     solved, res = attempt(task, sandbox, solve=True)
     assert res is not None and res.exit_code == 0, (res.stdout[-400:], res.stderr[-400:])
@@ -162,7 +162,7 @@ def test_paths_are_mapped_only_where_they_start_a_path():
 @pytest.mark.slow
 def test_task_toml_limits_and_env_reach_the_sandbox(tmp_path, sandbox):
     """memory/cpus/timeouts come from task.toml (within the caps); ENV is exported; the agent's time runs out."""
-    from envs.harbor.env import HarborEnv
+    from megatron_rl.envs.harbor.env import HarborEnv
 
     d = _task_folder(tmp_path, "FROM debian:bookworm\nWORKDIR /app\nENV GREETING=hello\nCOPY data /app/in/\n",
                      toml="[agent]\ntimeout_sec = 1.5\n[verifier]\ntimeout_sec = 7.0\n[environment]\nmemory = '1G'\n"
@@ -184,7 +184,7 @@ def test_task_toml_limits_and_env_reach_the_sandbox(tmp_path, sandbox):
 # ---------------------------------------------------------------------------------------------- the reward
 def test_a_reward_the_agent_plants_is_not_the_reward(suite, sandbox):
     """The agent writes reward files where the verifier reads them and a test.sh of its own: score 0."""
-    from envs.harbor.env import HarborEnv
+    from megatron_rl.envs.harbor.env import HarborEnv
 
     env = HarborEnv(sandbox=sandbox)
     env.reset(suite["csv-sales-report"])
@@ -243,7 +243,7 @@ def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, atta
     bash runs it, forging the harness's verdict line, writing reward 1 and killing test.sh, or a process left
     behind that owns the result path (a FIFO, a rewrite loop, a late write while the harness is stopped) all
     score 0."""
-    from envs.harbor.oracle import attempt
+    from megatron_rl.envs.harbor.oracle import attempt
 
     sh = ("#!/bin/bash\npython3 /app/prog.py\nsleep 0.2\nif [ -f /app/ok ]; then echo 1 > /logs/verifier/reward.txt;"
           " else echo 0 > /logs/verifier/reward.txt; fi\n")
@@ -261,7 +261,7 @@ def test_programs_the_tests_run_cannot_forge_the_verdict(tmp_path, sandbox, atta
 def test_converted_terminal_task_module_cannot_decide_its_own_tests(suite, sandbox, attack):
     """The module under test exits 0 on import or patches unittest: the pristine tests (run_tests.py) never import
     it in the process whose exit status test.sh trusts, so the wrong fix still scores 0."""
-    from envs.harbor.env import HarborEnv
+    from megatron_rl.envs.harbor.env import HarborEnv
 
     env = HarborEnv(sandbox=sandbox)
     env.reset(suite["terminal-fix-median"])
@@ -272,7 +272,7 @@ def test_converted_terminal_task_module_cannot_decide_its_own_tests(suite, sandb
 
 
 def test_reward_files_parsed_missing_or_bad_ones_score_zero_not_an_infra_error(tmp_path, sandbox):
-    from envs.harbor.oracle import attempt
+    from megatron_rl.envs.harbor.oracle import attempt
 
     for body, why in [("echo lots > /logs/verifier/reward.txt", "unparsable"), ("exit 0", "wrote no"),
                       ('D="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"; cat "$D/r" > /logs/verifier/reward.txt',
@@ -293,8 +293,8 @@ def _shell(command: str) -> str:
 
 @pytest.mark.parametrize("solve", [True, False])
 def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solve):
-    from envs.sampler import DomainSampler
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sampler import DomainSampler
+    from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
 
     task = suite["fix-env-settings"]
@@ -318,7 +318,7 @@ def test_harbor_episode_through_the_rl_loops_in_process_path(hf_tok, suite, solv
 def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):
     """heldout_run on two tasks with a script that solves one: per-task and overall pass@1/pass@k, greedy, the
     markdown table and JSON."""
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.setup import heldout_run
@@ -400,7 +400,7 @@ def test_eval_cli_on_harbor_tasks_from_an_hf_folder(tmp_path):
 
 
 def test_a_folder_of_tasks_is_a_mixture_domain(tmp_path):
-    from envs.mixture import DomainConfig, MixtureConfig
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     for name, split in (("a", "train"), ("b", "heldout")):
         d = _task_folder(tmp_path / name, "FROM debian:bookworm\n", toml=f'[metadata]\nsplit = "{split}"\n')
@@ -414,7 +414,7 @@ def test_a_folder_of_tasks_is_a_mixture_domain(tmp_path):
 
 
 def test_converter_reproduces_the_committed_terminal_folders(tmp_path):
-    from envs.harbor.convert_terminal import main
+    from megatron_rl.envs.harbor.convert_terminal import main
 
     assert main(["--out", str(tmp_path)]) == 0
     made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())

@@ -23,7 +23,8 @@ def open_dir():
 
 def test_run_config_yaml_names_a_domain_image_for_every_runner(open_dir, tmp_path):
     """The run config YAML: envs.domains.<d>.image loads (spec validated, unknown spec keys refused), with the
-    in-process runner and with dispatched and fleet workers (tests/dispatch/test_image_dispatch_multiproc.py runs them)."""
+    in-process runner and with dispatched and fleet workers
+(tests/dispatch/test_image_dispatch_multiproc.py runs them)."""
     from megatron_rl import config as C
     from megatron_rl.run_config import RunConfig
 

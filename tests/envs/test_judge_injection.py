@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from envs.base import Task
-from envs.rewards import JUDGE_TEMPLATE, JUDGE_UNPARSED, JudgeConfig, judge_prompt, parse_judge_score
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.rewards import JUDGE_TEMPLATE, JUDGE_UNPARSED, JudgeConfig, judge_prompt, parse_judge_score
 
 
 class _Gullible(BaseHTTPRequestHandler):
@@ -54,7 +54,7 @@ def judge(tmp_path):
 
 
 def _reward(client, response: str):
-    from envs.reward_spec import RewardComponent, RewardContext, RewardSpec
+    from megatron_rl.envs.reward_spec import RewardComponent, RewardContext, RewardSpec
 
     spec = RewardSpec([RewardComponent("judge", "llm_judge", 1.0)])
     task = Task(id="t", domain="docqa", prompt="Q?", payload={"rubric": "cites the numbers", "reference": "42"})

@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from envs.base import ENVIRONMENTS, make_env
-from envs.mixture import DomainConfig, MixtureConfig
-from envs.procedural import LIBRARIES, Item, TaskLibrary, register_library
-from envs.procedural.domains import expand
-from envs.procedural.env import ERRORS, generate
-from envs.procedural.rgym import ReasoningGym
 from megatron_rl.config import ConfigError, from_dict
+from megatron_rl.envs.base import ENVIRONMENTS, make_env
+from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
+from megatron_rl.envs.procedural import LIBRARIES, Item, TaskLibrary, register_library
+from megatron_rl.envs.procedural.domains import expand
+from megatron_rl.envs.procedural.env import ERRORS, generate
+from megatron_rl.envs.procedural.rgym import ReasoningGym
 
 RG = ReasoningGym()
 NO_REFERENCE = {"boxnet", "graph_color", "propositional_logic", "rubiks_cube", "rush_hour"}
@@ -180,7 +180,7 @@ def test_train_tasks_avoid_heldout_questions_and_a_domain_that_cannot_fill_its_s
 
 
 def test_a_generator_that_raises_is_masked_and_counted(tiny):
-    from envs.sampler import DomainMetrics
+    from megatron_rl.envs.sampler import DomainMetrics
 
     made = ERRORS["make"]["tiny/flaky"]
     tasks = generate("tiny/flaky", counts={"train": 6, "heldout": 3}, seed=11)
@@ -251,9 +251,9 @@ class Block(importlib.abc.MetaPathFinder):
         if name == "pycosat":
             raise ModuleNotFoundError("No module named 'pycosat'", name="pycosat")
 sys.meta_path.insert(0, Block())
-from envs.mixture import MixtureConfig
-from envs.procedural.env import generate
-from envs.procedural.rgym import ReasoningGym
+from megatron_rl.envs.mixture import MixtureConfig
+from megatron_rl.envs.procedural.env import generate
+from megatron_rl.envs.procedural.rgym import ReasoningGym
 from megatron_rl.config import ConfigError, from_dict
 gens = ReasoningGym().generators()
 tasks = generate("reasoning_gym/basic_arithmetic", counts={"train": 1, "heldout": 1})

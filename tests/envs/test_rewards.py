@@ -7,9 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import envs  # noqa: F401  (registers built-ins)
-from envs.base import EnvError, RewardComponent, RewardContext, RewardOutput, RewardSpec, Task, make_env
-from envs.rewards import (
+import megatron_rl.envs  # noqa: F401  (registers built-ins)
+from megatron_rl.envs.base import EnvError, RewardComponent, RewardContext, RewardOutput, RewardSpec, Task, make_env
+from megatron_rl.envs.rewards import (
     REWARDS,
     JudgeClient,
     JudgeConfig,
@@ -24,7 +24,7 @@ from envs.rewards import (
     reward,
     run_reward,
 )
-from envs.tasks import load_domain
+from megatron_rl.envs.tasks import load_domain
 
 
 def ctx(response: str, payload: dict | None = None, **kw) -> RewardContext:
@@ -85,7 +85,7 @@ def test_math_verify_deadline_holds_in_a_thread_without_blocking_others():
     caller's other threads run meanwhile."""
     import time
 
-    from envs.math.verify_pool import default_pool
+    from megatron_rl.envs.math.verify_pool import default_pool
 
     mv = REWARDS.get("math_verify")
     assert mv(ctx("\\boxed{2}", {"answer": "2"})).score == 1.0  # a warm worker: its start is not timed

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from envs.sandbox import SANDBOXES, Limits, Sandbox, SandboxConfig, SandboxUnavailable, build_sandbox
-from envs.sandbox._linux import pids_of_uid
-from envs.sandbox.apptainer import ApptainerSandbox
-from envs.sandbox.bwrap import BwrapSandbox
-from envs.sandbox.pool import SandboxPool
-from envs.sandbox.subprocess_backend import SubprocessSandbox
+from megatron_rl.envs.sandbox import SANDBOXES, Limits, Sandbox, SandboxConfig, SandboxUnavailable, build_sandbox
+from megatron_rl.envs.sandbox._linux import pids_of_uid
+from megatron_rl.envs.sandbox.apptainer import ApptainerSandbox
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox.pool import SandboxPool
+from megatron_rl.envs.sandbox.subprocess_backend import SubprocessSandbox
 
 ROOT = os.geteuid() == 0
 """Root gets per-slot uids, cgroups and a scratch tmpfs; a normal user gets the fallbacks (tested too, as uid
@@ -391,7 +391,7 @@ def test_pool_keeps_serving_after_attacks(pool):
 
 
 def _square_job(i: int):
-    from envs.sandbox import SandboxJob
+    from megatron_rl.envs.sandbox import SandboxJob
 
     return SandboxJob(command=["python3", "main.py", str(i)],
                       files={"main.py": "import sys\nn = int(sys.argv[1])\nassert n >= 0\nprint(n * n)\n"})
@@ -506,14 +506,15 @@ def test_a_forked_child_exiting_does_not_tear_down_the_parents_sandbox(sb):
 
 
 def test_leftovers_of_a_crashed_worker_are_removed_by_the_next_one(repo_root):
-    crash = ("import os, sys, glob\nfrom envs.sandbox.bwrap import BwrapSandbox\ns = BwrapSandbox()\n"
+    crash = ("import os, sys, glob\nfrom megatron_rl.envs.sandbox.bwrap import BwrapSandbox\ns = BwrapSandbox()\n"
              "print(s._s.base, *[d for c in s._s.cells if c.cg for d in c.cg.dirs.values()])\nsys.stdout.flush()\n"
              "os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", crash], cwd=repo_root, capture_output=True, text=True, check=True)
     base, *groups = out.stdout.split()
     mounts = open("/proc/mounts").read()
     assert os.path.isdir(base) and (f"{base}/cell0/fs" in mounts or not ROOT) and all(os.path.isdir(g) for g in groups)
-    subprocess.run([sys.executable, "-c", "from envs.sandbox.bwrap import BwrapSandbox\nBwrapSandbox().close()"],
+    subprocess.run([sys.executable, "-c",
+                    "from megatron_rl.envs.sandbox.bwrap import BwrapSandbox\nBwrapSandbox().close()"],
                    cwd=repo_root, check=True)
     assert not os.path.exists(base) and f"{base}/" not in open("/proc/mounts").read()
     assert not [g for g in groups if os.path.exists(g)]
@@ -587,7 +588,7 @@ def test_a_slot_that_cannot_be_emptied_is_retired_and_replaced():
 def test_stale_sweep_never_follows_symlinks(tmp_path):
     """Stale folders of dead workers are swept, but a planted symlink (as the folder, its cell, or its fs) is
     never followed: the mount it points to stays mounted."""
-    from envs.sandbox import bwrap as bw
+    from megatron_rl.envs.sandbox import bwrap as bw
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -664,7 +665,7 @@ def test_seccomp_leaves_ordinary_programs_working(sb):
 
 
 def test_seccomp_program_is_well_formed():
-    from envs.sandbox import _seccomp
+    from megatron_rl.envs.sandbox import _seccomp
 
     for machine in ("x86_64", "aarch64"):
         prog = _seccomp.program(machine)
@@ -674,7 +675,7 @@ def test_seccomp_program_is_well_formed():
 
 
 def test_remove_tree_any_depth_no_links_no_leaks(tmp_path):
-    from envs.sandbox._linux import remove_tree
+    from megatron_rl.envs.sandbox._linux import remove_tree
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -701,8 +702,8 @@ def test_remove_tree_any_depth_no_links_no_leaks(tmp_path):
 # ------------------------------------------------------------------------------------- normal users
 _AS_NOBODY = """
 import json, sys
-from envs.sandbox.base import Limits
-from envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
 out = {}
 with BwrapSandbox() as s:
     r = s.run_python("import os, time\\nn = 0\\nfor _ in range(200):\\n    try:\\n        if os.fork() == 0:\\n"
@@ -737,8 +738,8 @@ def test_normal_user_worker_caps_processes_per_run(repo_root):
 
 _SCRATCH_AS_NOBODY = """
 import json, os
-from envs.sandbox.base import Limits
-from envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
 prog = ("import os\\nout = {}\\nfor d in ('/work', '/tmp', '/dev/shm'):\\n    n = 0\\n    try:\\n"
         "        with open(d + '/fill', 'wb') as f:\\n            for _ in range(50):\\n"
         "                f.write(b'x' * (1 << 20))\\n                f.flush()\\n                n += 1\\n"
@@ -776,7 +777,7 @@ def test_normal_user_scratch_is_capped_while_the_run_writes(repo_root):
 # ------------------------------------------------------------------------------ slot uid leases, node-wide
 _LEASE_JOB = """
 import sys
-from envs.sandbox._linux import UidLease
+from megatron_rl.envs.sandbox._linux import UidLease
 try:
     lease = UidLease(int(sys.argv[1]), count=1)
 except RuntimeError:
@@ -818,7 +819,7 @@ def test_two_jobs_with_their_own_tmpdir_never_lease_the_same_uid(repo_root, tmp_
 
 
 def test_lease_registry_that_others_could_write_or_redirect_is_refused(tmp_path):
-    from envs.sandbox._linux import LeaseDirError, UidLease
+    from megatron_rl.envs.sandbox._linux import LeaseDirError, UidLease
 
     (tmp_path / "shared").mkdir()
     os.chmod(tmp_path / "shared", 0o777)
@@ -861,7 +862,7 @@ def test_bad_collect_refused_before_the_program_runs_and_an_error_leaves_nothing
     """`collect` names are checked before the program runs (a `..` name used to be refused after it ran, and
     the failed run's files stayed in the slot for its next run); a run that fails after its program ran (a
     worker bug, simulated) leaves no file and no process to the slot's later runs either."""
-    import envs.sandbox.bwrap as bw
+    import megatron_rl.envs.sandbox.bwrap as bw
 
     with BwrapSandbox(prespawn=prespawn) as s:
         errors = []

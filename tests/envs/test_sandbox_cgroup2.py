@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.sandbox import Limits, _cgroup, _cgroup2
-from envs.sandbox._cgroup2 import LEAF, SlotCgroup2, create_slot_groups
+from megatron_rl.envs.sandbox import Limits, _cgroup, _cgroup2
+from megatron_rl.envs.sandbox._cgroup2 import LEAF, SlotCgroup2, create_slot_groups
 
 FILES = {"cgroup.procs": "", "cgroup.kill": "", "cgroup.subtree_control": "", "memory.max": "max",
          "memory.swap.max": "max", "memory.peak": "0", "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n",
@@ -90,7 +90,7 @@ def test_without_delegated_memory_and_pids_the_fallback_notes_say_why(tmp_path, 
 def test_bwrap_on_a_pure_v2_host_puts_each_run_in_its_delegated_slot_group(tmp_path, monkeypatch):
     """The backend as it runs on a pure-v2 host (v1 not writable): the slot's group in the delegated subtree,
     the run's limits written there before the run, and the notes saying where they are enforced."""
-    from envs.sandbox import bwrap
+    from megatron_rl.envs.sandbox import bwrap
 
     own = cgroupfs(tmp_path / "job_7")
     made = []

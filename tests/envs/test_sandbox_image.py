@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envs.sandbox import SandboxConfig, domain_images, image_cache
-from envs.sandbox.apptainer import ApptainerSandbox
-from envs.sandbox.bwrap import BwrapSandbox
-from envs.sandbox.image import ImageBuildError, ImageSpec, build, has_squashfs
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.sandbox import SandboxConfig, domain_images, image_cache
+from megatron_rl.envs.sandbox.apptainer import ApptainerSandbox
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox.image import ImageBuildError, ImageSpec, build, has_squashfs
 
 HELLO = "mrl-image-hello"
 needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb (Debian) is needed to build .debs")
@@ -116,7 +116,7 @@ def control_deb(folder: Path, name: str, depends: str, script: str) -> None:
 def test_apt_dependencies_the_base_lacks_are_resolved_into_the_image(open_dir):
     """The spec lists one package; apt's resolver adds its dependency that the base lacks (from the spec's own
     apt source, a local repository), and leaves out the one the base has (bash)."""
-    from envs.sandbox.image import apt_options, resolve_apt
+    from megatron_rl.envs.sandbox.image import apt_options, resolve_apt
 
     (open_dir / "repo").mkdir()
     control_deb(open_dir, "mrl-dep-app", "mrl-dep-lib (>= 2.0), bash", "mrl-dep-lib; echo app-ok")
@@ -140,7 +140,7 @@ def test_apt_dependencies_the_base_lacks_are_resolved_into_the_image(open_dir):
 def test_dependencies_of_a_local_deb_are_resolved_into_the_image(open_dir):
     """A local .deb (`debs`) depends on a package the base lacks: apt's resolver finds it in the spec's apt
     source and the image holds both; a dependency found nowhere refuses the build, naming the .deb."""
-    from envs.sandbox.image import apt_options, resolve_apt
+    from megatron_rl.envs.sandbox.image import apt_options, resolve_apt
 
     (open_dir / "repo").mkdir()
     control_deb(open_dir, "mrl-dep-lib", "bash", "echo lib-ok")
@@ -235,7 +235,7 @@ def test_apptainer_runs_the_image_as_an_overlay_and_auto_selects_apptainer_on_pa
 @needs_dpkg
 def test_mixture_domain_names_its_image_and_its_environment_runs_in_it(open_dir):
     """The run config's envs.domains.<d>.image: validated, and build_env's sandbox is the image's."""
-    from envs.mixture import DomainConfig, MixtureConfig
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     make_deb(open_dir)
     (open_dir / "code.yaml").write_text(yaml.safe_dump({"apt": [HELLO], "deb_dirs": ["debs"]}))
@@ -257,10 +257,10 @@ def test_harbor_dockerfile_packages_the_host_lacks_build_the_tasks_image(open_di
     """A Harbor task whose Dockerfile installs a package this host lacks: refused by the host check, and with
     envs.domains.harbor.image=dockerfile built into its image; the agent's command and the verifier both
     run in it (reward 1.0 only where the package works)."""
-    from envs.harbor import image as harbor_image
-    from envs.harbor.host import MissingPackage
-    from envs.harbor.loader import load_task_folder
-    from envs.mixture import DomainConfig, MixtureConfig
+    from megatron_rl.envs.harbor import image as harbor_image
+    from megatron_rl.envs.harbor.host import MissingPackage
+    from megatron_rl.envs.harbor.loader import load_task_folder
+    from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
 
     make_deb(open_dir)
     monkeypatch.setattr(harbor_image, "DEB_DIRS", [str(open_dir / "debs")])

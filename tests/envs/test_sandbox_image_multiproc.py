@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.sandbox import image_cache
-from envs.sandbox.image import MANIFEST, ImageSpec, build
+from megatron_rl.envs.sandbox import image_cache
+from megatron_rl.envs.sandbox.image import MANIFEST, ImageSpec, build
 
 WORKERS = 6
 

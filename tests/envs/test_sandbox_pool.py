@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from envs.sandbox import Limits, Sandbox, SandboxJob, SandboxPool, SandboxResult
-from envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox import Limits, Sandbox, SandboxJob, SandboxPool, SandboxResult
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
 
 
 @pytest.fixture(scope="module")

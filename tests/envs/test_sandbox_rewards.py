@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-import envs  # noqa: F401  (registers the built-ins)
-from envs.base import Budget, make_env
-from envs.sandbox.base import Sandbox
-from envs.sandbox.bwrap import BwrapSandbox
-from envs.tasks import load_domain
+import megatron_rl.envs  # noqa: F401  (registers the built-ins)
+from megatron_rl.envs.base import Budget, make_env
+from megatron_rl.envs.sandbox.base import Sandbox
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.tasks import load_domain
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ class _CountingSandbox:
 def test_code_results_file_is_never_parsed_in_the_worker(sandbox, monkeypatch):
     """A 15 MB results file of nested empty lists (the old worker json.loads'ed it: ~400 MB, tens of seconds) is
     refused by size unparsed; what the worker parses is the verifier's small verdict only."""
-    import envs.code.verifier as V
+    import megatron_rl.envs.code.verifier as V
 
     seen: list[int] = []
     real = V.json.loads
@@ -213,7 +213,7 @@ def test_terminal_honest_fix_still_passes_next_to_planted_files(sandbox):
 def test_code_set_arguments_plan_the_same_call_in_every_process(sandbox):
     """Set iteration order differs between processes (hash randomisation): the call plan must not."""
     sol = "def size(s, extra=frozenset()):\n    return len(s | extra)\n"
-    from envs.code.verifier import run_unit_tests
+    from megatron_rl.envs.code.verifier import run_unit_tests
 
     tests = ["assert size({'a', 'b', 'c', 'd', 'e'}) == 5", "assert size({'x'}, extra=frozenset({'y', 'z'})) == 3"]
     results, _, status = run_unit_tests(sandbox, sol, tests)
@@ -221,7 +221,7 @@ def test_code_set_arguments_plan_the_same_call_in_every_process(sandbox):
 
 
 def test_code_calls_that_depend_on_earlier_answers_are_replayed(sandbox):
-    from envs.code.verifier import run_unit_tests
+    from megatron_rl.envs.code.verifier import run_unit_tests
 
     tests = ["assert inc(inc(1)) == 3", "assert inc(1) == 2 and inc(5) == 6",
              "assert [inc(i) for i in range(4)] == [1, 2, 3, 4]",
@@ -249,7 +249,7 @@ def test_code_harness_runs_the_workers_bytecode(sandbox, monkeypatch):
     """The harness scripts run from the worker's bytecode (not compiled again in the sandbox): with a source
     that would fail, the reward still comes out right (the verifier as a sandbox per verdict; the zygote's
     own script: tests/envs/test_sandbox_zygote.py)."""
-    from envs.code import verifier as V
+    from megatron_rl.envs.code import verifier as V
 
     sandbox = NoZygote(sandbox)
 
@@ -265,7 +265,7 @@ def test_code_harness_runs_the_workers_bytecode(sandbox, monkeypatch):
 
 def test_code_harness_falls_back_to_source_for_another_bytecode_format(sandbox, monkeypatch):
     """A sandbox interpreter with another magic number compiles the harness source instead."""
-    from envs.code import verifier as V
+    from megatron_rl.envs.code import verifier as V
 
     sandbox = NoZygote(sandbox)
 
@@ -283,7 +283,7 @@ def test_verifier_harness_refuses_to_run_outside_a_pid_namespace_of_its_own(sand
     before anything runs there; inside bubblewrap it goes on."""
     import subprocess
 
-    from envs.verdict import FENCE, host_pidns
+    from megatron_rl.envs.verdict import FENCE, host_pidns
 
     script = FENCE + f"require_own_pidns({host_pidns()!r})\nprint('ran')\n"
     host = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True, text=True, timeout=60)

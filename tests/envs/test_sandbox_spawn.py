@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from envs.sandbox import bwrap
-from envs.sandbox.base import Limits
-from envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox import bwrap
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
 
 PROBE = ("cat /proc/self/uid_map; ulimit -n; ulimit -t; ulimit -c; ulimit -f; "
          "grep -c : /proc/net/dev; cat /proc/self/cgroup | grep -c .")

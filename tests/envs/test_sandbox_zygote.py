@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-import envs  # noqa: F401  (registers the built-ins)
-from envs.base import make_env
-from envs.code import verifier as V
-from envs.sandbox.base import Limits
-from envs.sandbox.bwrap import BwrapSandbox
-from envs.sandbox.zygote import Zygote, ZygoteError
-from envs.tasks import load_domain
+import megatron_rl.envs  # noqa: F401  (registers the built-ins)
+from megatron_rl.envs.base import make_env
+from megatron_rl.envs.code import verifier as V
+from megatron_rl.envs.sandbox.base import Limits
+from megatron_rl.envs.sandbox.bwrap import BwrapSandbox
+from megatron_rl.envs.sandbox.zygote import Zygote, ZygoteError
+from megatron_rl.envs.tasks import load_domain
 
 ECHO = """
 SEEN = []
@@ -125,7 +125,7 @@ def test_pool_verdicts_come_from_its_slots_zygotes():
     concurrent rewards each taking a free one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from envs.sandbox import SandboxPool
+    from megatron_rl.envs.sandbox import SandboxPool
 
     gcd = "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return abs(a)\n"
     with SandboxPool(lambda i: BwrapSandbox(), 2) as pool:

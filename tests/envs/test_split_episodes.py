@@ -91,8 +91,8 @@ def test_seq_mean_counts_a_split_episode_once():
 def test_the_rows_of_a_split_episode_travel_through_the_dispatched_shards(tmp_path, hf_tok):
     """A worker's rows (`episode_rows`: segments, then the episode) read back by the loop (`read_episodes` ->
     Group) give the same rows again, in order, with the episode's reward on each."""
-    from envs.base import Task
     from megatron_rl.data.shards import read_shard, write_shard
+    from megatron_rl.envs.base import Task
     from megatron_rl.loop.config import EpisodesConfig, RLLoopConfig
     from megatron_rl.loop.dispatched import DispatchRollouts, episode_id
     from megatron_rl.loop.rollout import Group

@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from envs.base import make_env
-from envs.sandbox import SandboxConfig
-from envs.suite_gen import normalise, template
-from envs.tasks import load_domain
+from megatron_rl.envs.base import make_env
+from megatron_rl.envs.sandbox import SandboxConfig
+from megatron_rl.envs.suite_gen import normalise, template
+from megatron_rl.envs.tasks import load_domain
 
 DOMAINS = ["math", "code", "tool_use"]
 SIZES = {"math": (440, 105), "code": (302, 76), "tool_use": (273, 69)}

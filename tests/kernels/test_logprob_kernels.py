@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.logprob import LogprobKernelConfig, fused_logprob_entropy
 from megatron_rl.config import ConfigError, undocumented_fields
+from megatron_rl.kernels.logprob import LogprobKernelConfig, fused_logprob_entropy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -226,7 +226,7 @@ def test_triton_kernels_match_naive_under_interpreter():
 def test_kept_logits_give_the_recomputed_values_and_grads_with_one_logits_matmul_less(temperature, monkeypatch):
     """keep_logits_bytes: within the budget the backward reuses the forward's logits chunks (bitwise the same
     values and gradients as recomputing them, one [T, H] x [H, V] product less); over it, it recomputes."""
-    import kernels.logprob.reference as ref
+    import megatron_rl.kernels.logprob.reference as ref
 
     h, w, targets, _, ca, cc = make(T=40, V=203)
     calls = []

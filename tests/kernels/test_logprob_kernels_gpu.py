@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.logprob import fused_logprob_entropy
+from megatron_rl.kernels.logprob import fused_logprob_entropy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                                   reason="needs triton (the GPU backend)")]
@@ -60,8 +60,8 @@ def test_triton_kernels_match_naive_on_cuda(dtype, tol, temperature):
 
 
 def test_auto_picks_triton_on_cuda():
-    from kernels.logprob import _backend
-    from kernels.logprob.triton_kernels import TritonBackend
+    from megatron_rl.kernels.logprob import _backend
+    from megatron_rl.kernels.logprob.triton_kernels import TritonBackend
 
     assert _backend("auto", torch.zeros(1, device="cuda")) is TritonBackend
 

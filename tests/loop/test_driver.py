@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from envs.countdown.curriculum import CurriculumConfig, generate
 from megatron_rl.config import ConfigError
+from megatron_rl.envs.countdown.curriculum import CurriculumConfig, generate
 from megatron_rl.loop.config import RLLoopConfig
 from megatron_rl.loop.rollout import Group, seed_of, trajectory
 from megatron_rl.rollout import SampleOutput

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from envs.base import Task
-from envs.sandbox import SandboxConfig
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.sandbox import SandboxConfig
 
 GOOD = Task(id="ok-1", domain="countdown", prompt="Use 1 2 to make 3.", payload={"numbers": [1, 2], "target": 3})
 NO_PAYLOAD = Task(id="broken-1", domain="countdown", prompt="x", payload={})  # its reward function raises
@@ -38,7 +38,7 @@ def test_the_in_process_runner_logs_each_dropped_sample_with_its_reason(runner, 
 
 def test_rollouts_count_dropped_samples_per_status_in_the_step_metrics(runner):
     """The real in-process engine (one rank) generates, the runner scores; one task's samples all fail."""
-    from envs.sampler import DomainSampler
+    from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.loop.config import RLLoopConfig
     from megatron_rl.loop.rollout import Rollouts
     from megatron_rl.tokenizer import ByteTokenizer
@@ -94,8 +94,8 @@ def _plugin_dist(root, group: str, entries: dict[str, str]) -> None:
     (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
 
 
-@pytest.mark.parametrize("group,good", [("megatron_rl.environments", "envs.countdown.env:CountdownEnv"),
-                                        ("megatron_rl.rewards", "envs.countdown.env:countdown_reward")])
+@pytest.mark.parametrize("group,good", [("megatron_rl.environments", "megatron_rl.envs.countdown.env:CountdownEnv"),
+                                        ("megatron_rl.rewards", "megatron_rl.envs.countdown.env:countdown_reward")])
 def test_one_broken_plugin_does_not_stop_the_others(tmp_path, monkeypatch, caplog, group, good):
     from megatron_rl.registry import Registry, RegistryError, plugin_failures
 

@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from envs.base import Task, make_env
+from megatron_rl.envs.base import Task, make_env
 from megatron_rl.rollout.engine import RequestOutput, SampleOutput
 
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -75,7 +75,7 @@ def _rollouts(tok, runner, group_size=2, script=None):
 
 
 def _runner(make=None):
-    from envs.sandbox import SandboxConfig
+    from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
 
     return ThreadEpisodeRunner(SandboxConfig(backend="subprocess"), 2, make_env=make)  # no sandbox run here
@@ -98,8 +98,8 @@ def _expected(tok, prompt):
 
 
 def test_three_turn_tool_episode_keeps_its_loss_mask_through_shard_and_packing(hf_tok, tmp_path):
-    from envs.sampler import DomainSampler
     from megatron_rl.data.shards import read_arrays, write_shard
+    from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.trainer.packing import PackingConfig, check_samples, pack
 
     runner = _runner()
@@ -172,7 +172,7 @@ class BrokenSandbox:
 def test_infrastructure_failures_are_masked_and_counted_never_scored(hf_tok):
     """run_python on a sandbox that fails: status sandbox_error; dropped from training and from the reward
     statistics; <domain>/infra_error_frac is 1 (a case where it must be non-zero)."""
-    from envs.sampler import DomainSampler
+    from megatron_rl.envs.sampler import DomainSampler
 
     global SCRIPT
     saved, SCRIPT = SCRIPT, ['<tool_call>{"name": "run_python", "arguments": {"code": "print(42)"}}</tool_call>',
@@ -243,8 +243,8 @@ def test_terminal_tasks_are_evaluated_by_their_verifier(hf_tok, solve):
     the hidden verifier (pass@k 1), doing nothing fails it (0); turns are counted."""
     import json
 
-    from envs.sandbox import SandboxConfig
-    from envs.tasks import load_domain
+    from megatron_rl.envs.sandbox import SandboxConfig
+    from megatron_rl.envs.tasks import load_domain
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
     from megatron_rl.loop.setup import heldout_success
     from megatron_rl.run_config import RunConfig

@@ -128,7 +128,7 @@ def test_mcore_init_from_a_converted_checkpoint(hf_dir, tmp_path):
 
 def test_padding_ids_are_outside_the_trainer_softmax():
     """Trainer log-probs with valid_vocab: equal to a log-softmax over the tokenizer's ids only, both paths."""
-    from kernels.logprob import fused_logprob_entropy
+    from megatron_rl.kernels.logprob import fused_logprob_entropy
     from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
     from megatron_rl.trainer.rl_step import mask_padding
 

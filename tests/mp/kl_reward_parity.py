@@ -24,9 +24,9 @@ LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2), "cp2": dict(cp=2)}
 def build(parallel_kwargs: dict, ctx=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from kernels.logprob import LogprobKernelConfig
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.distributed import init_distributed
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.parallel import ParallelConfig
     from megatron_rl.rl.config import AdvantageConfig, LossConfig
     from megatron_rl.trainer.packing import PackingConfig

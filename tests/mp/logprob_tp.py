@@ -35,7 +35,7 @@ def make_case(name: str, seed: int = 0):
 
 
 def run(name: str, impl: str, group, rank_in_group: int) -> dict:
-    from kernels.logprob import fused_logprob_entropy
+    from megatron_rl.kernels.logprob import fused_logprob_entropy
 
     hidden, weight, targets, ca, cc, vocab_size, temperature = make_case(name)
     v_local = weight.shape[0] // TP

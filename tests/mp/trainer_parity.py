@@ -85,7 +85,7 @@ def model_config(layers: int, moe: bool | str):
 
 
 def rl_config(max_tokens: int = 40, impl: str = "fused"):
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import AdvantageConfig, LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig

@@ -60,7 +60,7 @@ def test_gae_builds_a_critic_by_default_and_refuses_to_run_without_one():
 
 # ------------------------------------------------------------------------------------------ the value model
 def _trainer(lr: float = 3e-3):
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import AdvantageConfig, LossConfig
     from megatron_rl.trainer.critic import CriticConfig
     from megatron_rl.trainer.packing import PackingConfig

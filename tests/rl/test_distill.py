@@ -60,8 +60,8 @@ def test_distill_needs_the_teacher_kl_and_a_usable_config():
 def _distill_trainer(teacher_seed: int | None):
     """A one-process trainer distilling into test_rl_exact_state's policy from a teacher of the same shape: its
     frozen copy (None) or random weights of another seed."""
-    from kernels.logprob import LogprobKernelConfig
     from megatron_rl.compat.testing import init_weights_by_name
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.policy import FrozenModel

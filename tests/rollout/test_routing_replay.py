@@ -138,7 +138,7 @@ def _policy(ctx=None):
 
 
 def _trainer(policy, mode: str, old: str = "behaviour"):
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig, RLTrainer

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from envs.tasks import load_domain
 from megatron_rl.data.routes import decode_routes, encode_routes
 from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
 from megatron_rl.dispatch.generators import GenerationError, HttpGenerator
 from megatron_rl.dispatch.worker import run_episode_batch
+from megatron_rl.envs.tasks import load_domain
 from megatron_rl.rollout import EngineConfig, RolloutEngine
 from megatron_rl.rollout.server import ServerThread
 from megatron_rl.tokenizer import ByteTokenizer
@@ -78,7 +78,7 @@ def test_a_worker_runs_episodes_and_stores_routes_without_importing_torch(repo_r
     straggler."""
     code = f"""
 import sys, numpy as np
-from envs.tasks import load_domain
+from megatron_rl.envs.tasks import load_domain
 from megatron_rl.data.routes import context_routes, decode_routes, encode_routes
 from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
 from megatron_rl.dispatch.worker import run_episode_batch
@@ -138,10 +138,10 @@ def test_http_worker_stores_the_servers_routes_and_the_loop_reads_them_back(serv
 def test_multi_turn_episode_keeps_the_latest_requests_routes_when_they_cover_it(tmp_path):
     """The worker's latest turn ran the whole context (prompt, earlier turns, observations): its routes are the
     row's; a latest request that saw another context (here: a compressed one) stores none (own routing)."""
-    from envs.base import Budget, make_env
-    from envs.sandbox import SandboxConfig
     from megatron_rl.dispatch import EpisodeSpec
     from megatron_rl.dispatch.episode_rows import run_episode
+    from megatron_rl.envs.base import Budget, make_env
+    from megatron_rl.envs.sandbox import SandboxConfig
 
     task = next(t for t in load_domain("tool_use", split="train") if t.id == "tool-calc-mod-0")
     tok = ByteTokenizer(384)

@@ -5,14 +5,19 @@ moment the function does, and it ties the two modules together just the same). T
 
     ground    megatron_rl.{config, registry, slurm_env, parallel, tokenizer} and the leaf helpers justified in
               GROUND below (they import nothing of the project but ground)
-    kernels, envs
+    megatron_rl.{kernels, envs}   (the folders kernels/ and envs/, installed under the project's namespace)
     megatron_rl.models
     megatron_rl.convert           (HF <-> Megatron mapping, readers, writers: a library of the product)
     megatron_rl.{data, rl, trainer, rollout, prompts}
     megatron_rl.dispatch
     megatron_rl.loop, megatron_rl.run_config
     megatron_rl.{driver, commands, cli} and the package facade megatron_rl/__init__.py
-    tools                         (operator CLIs on top: they import the product, the product never imports them)
+    megatron_rl.tools             (tools/: operator CLIs on top: they import the product, the product never imports
+                                  them)
+
+The folders envs/, kernels/ and tools/ are imported as megatron_rl.envs, megatron_rl.kernels and megatron_rl.tools
+(links in megatron_rl/); their old top-level names are imported nowhere (one import style, and no clash with PyPI's
+`envs` and `kernels`).
 
 A module may import its own layer or any lower one; a cycle is an error at any distance. Modules of one layer may
 import each other (e.g. rollout -> trainer) as long as that makes no cycle. A package's `__init__.py` is a module
@@ -47,7 +52,7 @@ GROUND = {
 # (layer rank, module prefixes); the longest matching prefix decides
 LAYERS = [
     (0, tuple(GROUND)),
-    (1, ("kernels", "envs")),
+    (1, ("megatron_rl.kernels", "megatron_rl.envs")),
     (2, ("megatron_rl.models",)),
     (3, ("megatron_rl.convert",)),
     (4, ("megatron_rl.data", "megatron_rl.rl", "megatron_rl.trainer", "megatron_rl.rollout",
@@ -55,7 +60,7 @@ LAYERS = [
     (5, ("megatron_rl.dispatch",)),
     (6, ("megatron_rl.loop", "megatron_rl.run_config")),
     (7, ("megatron_rl.driver", "megatron_rl.commands", "megatron_rl.cli", "megatron_rl")),
-    (8, ("tools",)),
+    (8, ("megatron_rl.tools",)),
 ]
 
 # cycles not broken yet: frozenset of the modules of one strongly connected component -> the reason
@@ -72,9 +77,14 @@ def layer_of(module: str) -> int | None:
     return best[0] if best else None
 
 
+NAMESPACED = ("envs", "kernels", "tools")
+"""Top-level folders imported under the project's namespace (megatron_rl/<name> links to ../<name>)."""
+
+
 def module_name(rel: str) -> str:
-    """'envs/code/__init__.py' -> 'envs.code'."""
+    """'envs/code/__init__.py' -> 'megatron_rl.envs.code'; 'megatron_rl/config.py' -> 'megatron_rl.config'."""
     parts = rel.removesuffix(".py").split("/")
+    parts = ["megatron_rl", *parts] if parts[0] in NAMESPACED else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -200,17 +210,17 @@ TOOLS_BY_NAME = {
 
 
 def tools_named_by_string(source: str) -> list[str]:
-    """String constants of `source` that name a module of tools/ ('tools.x...')."""
+    """String constants of `source` that name a module of tools/ ('megatron_rl.tools.x...')."""
     return [n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and n.value.startswith("tools.")]
+            and n.value.startswith("megatron_rl.tools.")]
 
 
 def test_the_product_never_imports_tools():
     """No import of tools/ (any depth) under megatron_rl/, envs/, kernels/, nor a tools module named as a string
     (importlib) outside TOOLS_BY_NAME."""
     graph = project_graph()
-    imports = [f"{m} -> {d}" for m in sorted(graph) if not m.startswith("tools")
-               for d in sorted(graph[m]) if d == "tools" or d.startswith("tools.")]
+    imports = [f"{m} -> {d}" for m in sorted(graph) if not m.startswith("megatron_rl.tools")
+               for d in sorted(graph[m]) if d == "megatron_rl.tools" or d.startswith("megatron_rl.tools.")]
     named = [f"{rel}: {v}" for rel, src in project_sources().items() if not rel.startswith("tools/")
              and rel not in TOOLS_BY_NAME for v in tools_named_by_string(src)]
     assert not imports and not named, f"the product reaches into tools/: {imports + named}"
@@ -231,34 +241,35 @@ def test_the_ground_modules_exist():
 
 def test_a_cycle_through_an_import_inside_a_function_is_found():
     graph = import_graph({
-        "envs/a.py": "import envs.b\n",
-        "envs/b.py": "def f():\n    from envs.c import x\n",
+        "envs/a.py": "import megatron_rl.envs.b\n",
+        "envs/b.py": "def f():\n    from megatron_rl.envs.c import x\n",
         "envs/c.py": "from . import a\n",
-        "envs/d.py": "import envs.a\n",
+        "envs/d.py": "import megatron_rl.envs.a\n",
     })
-    assert cycles(graph) == [frozenset({"envs.a", "envs.b", "envs.c"})]
+    assert cycles(graph) == [frozenset({"megatron_rl.envs.a", "megatron_rl.envs.b", "megatron_rl.envs.c"})]
 
 
 def test_a_relative_import_inside_a_package_resolves():
     graph = import_graph({"envs/p/__init__.py": "from .q import y\n", "envs/p/q.py": "from ..r import z\n",
                           "envs/r.py": ""})
-    assert graph == {"envs.p": {"envs.p.q"}, "envs.p.q": {"envs.r"}, "envs.r": set()}
+    assert graph == {"megatron_rl.envs.p": {"megatron_rl.envs.p.q"}, "megatron_rl.envs.p.q": {"megatron_rl.envs.r"},
+                     "megatron_rl.envs.r": set()}
 
 
 def test_a_tools_module_named_as_a_string_is_found():
-    assert tools_named_by_string("import importlib\nimportlib.import_module('tools.convert.cli')\n") == [
-        "tools.convert.cli"]
+    assert tools_named_by_string("import importlib\nimportlib.import_module('megatron_rl.tools.convert.cli')\n") == [
+        "megatron_rl.tools.convert.cli"]
     assert tools_named_by_string("x = 'tools are nice'\n") == []
 
 
 def test_an_upward_import_is_found():
     graph = import_graph({"envs/a.py": "def f():\n    from megatron_rl.loop import setup\n",
                           "megatron_rl/loop/setup.py": "", "megatron_rl/loop/__init__.py": ""})
-    assert upward_imports(graph) == ["envs.a (layer 1) -> megatron_rl.loop.setup (layer 6)"]
+    assert upward_imports(graph) == ["megatron_rl.envs.a (layer 1) -> megatron_rl.loop.setup (layer 6)"]
 
 
 def test_the_product_importing_tools_is_upward():
-    graph = import_graph({"megatron_rl/models/source.py": "from tools.convert.cli import main\n",
+    graph = import_graph({"megatron_rl/models/source.py": "from megatron_rl.tools.convert.cli import main\n",
                           "tools/convert/cli.py": ""})
     assert len(upward_imports(graph)) == 1
 
@@ -275,3 +286,37 @@ def test_an_allowed_import_passes(code):
                           "megatron_rl/registry.py": "", "megatron_rl/models/gpt.py": "",
                           "megatron_rl/rollout/engine.py": ""})
     assert upward_imports(graph) == [] and cycles(graph) == []
+
+
+# --- one import style: the namespaced folders' old top-level names --------------------------------------------
+
+def old_names(source: str) -> list[str]:
+    """Imports in `source` of a namespaced folder by its old top-level name ('envs.x' instead of
+    'megatron_rl.envs.x')."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        out += [n for n in names if n.split(".")[0] in NAMESPACED]
+    return out
+
+
+def test_nothing_imports_the_old_top_level_names():
+    """Product, tests and benchmarks import envs/, kernels/ and tools/ only as megatron_rl.envs/kernels/tools (a
+    second name would load every module twice, two registries; and PyPI's `envs`/`kernels` could win)."""
+    files = [p for t in (*TREES, "tests", "benchmarks") for p in sorted((ROOT / t).rglob("*.py"))
+             if "tasks" not in p.relative_to(ROOT).parts]
+    bad = [f"{p.relative_to(ROOT)}: {n}" for p in files for n in old_names(p.read_text())]
+    assert not bad, f"import these as megatron_rl.<name>: {bad}"
+
+
+def test_an_old_top_level_import_is_found():
+    assert old_names("import envs\nfrom kernels.logprob import x\ndef f():\n    import tools.plan\n") == [
+        "envs", "kernels.logprob", "tools.plan"]
+    assert old_names("import megatron_rl.envs\nfrom megatron_rl.tools import plan\nfrom . import envs\n") == []
+
+
+def test_the_namespaced_folders_are_links_in_the_package():
+    for name in NAMESPACED:
+        link = ROOT / "megatron_rl" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link

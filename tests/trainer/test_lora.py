@@ -31,7 +31,7 @@ def _policy(lora: LoRAConfig | None = LORA, lr: float = 1e-2):
 
 
 def _trainer(policy):
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig, RLTrainer

@@ -32,7 +32,7 @@ def _policy(total_steps: int = 6, layers: int = 1, warmup_steps: int = 2):
 
 
 def _trainer(policy, epochs: int = 1, old: str = "behaviour", is_correction: str = "none"):
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig, RLTrainer
@@ -156,7 +156,7 @@ def test_reinforce_pp_with_kl_in_reward_trains_and_uses_the_reference_kl():
     """REINFORCE++ with advantage.kl_coef > 0 (it failed at the first step: no per-token KL reached the
     estimator). After one update the policy differs from the reference; the advantages of the next step equal
     the estimator's on the KL log pi_old - log pi_ref computed here by unpacked forwards of both models."""
-    from kernels.logprob import LogprobKernelConfig
+    from megatron_rl.kernels.logprob import LogprobKernelConfig
     from megatron_rl.rl.config import AdvantageConfig, LossConfig
     from megatron_rl.trainer.packing import PackingConfig
     from megatron_rl.trainer.rl_step import RLConfig, RLTrainer, token_advantages

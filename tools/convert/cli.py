@@ -68,7 +68,7 @@ def spawn_torchrun(args, argv: list[str]) -> int:
     from megatron_rl.convert.runtime import TMP_TAG_ENV
 
     n = args.tp * args.pp * args.ep
-    cmd = torchrun_command(n, ["-m", "tools.convert.cli", *argv])
+    cmd = torchrun_command(n, ["-m", "megatron_rl.tools.convert.cli", *argv])
     env = rank_env(os.environ.get("OMP_NUM_THREADS", "1"), {TMP_TAG_ENV: str(os.getpid())})
     rc = subprocess.run(cmd, env=env).returncode
     out = Path(args.out).absolute()

@@ -4,6 +4,6 @@ Modules: `spec` (the PlanConfig YAML schema, ArchSpec, GPU table), `count` (para
 `memory` (per-GPU memory terms and step time of one layout), `search` (layout search, rollout KV cache,
 weight-sync bandwidth), `cli` (the command line).
 """
-from tools.plan.cli import main
+from megatron_rl.tools.plan.cli import main
 
 __all__ = ["main"]

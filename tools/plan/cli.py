@@ -11,10 +11,10 @@ import sys
 
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.parallel import ParallelConfig
-from tools.plan.count import Arch
-from tools.plan.memory import TERMS, Plan, chunk_layers, plan_layout, resolve_layout
-from tools.plan.search import rollout_figures, search
-from tools.plan.spec import PlanConfig, gpu_spec, load_plan_config
+from megatron_rl.tools.plan.count import Arch
+from megatron_rl.tools.plan.memory import TERMS, Plan, chunk_layers, plan_layout, resolve_layout
+from megatron_rl.tools.plan.search import rollout_figures, search
+from megatron_rl.tools.plan.spec import PlanConfig, gpu_spec, load_plan_config
 
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "sp")
 STAGE_KEYS = ("first_stage_layers", "last_stage_layers", "pipeline_layout")

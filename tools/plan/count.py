@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megatron_rl.models.gpt import ModelConfig
-from tools.plan.spec import ArchSpec
+from megatron_rl.tools.plan.spec import ArchSpec
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from megatron_rl import stages
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
-from tools.plan.count import Arch
-from tools.plan.spec import GPUSpec, PlanConfig, gpu_spec
+from megatron_rl.tools.plan.count import Arch
+from megatron_rl.tools.plan.spec import GPUSpec, PlanConfig, gpu_spec
 
 GB = 1e9
 TERMS = ("weights", "gradients", "optimizer", "activations", "overhead")

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from megatron_rl import stages
 from megatron_rl.config import ConfigError
 from megatron_rl.parallel import ParallelConfig
-from tools.plan.count import Arch
-from tools.plan.memory import GB, Plan, plan_layout, resolve_layout, trainer_error
-from tools.plan.spec import PlanConfig, gpu_spec
+from megatron_rl.tools.plan.count import Arch
+from megatron_rl.tools.plan.memory import GB, Plan, plan_layout, resolve_layout, trainer_error
+from megatron_rl.tools.plan.spec import PlanConfig, gpu_spec
 
 RECOMPUTE = ("none", "selective", "full")
 
