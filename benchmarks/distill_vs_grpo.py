@@ -38,6 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "its run's summary.json)")
     p.add_argument("--set", nargs="*", default=[], help="run-config overrides for both runs")
     p.add_argument("--report-only", action="store_true", help="read existing runs, do not train")
+    p.add_argument("--methods", default="distill,grpo", help="which runs to train (the others are read): the GRPO "
+                   "run of the main job's config with export on is also the teacher, so `megatron-rl train "
+                   "configs/post_train_cpu.yaml name=grpo output_dir=OUT eval.every=4` then --methods distill "
+                   "--teacher OUT/grpo/export/hf-step-12 trains the main job once instead of twice")
     return p.parse_args(argv)
 
 
@@ -77,7 +81,9 @@ def teacher_success(args) -> float | None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.report_only:
-        for method in RUNS:
+        for method in args.methods.split(","):
+            if method not in RUNS:
+                raise SystemExit(f"--methods: unknown method {method!r}; choose from {', '.join(RUNS)}")
             train(method, args)
     target = teacher_success(args)
     out = {"teacher": str(args.teacher), "teacher_pass@1": target, "steps": args.steps}

@@ -34,6 +34,7 @@ def run_store(store_name: str, plane, root: Path, args) -> dict:
         if store_name == "s3" else S3StoreConfig()
     worker = WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store_name, s3=s3)
     store = build_store(store_name, s3, index=root / f"{store_name}-index.jsonl")
+    store.check()  # as `megatron-rl train` does before any work (it also creates the store's clients)
     fleet = Fleet(FleetConfig(size=args.fleet_size, episodes_per_lease=args.per_lease, heartbeat_s=1.0,
                               wait_s=1.0), worker, root / f"{store_name}-fleet", store=store).start()
     waits, n = [], 0
@@ -78,7 +79,7 @@ def latency(plane, root: Path, shards: int) -> dict:
     trainer.published(folder)  # consumer created before the first publish
     th = threading.Thread(target=publish)
     th.start()
-    while not done.is_set() or len(trainer.published(folder)) < shards:
+    while len(trainer.published(folder)) < shards or not done.is_set():  # poll while the worker publishes
         time.sleep(0.01)
     th.join()
     lat = [a["seen_unix"] - a["published_unix"] for a in trainer.index.values()]

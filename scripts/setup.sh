@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${MRL_VENV:-$ROOT/.venv}
 TORCH_SPEC=${MRL_TORCH_SPEC:-torch==2.13.0}
+REASONING_GYM=reasoning-gym==0.1.25  # the procedural task library (envs/procedural), pinned; see setup.py
 DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap squashfs-tools)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -49,10 +50,14 @@ install_python() {
     quiet_pip "$py" -m pip install -q "$TORCH_SPEC"
   fi
   local stamp="$VENV/.mrl-setup-stamp" want
-  want=$(sha256sum setup.py | cut -d' ' -f1)
+  want=$( (cat setup.py; echo "$REASONING_GYM") | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing megatron-rl[dev] (editable)"
     quiet_pip "$py" -m pip install -q -e ".[dev]"
+    # reasoning-gym without its dependencies: setup.py lists them but pycosat (a C extension built from source on
+    # Python 3.11, needed by one generator only, zebra_puzzles, which is then refused by name)
+    log "installing $REASONING_GYM (--no-deps: no compiler for pycosat)"
+    quiet_pip "$py" -m pip install -q --no-deps "$REASONING_GYM"
     echo "$want" > "$stamp"
   else
     log "python packages up to date"

@@ -326,7 +326,10 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     assert all(w["reason"] == "run over" for w in workers[2:]), workers
     evals = [t for p in sorted((run / "eval_episodes").glob("*/*.h5")) for t in read_shard(p)]
     assert len(evals) % 24 == 0 and len(evals) >= 2 * 24  # the in-loop evaluations (8 tasks greedy + k=2) too
-    assert sum(w["episodes"] for w in workers) == len(eps) + len(evals) and all(w["episodes"] > 0 for w in workers)
+    assert sum(w["episodes"] for w in workers) == len(eps) + len(evals), workers  # every episode ran on the fleet
+    # each life's fleet served; one of its two workers may get no lease when the other starts first and the
+    # remaining work is small (a resume at the last step), so the count is per life, not per worker
+    assert sum(w["episodes"] for w in workers[:2]) > 0 and sum(w["episodes"] for w in workers[2:]) > 0, workers
     print(json.dumps({"resumed_at": resume[0]["step"], "episodes": len(eps), "evals": len(evals),
                       "workers": [(w["reason"], w["episodes"]) for w in workers]}))
 

@@ -233,3 +233,49 @@ def test_a_100_domain_mixture_with_multi_turn_and_judged_domains_runs_on_a_worke
                 assert t.status == "error" or t.reward_components["correct"] == 1.0, (name, t.reward_components)
     assert sum(t.reward_components.get("correct") == 1.0 for t in trajs) >= 95
     assert by_env["tool_use"].status in ("ok", "truncated") and by_env["docqa"].status == "ok"
+
+
+def test_without_pycosat_the_library_loads_and_only_zebra_puzzles_is_refused_naming_it():
+    """The default set-up installs reasoning-gym with --no-deps (pycosat has no wheel for Python 3.11 and compiles
+    C). In a process where pycosat cannot be imported, reasoning-gym still loads (it imports every generator's
+    module on import), every other generator is a domain, and reasoning_gym/zebra_puzzles is refused before any
+    work, naming pycosat and the fix."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "pycosat":
+            raise ModuleNotFoundError("No module named 'pycosat'", name="pycosat")
+sys.meta_path.insert(0, Block())
+from envs.mixture import MixtureConfig
+from envs.procedural.env import generate
+from envs.procedural.rgym import ReasoningGym
+from megatron_rl.config import ConfigError, from_dict
+gens = ReasoningGym().generators()
+tasks = generate("reasoning_gym/basic_arithmetic", counts={"train": 1, "heldout": 1})
+try:
+    from_dict(MixtureConfig, {"domains": {"reasoning_gym/zebra_puzzles": {}}})
+    err = ""
+except ConfigError as e:
+    err = str(e)
+import inspect
+stub_probe = hasattr(sys.modules["pycosat"], "__file__")  # module probes (inspect, torch) see a plain module
+import torch.distributed.tensor  # registers custom ops: inspect.getmodule walks every module in sys.modules
+try:
+    sys.modules["pycosat"].itersolve([[1]])
+    call = ""
+except ModuleNotFoundError as e:
+    call = str(e)
+print(json.dumps({"n": len(gens), "zebra": "zebra_puzzles" in gens, "tasks": len(tasks), "err": err,
+                  "probe": stub_probe, "call": call}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    here = RG.generators()  # this process: zebra_puzzles is a domain only where pycosat is installed
+    assert got["n"] == len(here) - ("zebra_puzzles" in here) and not got["zebra"] and got["tasks"] == 2
+    assert "zebra_puzzles' is not a domain: it needs pycosat" in got["err"] and "pip install pycosat" in got["err"]
+    assert got["probe"] is False and "pycosat is not installed" in got["call"]

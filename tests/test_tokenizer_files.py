@@ -191,3 +191,41 @@ def test_the_imported_smollm2_folder_reads_right_after_the_setup_step(tmp_path):
     with torch.no_grad():
         new = model.generate(ids, max_new_tokens=60, do_sample=False)[0, ids.shape[1]:].tolist()
     assert new[-1] == 2 and len(new) < 60 and ref.decode(new, skip_special_tokens=True).strip()
+
+
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+_T5_VIEW = r'''
+import json, sys, transformers
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+text, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+print(json.dumps({"version": transformers.__version__, "eos": tok.eos_token, "plain": tok(text)["input_ids"],
+                  "bare": tok(text, add_special_tokens=False)["input_ids"],
+                  "chat": ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids}))
+'''
+
+
+def _t5_view(folder: Path) -> dict:
+    import subprocess
+
+    out = subprocess.run([str(VLLM_PY), "-c", _T5_VIEW, str(folder), json.dumps(TEXT), json.dumps(CHAT)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="no transformers 5 environment: `bash scripts/setup_vllm.sh` "
+                    "builds .venv-vllm (vLLM's transformers 5.x)")
+def test_transformers_5_reads_a_repaired_folder_with_our_ids(tmp_path):
+    """transformers 5 (the vLLM venv's) loads a repaired folder with our ids, spaces and newlines kept, and eos =
+    the end of turn; the GGUF import's folder (LlamaTokenizer over byte-level BPE) did not."""
+    tiny_tokenizer(tmp_path)
+    gguf_style(tmp_path)
+    before = _t5_view(tmp_path)
+    assert TF.normalize(tmp_path, {"add_bos_token": False})
+    ours, after = HFTokenizer(tmp_path), _t5_view(tmp_path)
+    assert after["version"].startswith("5.")
+    assert after["eos"] == "<|im_end|>" and before["eos"] == "<|im_start|>"
+    assert after["bare"] == after["plain"] == ours.encode(TEXT) != before["bare"]
+    assert after["chat"] == ours.prompt_ids(CHAT)

@@ -147,6 +147,85 @@ def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_eac
     assert not list((tmp_path / "spool").iterdir())  # local copies removed at once
 
 
+@needs_servers
+def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
+    """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
+    those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
+    cfg = s3cfg(plane, tmp_path, "fastpoll")
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=tmp_path / "index.jsonl")
+    try:
+        trainer.published(folder)  # the consumer and both connections exist before timing
+        worker.publish(folder, "w.h5", [traj("w")])
+        assert trainer.poll(folder) == 1
+        t0 = time.monotonic()
+        for i in range(10):
+            assert trainer.poll(folder) == 0  # nothing waits
+            worker.publish(folder, f"s{i}.h5", [traj(f"e{i}")])
+            assert trainer.poll(folder) == 1  # one waits
+        assert time.monotonic() - t0 < 2.5
+        assert len((tmp_path / "index.jsonl").read_text().splitlines()) == 11
+        info = trainer.queue._call(trainer.queue.subs[trainer.consumer_name(folder)].consumer_info())
+        assert (info.num_pending, info.num_ack_pending) == (0, 0)  # every ack confirmed by the server
+    finally:
+        worker.close()
+        trainer.close()
+
+
+@needs_servers
+def test_warm_creates_the_clients_before_the_first_shard_and_tolerates_a_server_down(plane, tmp_path, caplog):
+    store = build_store("s3", s3cfg(plane, tmp_path, "warm"))
+    try:
+        store.warm()
+        assert store._s3 is not None and store._queue is not None and store._queue.nc.is_connected
+    finally:
+        store.close()
+    from megatron_rl.data.servers import free_port
+
+    down = build_store("s3", s3cfg(plane, tmp_path, "warm", queue_url=f"nats://127.0.0.1:{free_port()}",
+                                   timeout_s=1.0))
+    try:
+        down.warm()  # logged, not raised: the first publish retries
+        assert "warming the s3 store failed" in caplog.text
+    finally:
+        down.close()
+
+
+def test_settling_a_revoked_lease_does_not_hold_the_queue_lock_while_the_store_answers(tmp_path):
+    """A store that takes long (its server restarting: retried for 6x timeout_s) must not stop the queue's
+    HTTP handlers (heartbeats, leases, reports), which take the same lock."""
+    asked, release = threading.Event(), threading.Event()
+    eps = episodes_from_tasks(TASKS[:3], prefix="st")
+
+    class SlowStore:
+        def prepare(self, folder):
+            pass
+
+        def published(self, folder, cache=None, prefix=""):
+            asked.set()
+            assert release.wait(10)
+            return {"x.h5": [eps[0].episode_id]}  # one of the three was published before the lease expired
+
+    fleet = Fleet(FleetConfig(), WorkerConfig(), tmp_path / "fleet", store=SlowStore())
+    q = fleet.state.queue
+    q.put("b", eps, {"shard_dir": str(tmp_path / "b"), "url": ""})
+    lease = q.lease("w1", 3, now=0.0)
+    [revoked] = q.expired(now=1e9)
+    assert revoked is lease
+    t = threading.Thread(target=fleet._settle, args=([revoked], "lease expired"))
+    t.start()
+    try:
+        assert asked.wait(10)
+        assert fleet.state.cond.acquire(timeout=2)  # the lock is free while the store is asked
+        fleet.state.cond.release()
+    finally:
+        release.set()
+        t.join(10)
+    b = q.batches["b"]
+    assert b.published == {eps[0].episode_id} and not b.leased  # settled after the store answered
+    assert [e.episode_id for e in b.pending] == [e.episode_id for e in eps[1:]]
+
+
 def scripted(plane, tmp_path: Path, store: str, prefix: str) -> WorkerConfig:
     """The scripted TEST policy (deterministic per episode seed, 90% wrong: no sandbox run needed)."""
     return WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store,

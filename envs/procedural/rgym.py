@@ -27,6 +27,53 @@ EXCLUDED = {
 }
 """Generators that are not domains, and why."""
 
+NEEDS = {"zebra_puzzles": "pycosat"}
+"""Generators that need a module the default set-up leaves out (scripts/setup.sh installs reasoning-gym with
+--no-deps: pycosat has no wheel for Python 3.11 and compiles C)."""
+
+
+def _placeholder(module: str) -> None:
+    """reasoning-gym imports every generator's module on import (zebra_puzzles' imports pycosat at the top): with
+    `module` missing, a stand-in whose functions (pycosat's solve and itersolve) raise lets the others load; the
+    generators that need it are refused by name (`excluded`), so the stand-in is never called through a domain."""
+    import sys
+    import types
+
+    if _importable(module):
+        return
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError(f"{module} is not installed; `pip install {module}` (it compiles C) enables the "
+                                  "generators that need it", name=module)
+
+    class Missing(types.ModuleType):
+        """Only the callables (pycosat's solve, itersolve) raise; any other attribute is absent (AttributeError), as
+        tools that probe modules (inspect reads `__file__` of every module) expect."""
+
+    stub = Missing(module)
+    stub.solve = stub.itersolve = missing
+    sys.modules[module] = stub
+
+
+def _importable(module: str) -> bool:
+    """`module` imports (and is not the stand-in of `_placeholder`)."""
+    import importlib
+
+    try:
+        return type(importlib.import_module(module)).__name__ != "Missing"
+    except ImportError:
+        return False
+
+
+def _missing() -> dict[str, str]:
+    """Generators refused because a module they need is not installed, and why."""
+    out = {}
+    for gen, module in NEEDS.items():
+        if not _importable(module):
+            out[gen] = (f"it needs {module}, which is not installed (the set-up leaves it out: it has no wheel for "
+                        f"this Python and compiles C); `pip install {module}` enables it")
+    return out
+
 _SPLIT_KEYS = ("seed", "size")
 _quiet_lock = threading.Lock()
 
@@ -39,6 +86,8 @@ def _quiet():
 
 
 def _datasets() -> dict:
+    for module in set(NEEDS.values()):
+        _placeholder(module)
     from reasoning_gym.factory import DATASETS
 
     return DATASETS
@@ -46,6 +95,7 @@ def _datasets() -> dict:
 
 @functools.lru_cache(maxsize=256)
 def _dataset(generator: str, config_json: str, seed: int, size: int):
+    _datasets()  # the stand-ins of missing modules first
     from reasoning_gym.factory import create_dataset
 
     with _quiet():
@@ -56,7 +106,11 @@ class ReasoningGym:
     """The reasoning-gym task library (`envs.procedural.TaskLibrary`)."""
 
     name = "reasoning_gym"
-    excluded = EXCLUDED
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Generators that are not domains here, and why (EXCLUDED, and those whose module is missing)."""
+        return {**EXCLUDED, **_missing()}
 
     def version(self) -> str:
         import importlib.metadata
@@ -66,8 +120,9 @@ class ReasoningGym:
     @functools.cache  # noqa: B019  (one instance, registered once)
     def generators(self) -> dict[str, str]:
         out = {}
-        for name, (cls, _) in _datasets().items():
-            if name not in EXCLUDED:
+        datasets, excluded = _datasets(), self.excluded
+        for name, (cls, _) in datasets.items():
+            if name not in excluded:
                 parts = cls.__module__.split(".")
                 out[name] = parts[1] if len(parts) >= 3 else "other"
         return dict(sorted(out.items()))

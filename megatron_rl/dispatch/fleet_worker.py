@@ -108,7 +108,10 @@ class FleetWorker:
         """Build the episode runner (tokenizer, sandbox pool, threads) before the first lease, while the driver
         still sets up its step 0, instead of inside that step's rollout time. A failure here is retried at the
         first lease (and reported there, against its episodes)."""
+        from megatron_rl.data.store import store_for
+
         t0 = time.monotonic()
+        store_for(self.cfg).warm()  # the store's clients (boto3, NATS) now, not in the first lease's publish
         try:
             self._runner(self._spec({"episodes": [], "shard_dir": str(self.folder), "batch": "warm-up", "attempt": 0,
                                      "url": self.cfg.generator.url}))

@@ -64,13 +64,12 @@ def launched() -> bool:
 
 def spawn_torchrun(args, argv: list[str]) -> int:
     """Re-run this command under torchrun with tp*pp*ep ranks; clean the temporary folder on failure."""
+    from megatron_rl.commands.launch import rank_env, torchrun_command
     from megatron_rl.convert.runtime import TMP_TAG_ENV
-    from megatron_rl.distributed import free_port
 
     n = args.tp * args.pp * args.ep
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--nnodes=1",
-           f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "tools.convert.cli", *argv]
-    env = {**os.environ, TMP_TAG_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = torchrun_command(n, ["-m", "tools.convert.cli", *argv])
+    env = rank_env(os.environ.get("OMP_NUM_THREADS", "1"), {TMP_TAG_ENV: str(os.getpid())})
     rc = subprocess.run(cmd, env=env).returncode
     out = Path(args.out).absolute()
     shutil.rmtree(out.with_name(f"{out.name}.tmp-{os.getpid()}"), ignore_errors=True)
