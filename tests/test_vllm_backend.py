@@ -3,8 +3,9 @@ transformers' on the same fp32 weights, sampled-token log-probs within a bound o
 a weight sync (trainer names -> HF -> tmpfs -> reload_weights) that changes the outputs to the new weights'
 and records the version per token, abort on update, bad input (a missing environment, another version, a model
 vLLM cannot load), a killed or hung vLLM process restarted with no sample lost (and a clear error beyond
-engine.vllm.max_restarts) and the main job (killed vLLM, bf16 mismatch corrected and alerted). One vLLM engine
-for the module (its start-up costs ~15-60 s on this CPU); the tests that end or restart its process come last."""
+engine.vllm.max_restarts), the rollout server and gateway on it, the main job (killed vLLM, bf16 mismatch
+corrected and alerted) and fleet episodes on it. One vLLM engine for the module (its start-up costs ~15-60 s on
+this CPU); the tests that end or restart its process come last."""
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -198,14 +200,16 @@ def test_run_config_refuses_what_the_vllm_backend_does_not_serve(hf_dir):
     base = [f"model.init=hf:{hf_dir}", "model.max_seq_length=256", "data.domain=arithmetic", "train.steps=0",
             "curriculum.enabled=false", "engine.backend=vllm", f"engine.vllm.python={VLLM_PY}"]
     C.load(RunConfig, None, [*base, "launch.nproc_per_node=1"])  # accepted
-    cases = {"parallel.pp=2": "needs parallel.tp=pp=cp=ep=1", "episodes.runner=dispatch": "episodes.runner=inprocess",
-             "engine.vllm.python=/nope/python": "no such executable", "engine.backend=sglang": "sglang",
-             "engine.vllm.weight_transfer=nccl": "needs CUDA",
+    for runner in ("dispatch", "fleet"):  # dispatched and fleet episodes call the rank's vLLM engine
+        C.load(RunConfig, None, [*base, "launch.nproc_per_node=1", f"episodes.runner={runner}"])
+    cases = {"parallel.pp=2": "needs parallel.tp=pp=cp=ep=1", "engine.vllm.python=/nope/python": "no such executable",
+             "engine.backend=sglang": "sglang", "engine.vllm.weight_transfer=nccl": "needs CUDA",
              "engine.vllm.max_restarts=-1": "max_restarts must be >= 0",
-             "engine.vllm.gpu_memory_utilization=1.5": r"gpu_memory_utilization must be in \[0, 1\)"}
+             "engine.vllm.gpu_memory_utilization=1.5": r"gpu_memory_utilization must be in \[0, 1\)",
+             "episodes.server=separate": "episodes.server=separate starts a rollout server process that builds our"}
     for override, msg in cases.items():
         with pytest.raises(ConfigError, match=msg):
-            C.load(RunConfig, None, [*base, "launch.nproc_per_node=2", override])
+            C.load(RunConfig, None, [*base, "launch.nproc_per_node=2", "episodes.runner=dispatch", override])
     with pytest.raises(ConfigError, match="model.init=hf:DIR"):
         C.load(RunConfig, None, ["engine.backend=vllm", f"engine.vllm.python={VLLM_PY}", "launch.nproc_per_node=1",
                                  "data.domain=arithmetic", "train.steps=0", "curriculum.enabled=false"])
@@ -285,6 +289,26 @@ def test_main_job_survives_a_killed_vllm_process_and_corrects_the_honest_mismatc
     assert set(Path("/dev/shm").glob("mrl-vllm-*")) <= shm_before  # the run's tmpfs folder removed at its end
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fleet_episodes_and_eval_run_on_the_vllm_engine(hf_dir, tmp_path):
+    """episodes.runner=fleet with engine.backend=vllm (local executor; dispatch is served the same way,
+    loop.dispatched.serve_while): the rank serves its vLLM engine to the workers, which run the step's episodes
+    and the evals and publish shards; the step trains on them. fp32 on both sides: mismatch_kl ~0.
+    Before: refused ("engine.backend=vllm runs with episodes.runner=inprocess")."""
+    from megatron_rl.data.shards import read_shard
+
+    rl, rows, _ = _train(hf_dir, tmp_path, "episodes.runner=fleet", "episodes.fleet.executor=local",
+                         "episodes.fleet.size=1", "episodes.worker_threads=2")
+    m, run = rl[0], tmp_path / "demo"
+    assert m["episodes_dispatched"] == 8 and m["episodes_missing"] == 0 and m["trained_samples"] == 8, m
+    assert 0 <= m["mismatch_kl"] < 1e-3, m  # the workers' behaviour log-probs are vLLM's, fp32 as the trainer's
+    eps = [t for p in sorted((run / "rl_episodes").glob("*/*.h5")) for t in read_shard(p)]
+    assert len(eps) == 8 and {int(v) for t in eps for v in t.token_versions if v >= 0} == {0}
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1]
+    assert list((run / "eval_episodes").glob("*/*.h5"))  # the held-out evals ran on the workers too
+
+
 def test_engine_refuses_a_missing_environment_or_another_version_naming_the_setting(hf_dir, tmp_path):
     """Before any process starts (no vLLM start-up, nothing left on tmpfs): the engine itself checks its
     environment, so a runner that builds it without the run config's check gets the same clear error (before:
@@ -314,6 +338,50 @@ def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path):
                                           r"Its log: .*vllm-\d+.log"):
         VLLMEngine(VLLMConfig(python=str(VLLM_PY)), EngineConfig(), f"hf:{folder}", 256, log_dir=tmp_path / "log")
     assert set(Path("/dev/shm").glob("mrl-vllm-*")) == shm_before
+
+
+def test_served_over_http_with_the_gateway_as_dispatched_workers_and_agents_call_it(engine, hf_dir):
+    """What dispatched and fleet workers call: the rank's engine served by `tp_serve`'s command loop with no
+    tokenizer, as loop.dispatched.serve_while serves it: a token-id completion equals the engine's own greedy
+    tokens and log-probs, /metrics answers (before: create_app read engine.model.vocab_size, None here, and
+    /metrics keys vLLM's stats lacked). And the token-recording gateway on it: a black-box agent's three chat
+    calls become one exact trajectory holding vLLM's log-probs and the policy version."""
+    from megatron_rl.rollout.server import ServerThread
+    from megatron_rl.rollout.tp_serve import TPEngineLoop
+    from megatron_rl.tokenizer import HFTokenizer
+    from tests.test_gateway import TOKEN, _agent, _call, _post, _trajectory
+
+    want = engine.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_new_tokens=8))[0].samples[0]
+    srv = ServerThread(engine, loop=TPEngineLoop(engine, None), token=TOKEN).start()  # as serve_while's
+    try:
+        out = _post(f"{srv.url}/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.0,
+                                                  "logprobs": True})
+        req = urllib.request.Request(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            metrics = r.read().decode()
+    finally:
+        srv.stop()
+    choice = out["choices"][0]
+    assert choice["token_ids"] == want.token_ids and choice["policy_versions"] == [engine.version] * 8
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
+    assert f"rollout_policy_version {engine.version}" in metrics
+    srv = ServerThread(engine, loop=TPEngineLoop(engine, None), tokenizer=HFTokenizer(str(hf_dir)), gateway=True,
+                       token=TOKEN).start()
+    try:
+        assert _call("POST", f"{srv.url}/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 2,
+                                                           "return_routed_experts": True})[0] == 400
+        answers = _agent(srv.url, "ep-vllm")
+        (seg,) = _trajectory(srv.url, "ep-vllm")["segments"]
+    finally:
+        srv.stop()
+    last = answers[-1]
+    assert all(a["episode"]["exact"] for a in answers) and seg["calls"] == 3
+    assert seg["tokens"] == last["prompt_token_ids"] + last["choices"][0]["token_ids"]
+    for a in answers:  # each completion's tokens and vLLM's log-probs, as recorded
+        ids, lps = a["choices"][0]["token_ids"], [c["logprob"] for c in a["choices"][0]["logprobs"]["content"]]
+        p = a["prompt_token_ids"]
+        assert seg["tokens"][len(p):len(p) + len(ids)] == ids and seg["logprobs"][len(p):len(p) + len(ids)] == lps
+        assert set(seg["versions"][len(p):len(p) + len(ids)]) == {engine.version}
 
 
 def _greedy(engine):
