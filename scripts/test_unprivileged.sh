@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 REPO=$(pwd)
 TEST_UID=${MRL_TEST_UID:-65534}
 PY=${MRL_VENV:-$REPO/.venv}/bin/python
-TESTS=(tests/test_sandbox.py tests/test_sandbox_pool.py tests/test_sandbox_rewards.py tests/test_sandbox_image.py tests/test_agent_episode.py tests/test_sandbox_cgroup2.py tests/test_sandbox_zygote.py tests/test_sandbox_spawn.py
-       tests/test_sandbox_image_multiproc.py)
+TESTS=(tests/envs/test_sandbox.py tests/envs/test_sandbox_pool.py tests/envs/test_sandbox_rewards.py
+       tests/envs/test_sandbox_image.py tests/envs/test_agent_episode.py tests/envs/test_sandbox_cgroup2.py
+       tests/envs/test_sandbox_zygote.py tests/envs/test_sandbox_spawn.py tests/envs/test_sandbox_image_multiproc.py)
 
 log() { printf '[test-unprivileged] %s\n' "$*" >&2; }
 if [ "$(id -u)" != 0 ]; then log "not root: the main pass already ran as a normal user"; exit 0; fi

@@ -5,7 +5,7 @@ Megatron-Core assumes CUDA in places (buffers on ``torch.cuda.current_device()``
 or NCCL in a few more (the MoE router GEMM, sequence-parallel norms, uneven all-gathers). Each patch
 below is one function named after what it fixes; its ``reason`` quotes the error seen without it, and
 ``is_needed`` names the scenario in ``tests/mp/compat_layouts.py`` that fails when it is switched off
-(``tests/test_cpu_compat_multiproc.py`` checks that each one is still needed after an upgrade).
+(``tests/compat/test_cpu_compat_multiproc.py`` checks that each one is still needed after an upgrade).
 
 Usage: ``megatron_rl.compat.cpu.apply()`` once per process, before building Megatron models. A test or
 a run can switch patches off with ``MEGATRON_RL_CPU_COMPAT_DISABLE=name1,name2``. Patches act on the

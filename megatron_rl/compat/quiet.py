@@ -7,7 +7,7 @@ calls. Each filter below names one message, where it comes from and why it
 is harmless here; anything else (another message, the same text from another module, another category) still
 shows. `install()` is called by `megatron_rl/__init__.py`, so before Megatron is imported in every process of
 this package; `MEGATRON_RL_SHOW_WARNINGS=1` leaves them all visible.
-`tests/test_quiet_start.py` checks that each filter still matches a warning Megatron raises (an upgrade that
+`tests/compat/test_quiet_start.py` checks that each filter still matches a warning Megatron raises (an upgrade that
 drops one shows here) and that an unknown warning is not filtered.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ same work runs in parallel and without the extra copies:
 
 The file format does not change: every chunk is the Blosc buffer that HDF5's own Blosc filter (filter 32001,
 registered by hdf5plugin) writes and reads, so h5py + hdf5plugin, h5dump and earlier megatron-rl read these
-shards as before, and this reader reads shards written through the filter (tests/test_chunk_io.py checks
+shards as before, and this reader reads shards written through the filter (tests/data/test_chunk_io.py checks
 both directions). A dataset this reader does not know (another filter, a non-native byte order, a chunk missing
 or skipped by a filter it cannot undo) is left to HDF5's own path: `ChunkReader.submit` returns None.
 

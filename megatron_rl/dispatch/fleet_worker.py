@@ -137,7 +137,7 @@ class FleetWorker:
 
     def _run_lease(self, lease: dict) -> None:
         from megatron_rl.data.store import store_for
-        from megatron_rl.dispatch.worker import ShardPublisher
+        from megatron_rl.dispatch.publisher import ShardPublisher
 
         spec = self._spec(lease)
         runner = self._runner(spec)
@@ -193,7 +193,8 @@ class FleetWorker:
     def _runner(self, spec: WorkerSpec):
         """The one EpisodeRunner (threads, sandbox pool, environments) of the worker's life, built at the first
         call; each lease `reset`s it."""
-        from megatron_rl.dispatch.worker import EpisodeRunner, ShardPublisher
+        from megatron_rl.dispatch.publisher import ShardPublisher
+        from megatron_rl.dispatch.worker import EpisodeRunner
 
         if self.runner is None:
             self.runner = EpisodeRunner(spec, ShardPublisher(spec.shard_dir, "unused", 0, store=_NoStore()))

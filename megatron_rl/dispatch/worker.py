@@ -13,6 +13,10 @@ episode counts as finished iff it is in a published shard; a retry gets only unf
 
 With `--mpi` (several Slurm tasks under `srun --mpi=pmix`), rank 0 hands out episodes in small chunks and
 every rank (rank 0 too, when MPI has thread support) asks for more when idle.
+
+Its parts, one idea a module: `dispatch.generators` (where model turns come from), `dispatch.episode_rows` (one
+episode as shard rows), `dispatch.publisher` (shards under names no retry reuses); here the batch runner, the
+submitit task, the MPI split and the CLI.
 """
 from __future__ import annotations
 
@@ -25,333 +29,24 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.store import store_for
-from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig, WorkerSpec
+from megatron_rl.dispatch.episode_rows import episode_rows
+from megatron_rl.dispatch.generators import GenerationError, build_generator
+from megatron_rl.dispatch.publisher import ShardPublisher, _shard_stem
+from megatron_rl.dispatch.spec import EpisodeSpec, WorkerSpec
 from megatron_rl.slurm_env import SlurmEnv
 from megatron_rl.tokenizer import Tokenizer, from_path
 
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------- generators
-class Generator(Protocol):
-    """Token in, token out: `generate(prompt_ids, sampling, episode, turn) -> (token_ids, logprobs, versions)`,
-    `versions` the policy version of each token (or one int for all of them); with MoE routing replay a 4th
-    item, (the tokens the engine ran, their experts [len - 1, L_moe, k]) (`parse_routes`).
-
-    `episode` is passed for context; a real model ignores it (only the scripted test policy reads it).
-    Raises `GenerationError` for a failed request.
-    """
-
-    def generate(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None = None, turn: int = 0
-                 ) -> tuple[list[int], list[float], int | list[int]]: ...
-
-
-class GenerationError(RuntimeError):
-    """A generation request failed. `retryable` (server unreachable, timed out, 5xx after the client's
-    retries): the episode is not published and the dispatcher re-runs it. Otherwise (4xx, a malformed
-    answer) re-running cannot help: the episode is published with `status` and the reason."""
-
-    def __init__(self, message: str, status: str = "error", retryable: bool = False):
-        super().__init__(message)
-        self.status, self.retryable = status, retryable
-
-
-class ScriptedGenerator:
-    """A TEST POLICY, NOT A MODEL: answers from the task's hidden reference data (countdown's
-    `payload['solution']`), or a deliberately wrong answer for a seeded fraction of episodes. Its
-    log-probs are fixed made-up numbers. It exists so dispatch and shards can be tested without a GPU."""
-
-    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer):
-        self.config, self.tok = config, tokenizer
-
-    def _wrong(self, episode: EpisodeSpec) -> bool:
-        rng = np.random.default_rng([episode.seed, 7919])
-        return bool(rng.random() < self.config.wrong_fraction)
-
-    def answer_text(self, episode: EpisodeSpec) -> str:
-        payload = episode.task.get("payload", {})
-        answer = payload.get("solution") or payload.get("answer") or ""
-        if self._wrong(episode) or not answer:
-            return "<think>test policy: wrong on purpose</think><answer>0</answer>"
-        return f"<think>test policy</think><answer>{answer}</answer>"
-
-    def generate(self, prompt_ids, sampling, episode=None, turn=0):
-        if episode is None:
-            raise ValueError("ScriptedGenerator (test policy) needs the episode to answer from")
-        ids = self.tok.encode(self.answer_text(episode)) + [self.tok.eos_id]
-        logprobs = [-0.1 * (1 + i % 5) for i in range(len(ids))]  # made-up, deterministic
-        return ids, logprobs, self.config.policy_version
-
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "stop_token_ids", "seed")
-
-
-class HttpGenerator:
-    """The rollout engine over HTTP (`megatron_rl.rollout.client.RolloutClient`, `/v1/completions` with
-    token ids in and token ids, behaviour log-probs and per-token policy versions out).
-
-    One sample per request; the seed is the episode's (or `sampling['seed']`) plus the turn, so a retried
-    episode asks for the same draws. EOS always stops a turn; a turn never asks for more tokens than the
-    worker's token budget has left. The answer is checked before it is used (lengths, finite log-probs <= 0,
-    versions >= 0): a malformed answer fails the episode, never the worker.
-    """
-
-    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: int = 1 << 30):
-        from megatron_rl.rollout.client import RolloutClient
-
-        self.config, self.tok, self.max_tokens = config, tokenizer, max_tokens
-        try:
-            self.client = RolloutClient(config.url, timeout=config.timeout_s, retries=config.retries,
-                                        backoff=config.backoff_s, token_file=config.token_file or None)
-        except (OSError, ValueError) as e:
-            raise GenerationError(f"generator.token_file {config.token_file}: cannot read the rollout server's "
-                                  f"token ({e}); the driver writes it in the run folder, which this worker must "
-                                  "see") from e
-
-    def request(self, prompt_ids: list[int], sampling: dict, episode: EpisodeSpec | None, turn: int) -> dict:
-        """The sampling fields of the /v1/completions body."""
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
-        if unknown:
-            raise GenerationError(f"episode sampling has unknown keys {unknown}; use {list(SAMPLING_KEYS)}")
-        want = int(sampling.get("max_new_tokens", sampling.get("max_tokens", self.config.max_new_tokens)))
-        seed = sampling.get("seed", episode.seed if episode is not None else 0)
-        body = {"max_tokens": max(1, min(want, self.max_tokens - len(prompt_ids))),
-                "stop_token_ids": sorted({*self.tok.stop_ids, *sampling.get("stop_token_ids", [])}),
-                "seed": int(seed) + turn, "n": 1}
-        body.update({k: sampling[k] for k in ("temperature", "top_p", "top_k") if k in sampling})
-        if self.config.routed_experts:  # MoE routing replay
-            body["return_routed_experts"] = True
-        return body
-
-    def generate(self, prompt_ids, sampling, episode=None, turn=0):
-        from megatron_rl.rollout.client import RolloutError
-
-        try:
-            body = self.request(prompt_ids, sampling, episode, turn)
-        except (TypeError, ValueError) as e:
-            raise GenerationError(f"bad episode sampling {sampling!r}: {e}") from e
-        try:
-            out = self.client.complete(list(prompt_ids), **body)
-        except RolloutError as e:
-            transient = e.status is None or e.status >= 500 or e.status == 429
-            status = "timeout" if "timed out" in str(e).lower() else "error"
-            raise GenerationError(f"rollout server {self.config.url}: {e}", status, retryable=transient) from e
-        except ValueError as e:  # a 200 whose body is not JSON
-            raise GenerationError(f"rollout server {self.config.url}: answer is not JSON: {e}") from e
-        ids, lps, versions = parse_completion(out)
-        if not self.config.routed_experts:
-            return ids, lps, versions
-        return ids, lps, versions, parse_routes(out, prompt_ids, ids)
-
-
-def parse_routes(out, prompt_ids: list[int], ids: list[int]) -> tuple[list[int], np.ndarray]:
-    """(the tokens the request ran: its prompt as the server saw it + the completion, their experts int16
-    [len - 1, L_moe, k]) of a /v1/completions answer asked with return_routed_experts; GenerationError if
-    malformed."""
-    from megatron_rl.data.routes import decode_routes
-
-    try:
-        routes = decode_routes(out["choices"][0]["routed_experts"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise GenerationError(f"malformed completion from the rollout server: routed_experts: {e}") from e
-    seen = [*(out.get("prompt_token_ids") or prompt_ids), *ids]
-    if len(routes) != len(seen) - 1:
-        raise GenerationError(f"malformed completion: routed_experts covers {len(routes)} tokens, the request "
-                              f"ran {len(seen) - 1}")
-    return seen, routes
-
-
-def parse_completion(out) -> tuple[list[int], list[float], list[int]]:
-    """(token_ids, logprobs, policy_versions) of a /v1/completions answer; GenerationError if malformed."""
-    try:
-        (choice,) = out["choices"]
-        ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-        versions = choice["policy_versions"]
-        ids, lps, versions = [int(t) for t in ids], [float(x) for x in lps], [int(v) for v in versions]
-    except (KeyError, TypeError, ValueError) as e:
-        raise GenerationError(f"malformed completion from the rollout server ({type(e).__name__}: {e}); need "
-                              "one choice with token_ids, logprobs.token_logprobs and policy_versions") from e
-    if not len(ids) == len(lps) == len(versions):
-        raise GenerationError(f"malformed completion: {len(ids)} token ids, {len(lps)} log-probs, "
-                              f"{len(versions)} policy versions")
-    if not all(np.isfinite(x) and x <= 1e-4 for x in lps) or any(v < 0 for v in versions):
-        raise GenerationError("malformed completion: log-probs must be finite and <= 0, policy versions >= 0")
-    return ids, lps, versions
-
-
-def build_generator(config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: int = 1 << 30) -> Generator:
-    config.validate()
-    if config.kind == "scripted":
-        return ScriptedGenerator(config, tokenizer)
-    return HttpGenerator(config, tokenizer, max_tokens)
-
-
-# ------------------------------------------------------------------------------------------------- episode
-def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30):
-    """One episode -> its Trajectory (`episode_rows`' last row)."""
-    return episode_rows(ep, env, generator, tok, max_tokens)[-1]
-
-
-def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30) -> list:
-    """One episode -> the Trajectory rows it publishes, through the one episode loop (`envs.episode`: reset,
-    [generate -> step]* until done), each turn one call of `generator`: the episode's, after the earlier exact
-    segments of a split black-box agent episode (`shards.segment_rows`).
-
-    A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
-    `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
-    """
-    from envs.base import Task
-    from envs.episode import drive, open_episode
-    from megatron_rl.data.routes import context_routes
-    from megatron_rl.data.shards import Trajectory, segment_rows
-
-    t0, gen_s, routes = time.perf_counter(), [0.0], {}
-    task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
-    co = open_episode(env, task, tok, min(max_tokens, env.budget.max_tokens), list(ep.prompt_ids) or None)
-    try:
-        r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s, routes))
-    except GenerationError as e:
-        if e.retryable:
-            raise
-        return [failed_trajectory(ep, list(ep.prompt_ids), e.status, str(e))]
-    timings = {"generate": gen_s[0], **r.timings, "turns": float(r.turns), "total": time.perf_counter() - t0}
-    from envs.procedural import task_provenance
-
-    prov = {k: json.dumps(v, sort_keys=True) for k, v in r.reward.provenance.items()}
-    prov.update(task_provenance(task))  # a generated task's library, version, generator, seed, index, settings
-    if isinstance(generator, ScriptedGenerator):
-        prov["policy"] = "scripted test policy (not a model)"
-    model_versions = [v for v, m in zip(r.versions, r.loss_mask) if m] or [0]
-    main = Trajectory(
-        tokens=np.asarray(r.tokens, np.int32), logprobs=np.asarray(r.logprobs, np.float32),
-        loss_mask=np.asarray(r.loss_mask, np.uint8), prompt_len=r.prompt_len, reward=float(r.reward.total),
-        group_id=ep.group_id, policy_version_first=min(model_versions), policy_version_last=max(model_versions),
-        env=ep.env, task_id=str(task.id), episode_id=ep.episode_id, status=_status(r),
-        reward_components=dict(r.reward.components), timings=timings, provenance=prov,
-        token_versions=np.asarray(r.versions, np.int32),
-        routed_experts=context_routes(routes.get("seen"), routes.get("routes"), list(r.tokens)))
-    return [*segment_rows(main, r.segments), main]
-
-
-def _status(r) -> str:
-    """The shard status: the reward's failure (sandbox_error, error) first, else the episode's (ok, truncated)."""
-    return r.reward.status if not r.reward.valid else r.status
-
-
-def _generate(generator: Generator, tokens: list[int], ep: EpisodeSpec, turn: int, gen_s: list[float],
-              routes: dict | None = None):
-    """One turn from the generator, checked: (ids, logprobs, per-token versions); GenerationError if malformed.
-    A generator asked for routing replay also returns (tokens it ran, their experts): kept in `routes` (the
-    latest turn's, which ran the whole context so far)."""
-    t = time.perf_counter()
-    ids, lps, version, *extra = generator.generate(tokens, ep.sampling, episode=ep, turn=turn)
-    gen_s[0] += time.perf_counter() - t
-    if extra and routes is not None:
-        routes["seen"], routes["routes"] = extra[0]
-    versions = [int(version)] * len(ids) if isinstance(version, (int, np.integer)) else list(version)
-    if not len(ids) == len(lps) == len(versions):
-        raise GenerationError(f"generator returned {len(ids)} tokens, {len(lps)} log-probs and {len(versions)} "
-                              "policy versions")
-    return list(ids), list(lps), versions
-
-
-def failed_trajectory(ep: EpisodeSpec, prompt: list[int], status: str, reason: str):
-    """An episode that could not be generated: its prompt only (nothing to train on), reward 0, the status
-    and `provenance['error']` saying why. Published, so the dispatcher does not re-run a hopeless request."""
-    from megatron_rl.data.shards import Trajectory
-
-    log.warning("episode %s failed (%s): %s", ep.episode_id, status, reason)
-    n = len(prompt)
-    return Trajectory(
-        tokens=np.asarray(prompt, np.int32), logprobs=np.zeros(n, np.float32), loss_mask=np.zeros(n, np.uint8),
-        prompt_len=n, reward=0.0, group_id=ep.group_id, policy_version_first=0, policy_version_last=0,
-        env=ep.env, task_id=str(ep.task.get("id", "")), episode_id=ep.episode_id, status=status,
-        provenance={"error": reason[-2000:]})
-
-
-# ---------------------------------------------------------------------------------------------- publisher
-class ShardPublisher:
-    """Buffers finished trajectories and publishes them as shards with unique per-attempt names.
-
-    `freeze()` (on checkpoint/preemption) publishes what is buffered and then refuses more, so nothing is
-    published after the caller decided which episodes are left to do.
-    """
-
-    def __init__(self, shard_dir: str | Path, stem: str, every: int, store=None):
-        """store: where shards go (`data.store`: the worker config's; None = the shared filesystem)."""
-        from megatron_rl.data.store import FsStore
-
-        self.dir, self.stem, self.every = Path(shard_dir), stem, every
-        self.store = store if store is not None else FsStore()
-        self.store.prepare(self.dir)
-        self._buf: list = []
-        self._lock = threading.Lock()
-        self._frozen = False
-        self.published_ids: list[str] = []
-        self.shards: list[str] = []
-
-    def add(self, *trajs) -> None:
-        """Buffer the rows of one episode (published together)."""
-        with self._lock:
-            if self._frozen:
-                return
-            self._buf.extend(trajs)
-            if self.every and len(self._buf) >= self.every:
-                self._flush_locked()
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._frozen:
-                self._flush_locked()
-
-    def freeze(self) -> list[str]:
-        with self._lock:
-            if not self._frozen:
-                self._flush_locked()
-            self._frozen = True
-            return list(self.published_ids)
-
-    def discard(self) -> list[str]:
-        """Drop what is buffered and refuse more (the lease was revoked); returns what was published before."""
-        with self._lock:
-            self._buf, self._frozen = [], True
-            return list(self.published_ids)
-
-    def _flush_locked(self) -> None:
-        if not self._buf:
-            return
-        name = f"{self.stem}-p{len(self.shards):03d}-{uuid.uuid4().hex[:8]}.h5"
-        self.store.publish(self.dir, name, self._buf)
-        self.published_ids += [t.episode_id for t in self._buf]
-        self.shards.append(name)
-        self._buf = []
-
-
-def _shard_stem(spec: WorkerSpec, rank: int) -> str:
-    senv = SlurmEnv.from_environ()
-    try:
-        import submitit
-
-        job = submitit.JobEnvironment().job_id
-    except Exception:  # not inside a submitit job
-        job = senv.job_id if senv else f"{socket.gethostname()}.{os.getpid()}"
-        if senv and senv.array_task_id is not None:
-            job = f"{senv.array_job_id}_{senv.array_task_id}"
-    restart = senv.restart_count if senv else 0
-    return f"{spec.shard_prefix}-r{spec.round}-j{job}-q{restart}-k{rank}"
-
-
+# ------------------------------------------------------------------------------------------------- batch
 def _default_threads() -> int:
     senv = SlurmEnv.from_environ()
     if senv and senv.cpus_per_task:
@@ -359,7 +54,6 @@ def _default_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-# ------------------------------------------------------------------------------------------------- batch
 @dataclass
 class BatchResult:
     """What one worker (rank) did."""

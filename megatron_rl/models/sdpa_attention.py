@@ -17,7 +17,7 @@ GQA runs without repeating K/V (`enable_gqa`). Anything else Megatron's local at
 path does not (query-key layer scaling, a softmax offset, sliding windows, attention bias, packed THD
 params, fp16, dropout while training) goes to `DotProductAttention.forward` unchanged.
 Masked scores are -inf here and -10000 in Megatron's softmax: both give probability 0 in fp32 (exp(-10000)
-underflows), so the outputs agree to rounding (tests/test_sdpa_attention.py).
+underflows), so the outputs agree to rounding (tests/models/test_sdpa_attention.py).
 """
 from __future__ import annotations
 

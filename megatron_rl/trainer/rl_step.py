@@ -28,7 +28,7 @@ states and the output weight (`output_head.HeadOutput`) and computes log-probs a
 `kernels.logprob.fused_logprob_entropy`, chunked over tokens and vocabulary, never forming the [T, V/tp]
 logits (Triton on CUDA, PyTorch elsewhere); 'logits' takes Megatron's vocab-parallel logits
 (`logprobs.token_logprobs_and_entropy`). Both give softmax(logits / temperature) over the full vocabulary,
-as the rollout engine samples it, and the same values and gradients (tests/test_trainer_fused_logprob.py).
+as the rollout engine samples it, and the same values and gradients (tests/trainer/test_trainer_fused_logprob.py).
 
 Old log-probs (the PPO ratio's denominator): the rollout engine's behaviour log-probs, or recomputed with a
 forward-only pass of the policy before the update (`old_logprobs='recompute'`, needed for epochs > 1).

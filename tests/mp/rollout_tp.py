@@ -3,7 +3,7 @@
 Every rank builds the policy (weights drawn from each parameter's global name, so TP=1 and TP=2 hold the
 same model), generates greedy and sampled continuations, then rank 0 broadcasts full (unsharded) new
 weights in small buckets, every rank cuts its TP slice, and the greedy run is repeated. Rank 0 emits the
-outputs; tests/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
+outputs; tests/rollout/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
 
     torchrun --nproc_per_node=2 tests/mp/rollout_tp.py [--dsv3]
 """
@@ -26,7 +26,7 @@ def build(pgs, tp: int):
     if "--dsv3" in sys.argv:  # DeepSeek-V3 in miniature: MLA over the latent cache, sigmoid-routed MoE
         from dataclasses import replace
 
-        from tests.test_deepseek_v3 import tiny_dsv3
+        from tests.models.test_deepseek_v3 import tiny_dsv3
 
         cfg = replace(tiny_dsv3(), vocab_size=384, max_seq_length=128)
     model = build_gpt(cfg, ParallelConfig(tp=tp), pgs)

@@ -3,7 +3,7 @@
 TP rank 0 serves on a free port; a client thread on rank 0 sends concurrent greedy requests, a sampled
 request, a compressed request, a weight update (full weights for seed 4 from a file) and greedy requests
 again; the other ranks follow rank 0's broadcast commands. Rank 0 emits the responses;
-tests/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
+tests/rollout/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
 
     torchrun --nproc_per_node=2 tests/mp/rollout_tp_serve.py
 """

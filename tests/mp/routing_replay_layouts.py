@@ -24,7 +24,7 @@ def main() -> None:
     from megatron_rl.parallel import ParallelConfig
     from megatron_rl.rollout.reshard import engine_layout
     from tests.mp.launch import emit
-    from tests.test_routing_replay import _corrupted_passes, _pass, _policy, _rollouts, _trainer
+    from tests.rollout.test_routing_replay import _corrupted_passes, _pass, _policy, _rollouts, _trainer
 
     p = argparse.ArgumentParser()
     p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)

