@@ -35,6 +35,21 @@ loaded machine's noise out of the ratio as far as possible. `*_median_s` are rep
 time (with `--threads 1`, what each of the main job's 2 ranks gets on 2 cores; with more threads, spinning
 OpenMP workers count as CPU time too).
 
+`--backends native,vllm,hf` (needs `--hf-model`; any subset): instead of the sections above, the three-way
+comparison of our engine, vLLM (`engine.backend: vllm`'s VLLMEngine: a vLLM process from `--vllm-python`, made by
+scripts/setup_vllm.sh) and HF `generate`, on two workloads at each `--concurrency` c: `rl_sampled` (`--prompts`
+chat prompts x `--group-size` samples, pure sampling until the model's end-of-turn token or 2 x new tokens)
+and `static_batch` (c prompts, greedy, exactly `--new-tokens` each, no stop). Equal concurrency: vLLM's
+max_num_seqs = our max_running = c, HF static batches of c sequences; `best`: each side's fastest c. Per side:
+tokens/s and CPU-seconds per useful token (vLLM: the proxy's plus its process's, all threads); `ratios`: ours
+over each other side. `parity`: greedy tokens equal pairwise, and log-prob agreement (each engine's log-probs
+of its own greedy and T=1 tokens against HF's teacher-forced log-softmax; ours vs vLLM's on the same greedy
+tokens). vLLM is bound to the same cores (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)) and started once per c
+(`vllm_start_s`); repeats use fresh prompts on every side (vLLM's prefix cache outlives a run, ours does not).
+
+    .venv/bin/python benchmarks/rollout_throughput.py --backends native,vllm,hf \
+        --hf-model models/SmolLM2-135M-Instruct --concurrency 8 32 --prompts 8 --group-size 4 --new-tokens 20
+
 `--dtype bf16`: both sides hold bf16 weights and KV cache (ours: `params_dtype: bf16`, as `rollout.engine.dtype:
 bf16` builds the engine; HF: `torch_dtype=bfloat16`); both take log-softmax/argmax of fp32-cast logits. Greedy
 parity is then not exact (different bf16 rounding on each side); `greedy_agreement` reports the fraction of
@@ -193,6 +208,13 @@ def run_hf_sampled(hf, batch_prompts: list[list[int]], cap: int, stop: list[int]
     return rows, dt, cpu
 
 
+@torch.inference_mode()
+def score_hf(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Teacher-forced log-softmax (fp32) of `tokens` after `prompt`: the reference log-probs."""
+    logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
 class HFWorker:
     """`run_hf` in a child process without megatron_rl imported; one JSON request/answer per line."""
 
@@ -221,6 +243,12 @@ class HFWorker:
         ans = json.loads(self.proc.stdout.readline())
         return ans["tokens"], ans["seconds"], ans["cpu_seconds"]
 
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """HF's log-probs of each (prompt, tokens) pair (teacher-forced)."""
+        self.proc.stdin.write(json.dumps({"score": pairs}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["tokens"]
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
@@ -243,6 +271,12 @@ def hf_worker(path: str, dtype: str = "fp32") -> None:
         hf = hf.to(DTYPES[dtype])
     for line in sys.stdin:
         req = json.loads(line)
+        if "score" in req:
+            t0, c0 = time.perf_counter(), time.process_time()
+            lps = [score_hf(hf, prompt, toks) for prompt, toks in req["score"]]
+            print(json.dumps({"tokens": lps, "seconds": time.perf_counter() - t0,
+                              "cpu_seconds": time.process_time() - c0}), flush=True)
+            continue
         if req.get("stop"):
             tokens, dt, cpu = run_hf_sampled(hf, req["prompts"], req["new"], req["stop"], req["seed"])
         else:
@@ -261,11 +295,20 @@ def main() -> None:
     p.add_argument("--hf-dtype", choices=list(DTYPES), help="HF's dtype when it differs from --dtype (reported)")
     p.add_argument("--group-size", type=int, default=1,
                    help="rl_workload: samples per prompt (the RL loop's group_size; one request with n samples)")
+    p.add_argument("--backends", help="comma-separated sides among native,vllm,hf: the three-way comparison "
+                   "(needs --hf-model) instead of the native-vs-HF sections; e.g. native,vllm,hf")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32],
+                   help="--backends: sequences at once (vLLM max_num_seqs = our max_running = HF batch)")
+    p.add_argument("--prompts", type=int, default=8, help="--backends: prompts of the rl_sampled workload")
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                   help="--backends with vllm: the vLLM environment's python (engine.vllm.python)")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.hf_worker:
         return hf_worker(args.hf_worker, args.dtype)
+    if args.backends:
+        return main_backends(args)
     if args.hf_model:
         global CFG, HF_DIR
         from megatron_rl import config as C
@@ -281,6 +324,43 @@ def main() -> None:
         result = _measure(model, pgs, hf, args)
     finally:
         hf.close()
+    print(json.dumps(result))
+
+
+def main_backends(args) -> None:
+    """--backends: the three-way comparison (measure_backends) as one JSON object."""
+    global CFG, HF_DIR
+    from megatron_rl import config as C
+    from megatron_rl.convert.source import resolve
+
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad or not args.backends:
+        raise SystemExit(f"--backends {bad or args.backends}: choose among {', '.join(BACKENDS)}")
+    if not args.hf_model:
+        raise SystemExit("--backends needs --hf-model DIR (vLLM loads an HF folder; rl_sampled ends at its "
+                         "end-of-turn token)")
+    if min(args.concurrency) < args.group_size:
+        raise SystemExit(f"--concurrency {args.concurrency}: each must hold a group (--group-size {args.group_size})")
+    HF_DIR = args.hf_model
+    CFG = C.from_dict(ModelConfig, {"init": f"hf:{args.hf_model}", "max_seq_length": 512})
+    resolve(CFG)
+    CFG = dataclasses.replace(CFG, params_dtype=args.dtype)
+    model, pgs = build_ours()
+    hf = HFWorker(model, args.threads, args.hf_dtype or args.dtype) if "hf" in args.backends else None
+    log_dir = tempfile.TemporaryDirectory(prefix="vllm-bench-")
+    vllm = VLLMSide(args.vllm_python, args.threads, args.dtype, log_dir.name) if "vllm" in args.backends else None
+    try:
+        result = {"model": HF_DIR, "backends": args.backends, "dtype": args.dtype, "threads": args.threads,
+                  "new_tokens": args.new_tokens, "rl_cap": 2 * args.new_tokens, "group_size": args.group_size,
+                  "prompts": args.prompts, "concurrency": args.concurrency, "repeats": args.repeats,
+                  **measure_backends(model, pgs, hf, vllm, args)}
+    finally:
+        if vllm is not None:
+            vllm.close()
+        if hf is not None:
+            hf.close()
+        log_dir.cleanup()
     print(json.dumps(result))
 
 
@@ -423,6 +503,204 @@ def _rl_sampled(model, pgs, hf: HFWorker, b: int, args) -> dict:
             "ours_mean_len": round(o["mean_len"], 1), "hf_mean_len": round(h["mean_len"], 1),
             "ours_at_cap": round(o["at_cap"], 3), "hf_at_cap": round(h["at_cap"], 3),
             "ours_useful_tokens": o["useful"], "hf_useful_tokens": h["useful"]}
+
+
+# ------------------------------------------------------------------------------ --backends native,vllm,hf
+BACKENDS = ("native", "vllm", "hf")
+
+
+class VLLMSide:
+    """vLLM engines for the benchmark: `rollout.vllm_engine.VLLMEngine` (what engine.backend=vllm runs), one
+    process per concurrency (vLLM's max_num_seqs = c, as our max_running = c), on the same cores as the other
+    sides (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)); its CPU seconds are this process's (the proxy) plus
+    the vLLM process's (/proc/PID/stat: all its threads)."""
+
+    def __init__(self, python: str, threads: int, dtype: str, log_dir: str):
+        self.python, self.threads, self.dtype, self.log_dir = python, threads, dtype, log_dir
+        self.engine, self.c = None, None
+        self.start_s: list[float] = []
+
+    def at(self, c: int):
+        """The engine with max_num_seqs = c (the previous one stopped when c changes)."""
+        from megatron_rl.rollout import EngineConfig
+        from megatron_rl.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+        if self.c != c:
+            self.close()
+            bind = "0" if self.threads == 1 else f"0-{self.threads - 1}"
+            t0 = time.perf_counter()
+            self.engine = VLLMEngine(VLLMConfig(python=self.python, cpu_threads_bind=bind),
+                                     EngineConfig(max_running=c, seed=0), f"hf:{HF_DIR}", CFG.max_seq_length,
+                                     {"fp32": "float32", "bf16": "bfloat16"}[self.dtype], log_dir=self.log_dir)
+            self.start_s.append(time.perf_counter() - t0)
+            self.c = c
+        return self.engine
+
+    def cpu(self) -> float:
+        """CPU seconds of the vLLM process so far."""
+        fields = open(f"/proc/{self.engine.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.c = None, None
+
+
+def drive(eng, requests: list[tuple[list[int], object]], extra_cpu=None) -> tuple[list, float, float]:
+    """Submit every (prompt, SamplingParams) at once and step `eng` (ours or the vLLM proxy) until all finish:
+    the samples (prompt order), wall and CPU seconds (this process + `extra_cpu()`: the vLLM process's)."""
+    ids = [eng.add_request(p, sp) for p, sp in requests]
+    x0 = extra_cpu() if extra_cpu else 0.0
+    outs, t0, c0 = {}, time.perf_counter(), time.process_time()
+    while eng.has_work:
+        outs.update((o.request_id, o) for o in eng.step())
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0 + (extra_cpu() - x0 if extra_cpu else 0.0)
+    return [s for i in ids for s in outs[i].samples], dt, cpu
+
+
+def run_side(side: str, c: int, requests: list[tuple[list[int], object]], model, pgs, hf: HFWorker,
+             vllm: VLLMSide | None) -> tuple[list[list[int]], float, float]:
+    """One side runs `requests` with at most `c` sequences at once: the samples' tokens, wall and CPU s.
+    HF: static batches of c // n prompts x n samples (its generate has no continuous batching)."""
+    if side == "native":
+        samples, t, cpu = drive(_engine(model, pgs, c), requests)
+        return [s.token_ids for s in samples], t, cpu
+    if side == "vllm":
+        eng = vllm.at(c)
+        samples, t, cpu = drive(eng, requests, vllm.cpu)
+        return [s.token_ids for s in samples], t, cpu
+    sp, n = requests[0][1], requests[0][1].n
+    per = max(1, c // n)
+    rows, t, cpu = [], 0.0, 0.0
+    for i in range(0, len(requests), per):
+        batch = [p for p, _ in requests[i:i + per] for _ in range(n)]
+        if sp.temperature == 0:
+            out, dt, dc = hf.run(batch, sp.max_new_tokens)
+        else:
+            out, dt, dc = hf.run_sampled(batch, sp.max_new_tokens, list(sp.stop_token_ids), sp.seed + i)
+        rows, t, cpu = rows + out, t + dt, cpu + dc
+    return rows, t, cpu
+
+
+def _workloads(args) -> dict:
+    """The two workloads as request lists, per repeat (different prompts each repeat and for the warm-up).
+    rl: `--prompts` chat prompts x `--group-size` samples, pure sampling (T=1) until the model's end-of-turn
+    token or 2 x new tokens (the RL loop's rollouts); static: greedy, exactly `new` tokens per prompt, no stop."""
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.tokenizer import HFTokenizer
+
+    stop, g, cap = HFTokenizer(HF_DIR).stop_ids, args.group_size, 2 * args.new_tokens
+
+    def rl(seed: int, k: int):
+        return [(p, SamplingParams(temperature=1.0, max_new_tokens=cap, n=g, seed=seed + 10 * i,
+                                   stop_token_ids=stop)) for i, p in enumerate(prompts(k, seed=seed))]
+
+    def static(seed: int, k: int):
+        return [(p, SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)) for p in prompts(k, seed=seed)]
+
+    return {"rl_sampled": rl, "static_batch": static}
+
+
+def _side_figures(runs: list[tuple[list[list[int]], float, float]]) -> dict:
+    """Tokens/s and CPU-s/token of a side's best repeat (by wall time per useful token)."""
+    toks, t, c = min(runs, key=lambda x: x[1] / max(1, sum(map(len, x[0]))))
+    useful = sum(map(len, toks))
+    return {"tokens_per_s": round(useful / t, 1), "cpu_s_per_token": round(c / useful, 5), "useful_tokens": useful,
+            "mean_len": round(useful / len(toks), 1), "wall_s": round(t, 2), "cpu_s": round(c, 2)}
+
+
+def measure_backends(model, pgs, hf: HFWorker, vllm: VLLMSide | None, args) -> dict:
+    """Every side in `--backends` on both workloads at each concurrency of `--concurrency` (equal concurrency:
+    vLLM's max_num_seqs = our max_running = HF's batch = c), repeats alternating between the sides; then each
+    side's best over the concurrencies. Plus greedy parity and log-prob agreement (see `agreement_figures`)."""
+    sides = args.backends
+    work = _workloads(args)
+    out: dict = {"parity": agreement_figures(model, pgs, hf, vllm, args)}
+    for name, make in work.items():
+        table = {}
+        for c in args.concurrency:
+            k = args.prompts if name == "rl_sampled" else c
+            n = args.group_size if name == "rl_sampled" else 1
+            for side in sides:  # untimed warm-up, one batch (vLLM: its engine for this c starts here)
+                run_side(side, c, make(7000 + c, max(1, c // n)), model, pgs, hf, vllm)
+            tried = {side: [] for side in sides}
+            for r in range(args.repeats):
+                reqs = make(100 * (r + 1) + c, k)
+                for side in sides:
+                    tried[side].append(run_side(side, c, reqs, model, pgs, hf, vllm))
+            table[str(c)] = {side: _side_figures(tried[side]) for side in sides}
+            table[str(c)]["ratios"] = _ratios(table[str(c)], sides)
+            print(f"[bench] {name} c={c}: " + json.dumps(table[str(c)]), file=sys.stderr, flush=True)
+        best = {side: max(((c, f[side]) for c, f in table.items()), key=lambda x: x[1]["tokens_per_s"])
+                for side in sides}
+        out[name] = {"requests": args.prompts if name == "rl_sampled" else "c",
+                     "samples_per_request": args.group_size if name == "rl_sampled" else 1,
+                     "equal_concurrency": table,
+                     "best": {side: {"concurrency": int(c), **f} for side, (c, f) in best.items()},
+                     "best_ratios": _ratios({s: f for s, (_, f) in best.items()}, sides)}
+    if vllm is not None:
+        out["vllm_start_s"] = [round(x, 1) for x in vllm.start_s]
+    return out
+
+
+def _ratios(fig: dict, sides: list[str]) -> dict:
+    """native's speed over each other side: tokens/s ratio and CPU-s/token ratio (> 1: native better)."""
+    if "native" not in sides:
+        return {}
+    n = fig["native"]
+    return {f"native_vs_{s}": {"tokens_per_s": round(n["tokens_per_s"] / fig[s]["tokens_per_s"], 2),
+                               "cpu_per_token": round(fig[s]["cpu_s_per_token"] / n["cpu_s_per_token"], 2)}
+            for s in sides if s != "native"}
+
+
+def agreement_figures(model, pgs, hf: HFWorker, vllm: VLLMSide | None, args) -> dict:
+    """Greedy parity (16 tokens on 4 chat prompts) between every pair of sides, and log-prob agreement: each
+    engine's log-probs of its own tokens against HF's teacher-forced log-softmax of the same tokens (HF: the
+    reference), on the greedy tokens and on T=1 samples (4 prompts x 4 samples, up to 24 tokens); and ours
+    against vLLM's directly on the greedy tokens both produced (up to their first difference).
+    `kl_k1` = mean(engine log-prob - HF's) over the samples' tokens: the estimate of KL(engine || HF) that
+    the RL loop's mismatch_kl uses against the trainer."""
+    from megatron_rl.rollout import SamplingParams
+
+    check = prompts(4, seed=99)
+    c = max(16, args.group_size * 4)
+    greedy = [(p, SamplingParams(temperature=0.0, max_new_tokens=16)) for p in check]
+    sampled = [(p, SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=5 + i)) for i, p in enumerate(check)]
+    engines = [s for s in args.backends if s != "hf"]
+    got = {}
+    for side in engines:
+        eng = _engine(model, pgs, c) if side == "native" else vllm.at(c)
+        got[side] = {"greedy": drive(eng, greedy)[0], "sampled": drive(eng, sampled)[0]}
+    tokens = {side: [s.token_ids for s in got[side]["greedy"]] for side in engines}
+    if "hf" in args.backends:
+        tokens["hf"] = hf.run(check, 16)[0]
+    names = list(tokens)
+    res = {"greedy_equal": {f"{a}_vs_{b}": tokens[a] == tokens[b] for i, a in enumerate(names) for b in names[i + 1:]},
+           "greedy_agreement": {f"{a}_vs_{b}": round(agreement(tokens[a], tokens[b]), 3)
+                                for i, a in enumerate(names) for b in names[i + 1:]}, "logprobs": {}}
+    for side in engines:
+        for kind in ("greedy", "sampled"):
+            samples = got[side][kind]
+            pr = [p for p, sp in (greedy if kind == "greedy" else sampled) for _ in range(sp.n)]
+            if "hf" in args.backends:
+                ref = hf.score([[p, s.token_ids] for p, s in zip(pr, samples)])
+                res["logprobs"][f"{side}_vs_hf_{kind}"] = _lp_diff([s.logprobs for s in samples], ref)
+    if {"native", "vllm"} <= set(engines):
+        a, b = got["native"]["greedy"], got["vllm"]["greedy"]
+        common = [(x.logprobs[:k], y.logprobs[:k]) for x, y in zip(a, b)
+                  for k in [next((i for i, (u, v) in enumerate(zip(x.token_ids, y.token_ids)) if u != v),
+                                 len(x.token_ids))]]
+        res["logprobs"]["native_vs_vllm_greedy"] = _lp_diff([x for x, _ in common], [y for _, y in common])
+    return res
+
+
+def _lp_diff(a: list[list[float]], b: list[list[float]]) -> dict:
+    d = [x - y for u, v in zip(a, b) for x, y in zip(u, v)]
+    if not d:
+        return {"tokens": 0}
+    return {"tokens": len(d), "max_abs": float(f"{max(map(abs, d)):.3g}"),
+            "mean_abs": float(f"{sum(map(abs, d)) / len(d):.3g}"), "kl_k1": float(f"{sum(d) / len(d):.3g}")}
 
 
 def _bytes_per_token() -> int:

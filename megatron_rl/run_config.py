@@ -250,8 +250,9 @@ class RunConfig:
 
     def _check_vllm(self) -> None:
         """engine.backend=vllm: what the vLLM backend serves (an HF folder, one replica per trainer rank of a
-        TP=PP=CP=EP=1 layout, in-process episodes, no routing replay), then its environment (a missing one or
-        another vLLM version refused here, before any rank starts)."""
+        TP=PP=CP=EP=1 layout; in-process, dispatched or fleet episodes with the colocated server; no routing
+        replay), then its environment (a missing one or another vLLM version refused here, before any rank
+        starts)."""
         if self.engine.backend != "vllm":
             return
         from megatron_rl.rollout.vllm_config import check_environment
@@ -264,9 +265,12 @@ class RunConfig:
             raise ConfigError(f"engine.backend=vllm needs parallel.tp=pp=cp=ep=1 (got tp={p.tp} pp={p.pp} cp={p.cp} "
                               f"ep={p.ep}): every trainer rank drives a vLLM engine of its own with the whole model; "
                               f"use engine.backend=native for a sharded trainer")
-        if self.episodes.runner != "inprocess":
-            raise ConfigError(f"engine.backend=vllm runs with episodes.runner=inprocess (got "
-                              f"{self.episodes.runner!r}); use engine.backend=native for dispatched or fleet episodes")
+        if self.episodes.server == "separate":
+            raise ConfigError("engine.backend=vllm serves dispatched and fleet episodes from the trainer rank's own "
+                              "vLLM process (episodes.server=colocated); episodes.server=separate starts a rollout "
+                              "server process that builds our engine and is fed from it, which a vLLM engine "
+                              "(weights in its own process) cannot do: set episodes.server=colocated or "
+                              "engine.backend=native")
         if self.rl.trainer.routing_replay != "off":
             raise ConfigError(f"rl.trainer.routing_replay={self.rl.trainer.routing_replay} needs the experts each "
                               f"token was routed to, which engine.backend=vllm does not return; set "

@@ -357,6 +357,8 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
     m.update(_runner_metrics(parts.runner))
+    if getattr(parts.engine, "restarts", None) is not None:  # engine.backend=vllm: its process restarts so far
+        m["vllm_restarts"] = parts.engine.restarts
     m.update(parts.sync_stats)  # bytes and seconds of the weight sync after this update
     m["plugins_failed"] = sum(plugin_failures().values())  # each logged with its reason when it failed
     return m

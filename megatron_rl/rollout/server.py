@@ -308,7 +308,8 @@ def create_app(engine: RolloutEngine, tokenizer=None, model_name: str = "megatro
     app = web.Application(client_max_size=64 << 20)
     app["token"] = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     loop = loop or EngineLoop(engine)
-    app["state"] = ServerState(loop, tokenizer or ByteTokenizer(engine.model.vocab_size), model_name)
+    vocab = engine.model.vocab_size if engine.model is not None else engine.hf["vocab_size"]  # vllm: no model here
+    app["state"] = ServerState(loop, tokenizer or ByteTokenizer(vocab), model_name)
     app.router.add_post("/v1/completions", requires_token(completions))
     app.router.add_post("/v1/chat/completions", requires_token(chat_completions))
     app.router.add_get("/health", health)

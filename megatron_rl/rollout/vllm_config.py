@@ -30,6 +30,9 @@ class VLLMConfig:
     """KV cache of each engine on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)."""
     cpu_threads_bind: str = ""
     """VLLM_CPU_OMP_THREADS_BIND (e.g. '0-1'; '' = vLLM's default 'auto', which keeps one core back)."""
+    gpu_memory_utilization: float = 0.0
+    """On a GPU: the share of its memory vLLM takes for weights and KV cache (0 = vLLM's default, 0.9: set it
+    lower, e.g. 0.3, on a GPU shared with the trainer). Ignored on CPU (kv_cache_gb)."""
     weight_transfer: str = "file"
     """file: safetensors on tmpfs + reload_weights (any device); nccl: vLLM's NCCL weight-transfer API (GPU
     only; refused without CUDA)."""
@@ -39,6 +42,11 @@ class VLLMConfig:
     """Seconds the vLLM process may take to load the model and answer ready."""
     step_timeout_s: float = 600.0
     """Seconds one engine step or weight reload may take before the process is declared hung (killed)."""
+    max_restarts: int = 2
+    """A vLLM process that dies (killed, out of memory) or hangs past step_timeout_s is restarted this many times
+    per engine: it reloads the last synced weights and the samples in flight continue from their tokens so far
+    (none lost); one more death stops the run with the error (0: no restart). With restarts on, the last synced
+    weights stay on tmpfs (one copy of the model in shm_dir) for the reload."""
 
     def validate(self) -> None:
         if not self.python.strip():
@@ -48,6 +56,11 @@ class VLLMConfig:
         for name in ("kv_cache_gb", "start_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine.vllm.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.gpu_memory_utilization < 1:
+            raise ConfigError(f"engine.vllm.gpu_memory_utilization must be in [0, 1), got "
+                              f"{self.gpu_memory_utilization}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"engine.vllm.max_restarts must be >= 0, got {self.max_restarts}")
 
     def command(self) -> list[str]:
         """The python command as an argument list (a path, or a command prefix)."""

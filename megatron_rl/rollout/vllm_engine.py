@@ -23,9 +23,15 @@ RuntimeError naming the missing). After a reload vLLM's prefix cache is emptied 
 preempted, so their K/V is recomputed under the new weights (the native engine's kv_on_update='recompute');
 tokens sampled after it carry the new version.
 
-A dead vLLM process (killed, out of memory) is seen at once (end of the pipe) or after
-`engine.vllm.step_timeout_s` without a reply: RuntimeError naming the process, its exit status and the tail
-of its log, never a hang.
+A dead vLLM process (killed, out of memory) is seen at once (end of the pipe), a hung one after
+`engine.vllm.step_timeout_s` without a reply (then killed); either is restarted (`engine.vllm.max_restarts`
+times per engine): the new process loads the last synced weights (their folder is kept on tmpfs while restarts
+are on) and every sample in flight continues from the tokens it had (prompt + its tokens so far as the new
+prompt, the rest of its token budget, a new seed), so no episode is lost and the tokens already sampled keep
+their log-probs and versions. One death more than that: RuntimeError naming the process, its exit status, the
+setting and the tail of its log, never a hang. Start-up errors are clear errors naming the setting to fix: a
+missing environment or another vLLM version (`engine.vllm.python` / `engine.vllm.version`, checked before the
+process starts), a model vLLM cannot load (`model.init`, with vLLM's own last line and its log).
 """
 from __future__ import annotations
 
@@ -34,7 +40,9 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -51,6 +59,18 @@ from megatron_rl.rollout.vllm_config import VLLMConfig, dtype_name  # noqa: F401
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
+class VLLMProcessDied(RuntimeError):
+    """The vLLM process exited or hung (killed): restartable."""
+
+
+class VLLMHung(VLLMProcessDied):
+    """The vLLM process gave no answer within its timeout (it has been killed)."""
+
+
+class VLLMWorkerError(RuntimeError):
+    """The vLLM process answered a message with an error (it is still up)."""
+
+
 class VLLMEngine:
     """A vLLM engine process behind the native engine's contract (see the module doc)."""
 
@@ -59,8 +79,11 @@ class VLLMEngine:
         from megatron_rl.convert.arch import for_hf_config
         from megatron_rl.convert.source import hf_config
         from megatron_rl.model_init import parse
+        from megatron_rl.rollout.vllm_config import check_environment
 
+        check_environment(vcfg)  # a missing environment or another vLLM version: ConfigError naming the setting
         self.vcfg, self.cfg, self.version, self.dtype = vcfg, cfg, version, dtype
+        self.model_init, self.restarts, self._weights = model_init, 0, None  # _weights: last synced folder
         kind, self.folder = parse(model_init)
         if kind != "hf":
             raise ConfigError(f"engine.backend=vllm loads an HF model folder: model.init={model_init!r} is not "
@@ -77,17 +100,23 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(cfg.seed)
         self.counters = {"generated_tokens": 0, "prompt_tokens": 0, "steps": 0, "forward_s": 0.0,
-                         "weight_reload_s": 0.0}
+                         "weight_reload_s": 0.0, "engine_restarts": 0}
         self.shm = Path(tempfile.mkdtemp(prefix=f"mrl-vllm-{os.getpid()}-", dir=vcfg.shm_dir))
         self.log_path = Path(log_dir or self.shm) / f"vllm-{os.getpid()}.log"
         self.proc = None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            shutil.rmtree(self.shm, ignore_errors=True)  # nothing left on tmpfs by a failed start
+            raise
 
     # ------------------------------------------------------------------------------------ process
     def _start(self) -> None:
         conf = {"model": str(self.folder), "dtype": self.dtype, "seed": self.cfg.seed,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.cfg.max_running,
                 "enforce_eager": self.vcfg.enforce_eager}
+        if self.vcfg.gpu_memory_utilization:  # GPU only (EngineArgs' own field)
+            conf["extra"] = {"gpu_memory_utilization": self.vcfg.gpu_memory_utilization}
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_CPU_KVCACHE_SPACE": str(self.vcfg.kv_cache_gb), "VLLM_DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}
@@ -105,14 +134,54 @@ class VLLMEngine:
         os.close(to_p)
         self._out, self._in = os.fdopen(from_p, "w"), from_w
         self._buf = b""
-        ready = self._recv(self.vcfg.start_timeout_s, "start")
+        try:
+            ready = self._recv(self.vcfg.start_timeout_s, "start")
+        except VLLMHung as e:  # a slow start, not a model it cannot load: the message names start_timeout_s
+            self._kill()
+            raise RuntimeError(str(e)) from None
+        except (VLLMProcessDied, VLLMWorkerError) as e:
+            self._kill()
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else "?"
+            raise ConfigError(f"vLLM could not load model.init={self.model_init!r} (engine.backend=vllm, dtype "
+                              f"{self.dtype}): {last}\nCheck that vLLM {self.vcfg.version} serves this model "
+                              f"(architecture, head size, dtype on this device), or use engine.backend=native. "
+                              f"Its log: {self.log_path}") from None
         self.vllm_version = ready["ready"]
+        if self.vllm_version.split("+")[0] != self.vcfg.version:
+            self._kill()
+            raise ConfigError(f"engine.vllm.python={self.vcfg.python!r} started vLLM {self.vllm_version}, the "
+                              f"backend needs {self.vcfg.version} (engine.vllm.version); run `bash "
+                              f"scripts/setup_vllm.sh` or point engine.vllm.python at a vLLM {self.vcfg.version}")
+
+    def _kill_process(self) -> int:
+        """SIGKILL the process's whole session (start_new_session: vLLM's helpers too) while its id is still
+        reserved (not yet reaped); its exit status."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+        return self.proc.wait()
+
+    def _kill(self) -> None:
+        """Stop the process (if still up) and close this side's pipe ends."""
+        if self.proc is not None:
+            self._kill_process()
+        for f in (getattr(self, "_out", None),):
+            try:
+                f and f.close()
+            except OSError:
+                pass
+        self._out = None
+        if getattr(self, "_in", None) is not None:
+            os.close(self._in)
+            self._in = None
 
     def _send(self, msg: dict) -> None:
         try:
             self._out.write(json.dumps(msg) + "\n")
             self._out.flush()
-        except (BrokenPipeError, ValueError):
+        except (BrokenPipeError, ValueError, AttributeError):
             self._died(msg["op"])
 
     def _recv(self, timeout: float, what: str) -> dict:
@@ -120,11 +189,10 @@ class VLLMEngine:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError(f"vLLM engine process {self.proc.pid} gave no answer to {what} in {timeout:.0f} s "
-                                   f"(engine.vllm.{'start' if what == 'start' else 'step'}_timeout_s); killed it. "
-                                   f"Its log ({self.log_path}) ends:\n{self._log_tail()}")
+                self._kill_process()
+                raise VLLMHung(f"vLLM engine process {self.proc.pid} gave no answer to {what} in "
+                                      f"{timeout:.0f} s (engine.vllm.{'start' if what == 'start' else 'step'}"
+                                      f"_timeout_s); killed it. Its log ({self.log_path}) ends:\n{self._log_tail()}")
             r, _, _ = select.select([self._in], [], [], min(left, 1.0))
             if r:
                 chunk = os.read(self._in, 1 << 20)
@@ -134,20 +202,63 @@ class VLLMEngine:
         line, self._buf = self._buf.split(b"\n", 1)
         reply = json.loads(line)
         if "error" in reply:
-            raise RuntimeError(f"vLLM engine ({what}) failed:\n{reply['error']}")
+            raise VLLMWorkerError(f"vLLM engine ({what}) failed:\n{reply['error']}")
         return reply
 
     def _died(self, what: str):
-        code = self.proc.wait()
-        raise RuntimeError(f"vLLM engine process {self.proc.pid} exited (status {code}) during {what}: the episodes "
-                           f"in flight are lost with it; the run stops (rerun the same command to resume from the "
-                           f"last checkpoint). Its log ({self.log_path}) ends:\n{self._log_tail()}")
+        try:
+            code = self.proc.wait(timeout=30)  # its end of the pipe is closed: it is exiting
+        except subprocess.TimeoutExpired:
+            code = self._kill_process()
+        raise VLLMProcessDied(f"vLLM engine process {self.proc.pid} exited (status {code}) during {what}. "
+                              f"Its log ({self.log_path}) ends:\n{self._log_tail()}")
 
-    def _call(self, msg: dict, what: str) -> dict:
-        if self.proc is None or self.proc.poll() is not None:
-            self._died(what)
-        self._send(msg)
-        return self._recv(self.vcfg.step_timeout_s, what)
+    def _recover(self, died: VLLMProcessDied) -> None:
+        """Restart a dead or hung vLLM process (engine.vllm.max_restarts): the last synced weights reloaded, every
+        sample in flight resubmitted to continue from its tokens so far. RuntimeError when out of restarts."""
+        while True:
+            if self.restarts >= self.vcfg.max_restarts:
+                raise RuntimeError(f"{died}\nThe vLLM process died {self.restarts + 1} time(s), more than "
+                                   f"engine.vllm.max_restarts={self.vcfg.max_restarts} allows; the run stops (rerun "
+                                   f"the same command to resume from the last checkpoint)") from None
+            self.restarts += 1
+            self.counters["engine_restarts"] += 1
+            head = str(died).split(" Its log (")[0]
+            print(f"[megatron-rl] {head} Restarting it ({self.restarts}/{self.vcfg.max_restarts}, "
+                  f"engine.vllm.max_restarts); the samples in flight continue. Its log: {self.log_path}",
+                  file=sys.stderr, flush=True)
+            self._kill()
+            self._start()
+            try:
+                if self._weights is not None:
+                    self._call({"op": "reload", "path": str(self._weights)}, "reload_weights", recover=False)
+                break
+            except VLLMProcessDied as again:
+                died = again
+        self._pending, self._aborts = [], []
+        for rid, req in list(self._requests.items()):
+            for s in req["samples"]:
+                left = req["sp"]["max_new_tokens"] - len(s.token_ids)
+                if s.finish_reason is None and left <= 0:
+                    self._finish(rid, s, "length")
+                elif s.finish_reason is None:  # continues after its own tokens, with the rest of its budget
+                    sp = {**req["sp"], "max_new_tokens": left,
+                          "seed": (req["seed"] + s.index + 7919 * self.restarts) % 2**63}
+                    self._pending.append([f"{rid}#{s.index}", req["prompt"] + s.token_ids, sp])
+
+    def _call(self, msg: dict, what: str, recover: bool = True) -> dict | None:
+        """One message and its reply; a dead or hung process is restarted (None returned: the message is
+        void, the samples in flight resubmitted) unless `recover` is False (then VLLMProcessDied)."""
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                self._died(what)
+            self._send(msg)
+            return self._recv(self.vcfg.step_timeout_s, what)
+        except VLLMProcessDied as e:
+            if not recover:
+                raise
+            self._recover(e)
+            return None
 
     def _log_tail(self, n: int = 2000) -> str:
         try:
@@ -162,16 +273,8 @@ class VLLMEngine:
                 self._send({"op": "close"})
                 self.proc.wait(timeout=30)
             except (RuntimeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        for f in (getattr(self, "_out", None),):
-            try:
-                f and f.close()
-            except OSError:
                 pass
-        if getattr(self, "_in", None) is not None:
-            os.close(self._in)
-            self._in = None
+        self._kill()
         shutil.rmtree(self.shm, ignore_errors=True)
 
     def __del__(self):
@@ -183,6 +286,8 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------ requests
     model = None
     """No in-process model (the weights live in the vLLM process)."""
+    cache = None
+    """No paged cache of ours (the rollout server reads `cache.routes`: no MoE routes recorded)."""
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, turn_boundaries: list[int] | None = None,
@@ -217,8 +322,9 @@ class VLLMEngine:
                   "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
             for i in range(params.n):
                 self._pending.append([f"{rid}#{i}", prompt, {**sp, "seed": (seed + i) % 2**63}])
-            self._requests[rid] = {"prompt": prompt, "open": params.n, "compression": compression,
-                                   "samples": [SampleOutput(i, [], [], [], None) for i in range(params.n)]}
+            samples = [SampleOutput(i, [], [], [], None) for i in range(params.n)]
+            self._requests[rid] = {"prompt": prompt, "open": params.n, "compression": compression, "sp": sp,
+                                   "seed": seed, "samples": samples}
             self.counters["prompt_tokens"] += len(prompt)
         return rid
 
@@ -255,10 +361,10 @@ class VLLMEngine:
                 msg = {"op": "step", "add": self._pending, "abort": self._aborts}
                 self._pending, self._aborts = [], []
                 t0 = time.perf_counter()
-                reply = self._call(msg, "step")
+                reply = self._call(msg, "step")  # None: the process was restarted, the samples resubmitted
                 self.counters["forward_s"] += time.perf_counter() - t0
                 self.counters["steps"] += 1
-                for sub, tokens, lps, finish in reply["outputs"]:
+                for sub, tokens, lps, finish in (reply or {}).get("outputs", []):
                     self._take(sub, tokens, lps, finish)
             return self.pop_finished()
 
@@ -320,12 +426,33 @@ class VLLMEngine:
                     for rid in list(self._requests):
                         self.abort(rid)
                 t0 = time.perf_counter()
-                self._call({"op": "reload", "path": str(folder)}, "reload_weights")
+                self._reload(folder)
                 self.counters["weight_reload_s"] += time.perf_counter() - t0
-            finally:
+            except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
+                raise
+            self._keep(folder)
             self.version = version
             return len(names)
+
+    def _reload(self, folder: Path) -> None:
+        """reload_weights from `folder`; a process that dies meanwhile is restarted on exactly these weights."""
+        try:
+            self._call({"op": "reload", "path": str(folder)}, "reload_weights", recover=False)
+        except VLLMProcessDied as e:
+            old, self._weights = self._weights, folder
+            try:
+                self._recover(e)  # the new process loads `folder`
+            finally:
+                self._weights = old
+
+    def _keep(self, folder: Path) -> None:
+        """The synced folder stays for a restart's reload (engine.vllm.max_restarts > 0); the previous goes."""
+        if self._weights is not None and self._weights != folder:
+            shutil.rmtree(self._weights, ignore_errors=True)
+        self._weights = folder if self.vcfg.max_restarts > 0 else None
+        if self._weights is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _update_nccl(self, version: int, named_tensors, policy: str) -> int:
         """vLLM's NCCL weight-transfer route (GPU only; selected by engine.vllm.weight_transfer=nccl)."""
@@ -334,7 +461,10 @@ class VLLMEngine:
 
     def stats(self) -> dict:
         with self.lock:
+            running = sum(s.finish_reason is None for r in self._requests.values() for s in r["samples"])
+            # the rollout server's /metrics reads these; vLLM's own KV blocks and preemptions are not reported
             return {"queue_length": len(self._pending), "requests_in_flight": len(self._requests),
+                    "running": running, "kv_blocks_used": 0, "kv_blocks_total": 0, "preemptions": 0,
                     "policy_version": self.version, "backend": "vllm", **self.counters}
 
 

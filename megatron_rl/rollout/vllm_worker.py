@@ -107,6 +107,7 @@ class Worker:
         # preempted (their K/V recomputed under the new weights, as the native engine's kv_on_update=recompute)
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM could not reset its prefix cache after reload_weights")
+        print(f"[megatron-rl vllm_worker] weights reloaded from {msg['path']}", file=sys.stderr, flush=True)
         return {"seconds": time.perf_counter() - t0}
 
 
@@ -125,6 +126,7 @@ def main() -> None:
         send({"error": traceback.format_exc()})
         return
     send({"ready": vllm.__version__})
+    print(f"[megatron-rl vllm_worker] ready: vLLM {vllm.__version__}, pid {os.getpid()}", file=sys.stderr, flush=True)
     for line in fin:
         msg = json.loads(line)
         if msg["op"] == "close":
