@@ -14,7 +14,7 @@ from megatron_rl.tools.plan.memory import plan_layout, rank_chunks, resolve_layo
 from megatron_rl.tools.plan.search import search
 from megatron_rl.tools.plan.spec import PlanConfig, load_plan_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "plan"
 
 
 def _load(name: str, *overrides: str) -> tuple[PlanConfig, Arch]:
@@ -275,7 +275,7 @@ def test_unknown_config_key_rejected(tmp_path, capsys):
 
 
 def test_run_config_is_accepted(capsys):
-    assert main([str(CONFIGS / "demo_cpu.yaml"), "--json"]) == 0
+    assert main([str(CONFIGS.parent / "demo_cpu.yaml"), "--json"]) == 0  # a run config (configs/), not a plan spec
     out = json.loads(capsys.readouterr().out)
     assert out["gpus"] == 2 and out["plan"]["layout"]["tp"] == 2 and out["plan"]["fits"]
 

@@ -1,6 +1,6 @@
 """Planner inputs: the `PlanConfig` YAML schema, the planner-only `ArchSpec`, and the GPU table.
 
-A plan config (`configs/llama3_8b.yaml`, `configs/deepseek_v3_671b.yaml`, ...) has these top-level sections,
+A plan config (`configs/plan/llama3_8b.yaml`, `configs/plan/deepseek_v3_671b.yaml`, ...) has these top-level sections,
 all loaded strictly with `megatron_rl.config.from_dict` (unknown keys rejected with their dotted name):
 
     name:     a label for the printout
