@@ -66,6 +66,18 @@ class RLLoopConfig:
             raise ConfigError(f"rl.max_oversample must be >= 0, got {self.max_oversample}")
         if self.group_size < 2 and self.dynamic_sampling:
             raise ConfigError("rl.dynamic_sampling needs rl.group_size >= 2 (a group of one always has equal rewards)")
+        self._no_shadowed_trainer_fields()
+
+    def _no_shadowed_trainer_fields(self) -> None:
+        """rl.trainer.temperature and rl.trainer.valid_vocab are set by the loop (from rl.temperature and from the
+        run's tokenizer): a different value written there would be overwritten without a word, so it is refused."""
+        t = self.trainer
+        if t.temperature not in (1.0, self.temperature):
+            raise ConfigError(f"rl.trainer.temperature={t.temperature} is set by the loop from rl.temperature "
+                              f"({self.temperature}): set rl.temperature instead (the rollouts sample with it)")
+        if t.valid_vocab is not None:
+            raise ConfigError(f"rl.trainer.valid_vocab={t.valid_vocab} is set by the loop from the run's tokenizer: "
+                              "remove it (tokenizer.* names the tokenizer)")
 
     def correction(self) -> str:
         """The IS correction actually used."""

@@ -53,3 +53,19 @@ def test_loop_config_validation():
     with pytest.raises(ConfigError, match="dynamic_sampling needs rl.group_size >= 2"):
         RLLoopConfig(group_size=1).validate()
     assert RLLoopConfig(max_staleness=2).correction() == "tis" and RLLoopConfig().correction() == "none"
+
+
+def test_trainer_fields_the_loop_sets_are_refused_when_they_would_be_overwritten(repo_root):
+    """rl.trainer.temperature / valid_vocab are the loop's to set (from rl.temperature and the tokenizer): another
+    value there is refused naming the setting to use, not overwritten silently; the loop's value passes on."""
+    from megatron_rl import load_config
+    from megatron_rl.loop.setup import trainer_config
+
+    demo = str(repo_root / "configs" / "demo_cpu.yaml")
+    with pytest.raises(ConfigError, match=r"rl.trainer.temperature=0.7 is set by the loop from rl.temperature"):
+        load_config(demo, ["rl.trainer.temperature=0.7"])
+    with pytest.raises(ConfigError, match=r"rl.trainer.valid_vocab=100 is set by the loop"):
+        load_config(demo, ["rl.trainer.valid_vocab=100"])
+    cfg = load_config(demo, ["rl.temperature=0.7", "rl.trainer.temperature=0.7"])
+    assert trainer_config(cfg, 259).temperature == 0.7
+    assert trainer_config(load_config(demo, ["rl.temperature=0.5"]), 259).temperature == 0.5
