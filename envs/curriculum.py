@@ -52,6 +52,11 @@ class DomainCurriculumConfig:
     the most learnable one, so every domain is explored early."""
     min_samples: int = 2
     """A group with fewer valid samples says nothing about learnability and is ignored (>= 2)."""
+    level_up_at: float = 0.8
+    """A domain with difficulty levels (`envs.domains.<d>.levels`) moves to its next level once the mean reward of
+    its last `level_groups` groups at the current level reaches this (levels climb whether or not `enabled`)."""
+    level_groups: int = 4
+    """Groups of a domain at its current level before it may move up (>= 1)."""
 
     def validate(self) -> None:
         from megatron_rl.config import ConfigError
@@ -63,6 +68,10 @@ class DomainCurriculumConfig:
             bad.append(f"decay={self.decay} (need 0 <= decay < 1)")
         if not 0.0 <= self.prior <= 1.0:
             bad.append(f"prior={self.prior} (need 0 <= prior <= 1)")
+        if not 0.0 < self.level_up_at <= 1.0:
+            bad.append(f"level_up_at={self.level_up_at} (need 0 < level_up_at <= 1)")
+        if self.level_groups < 1:
+            bad.append(f"level_groups={self.level_groups} (need >= 1)")
         if self.min_samples < 2:
             bad.append(f"min_samples={self.min_samples} (need >= 2: one sample has no spread)")
         if bad:

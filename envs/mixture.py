@@ -22,6 +22,7 @@ the LLM judge and the domains' images.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ class DomainConfig:
     generator: dict[str, Any] = field(default_factory=dict)
     """A task library's domain: its generator's settings (e.g. reasoning-gym's difficulty fields); unknown names
     are refused; {} = the generator's defaults."""
+    levels: int = 0
+    """A task library's domain: climb the first `levels` difficulty levels of its generator's own curriculum
+    (reasoning-gym's; `generator` settings apply on top) during the run, easiest first: train_tasks made per
+    level, the next level once the domain's groups at this one reach `envs.curriculum.level_up_at` mean reward
+    (`envs.sampler`); held-out tasks keep the `generator` settings. 0 = fixed settings."""
     tier: str = ""
     """Only tasks whose payload `tier` is this (the generated suites' easy / medium); '' = all tasks."""
     reward_weights: dict[str, float] = field(default_factory=dict)
@@ -231,6 +237,25 @@ class MixtureConfig:
                 tasks = [t for t in tasks if t.payload.get("tier") == d.tier]
             cap = {"train": d.train_tasks, "heldout": d.heldout_tasks}.get(split, 0)
             out[name] = tasks[:cap] if cap else tasks
+        return out
+
+    def level_tasks(self) -> dict[str, list[list]]:
+        """Domain -> its train tasks per difficulty level (level 0 first) for every domain with `levels` > 0: level
+        i's tasks are made with the generator's level-i settings under `generator` (its own seed: seed + i), ids
+        `L<i>-train-...`, and none repeats a held-out question of the domain."""
+        from megatron_rl.envs.procedural.contract import difficulty_levels
+        from megatron_rl.envs.procedural.env import generate
+
+        out = {}
+        for name, d in self.domains.items():
+            if d.levels <= 0 or d.weight <= 0:
+                continue
+            held = {t.prompt for t in self.tasks("heldout", only=name)[name]}
+            out[name] = []
+            for i, settings in enumerate(difficulty_levels(name)[:d.levels]):
+                tasks = generate(name, "train", {"train": d.train_tasks, "heldout": d.heldout_tasks}, d.seed + i,
+                                 {**settings, **d.generator})
+                out[name].append([dataclasses.replace(t, id=f"L{i}-{t.id}") for t in tasks if t.prompt not in held])
         return out
 
     def budget(self, name: str, max_seq_length: int, unlisted: DomainConfig | None = None) -> Budget:

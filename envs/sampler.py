@@ -9,6 +9,11 @@ With a curriculum (`envs.curriculum.DomainCurriculum`) the weights of the draws 
 probabilities, which move with the groups recorded (`record_group`); its state is part of the sampler's, so a
 resumed run draws the same sequence with the same weights. Per-domain metrics count groups and the groups with
 no gradient (every valid sample got the same reward).
+
+Difficulty levels within a domain (`levels`: domain -> its train tasks per level, easiest first; the mixture's
+`level_tasks`): the domain draws from its current level's tasks; once its last `level_groups` groups there have a
+mean reward >= `level_up_at`, it moves to the next level (a fresh permutation of that level's tasks). The level
+and its window of group means are part of the state, so a resumed run climbs exactly as an unbroken one.
 """
 from __future__ import annotations
 
@@ -95,8 +100,10 @@ class DomainSampler:
     """Samples tasks from several domains with weights; deterministic given the seed; resumable."""
 
     def __init__(self, tasks: dict[str, list[Task]], weights: dict[str, float] | None = None, seed: int = 0,
-                 curriculum=None):
-        """`curriculum`: an `envs.curriculum.DomainCurriculumConfig` (enabled) moving the weights; None = fixed."""
+                 curriculum=None, levels: dict[str, list[list[Task]]] | None = None):
+        """`curriculum`: an `envs.curriculum.DomainCurriculumConfig` (enabled: moving the weights; its level_up_at
+        and level_groups: the climb through `levels`); None = fixed weights. `levels`: domain -> its tasks per
+        difficulty level (they replace `tasks[domain]`, level 0 first)."""
         weights = {d: 1.0 for d in tasks} if not weights else dict(weights)
         unknown = sorted(set(weights) - set(tasks))
         if unknown:
@@ -110,7 +117,15 @@ class DomainSampler:
         empty = [d for d in self.domains if not tasks[d]]
         if empty:
             raise EnvError(f"domain(s) {empty} have weight > 0 but no tasks; check the task files and split")
-        self.tasks = {d: list(tasks[d]) for d in self.domains}
+        self.levels = {d: [list(ts) for ts in lv] for d, lv in (levels or {}).items() if d in self.domains and lv}
+        empty = [f"{d} level {i}" for d, lv in self.levels.items() for i, ts in enumerate(lv) if not ts]
+        if empty:
+            raise EnvError(f"difficulty level(s) without tasks: {empty}")
+        self.level = {d: 0 for d in self.levels}
+        self._level_window: dict[str, list[float]] = {d: [] for d in self.levels}
+        self.level_up_at = getattr(curriculum, "level_up_at", 0.8)
+        self.level_groups = getattr(curriculum, "level_groups", 4)
+        self.tasks = {d: list(self.levels[d][0] if d in self.levels else tasks[d]) for d in self.domains}
         self.weights = [float(weights[d]) for d in self.domains]
         self.seed = int(seed)
         self.draws = 0
@@ -171,9 +186,34 @@ class DomainSampler:
         self.metrics.record_group(task.domain, rewards)
         if self.curriculum is not None:
             self.curriculum.observe(task.domain, [float(r) for r in rewards])
+        if task.domain in self.levels and rewards:
+            self._climb(task.domain, sum(rewards) / len(rewards))
+
+    def _climb(self, domain: str, mean: float) -> None:
+        """One group of `domain` at its level: the next level once the last `level_groups` means reach
+        `level_up_at` (tasks of a group drawn before the move still count for the level they were drawn at)."""
+        window = self._level_window[domain]
+        window.append(float(mean))
+        del window[:-self.level_groups]
+        last = len(self.levels[domain]) - 1
+        if self.level[domain] < last and len(window) == self.level_groups and \
+                sum(window) / len(window) >= self.level_up_at:
+            self._set_level(domain, self.level[domain] + 1)
+
+    def _set_level(self, domain: str, level: int) -> None:
+        self.level[domain], self._level_window[domain] = level, []
+        self.tasks[domain] = self.levels[domain][level]
+        self.positions[domain] = [0, 0]
+        self._perm.pop(domain, None)
+
+    def level_metrics(self) -> dict[str, float]:
+        """'<domain>/level' of every domain with difficulty levels."""
+        return {f"{d}/level": float(lv) for d, lv in sorted(self.level.items())}
 
     def state_dict(self) -> dict:
         cur = {"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {}
+        if self.levels:
+            cur["levels"] = {d: {"level": lv, "window": list(self._level_window[d])} for d, lv in self.level.items()}
         return {"version": 1, "seed": self.seed, "draws": self.draws, **cur,
                 "positions": {d: {"epoch": e, "index": i, "num_tasks": len(self.tasks[d]),
                                   "fingerprint": _fingerprint(self.tasks[d])}
@@ -184,6 +224,10 @@ class DomainSampler:
         from its beginning (strict=False); a new domain starts from its beginning."""
         if state.get("version") != 1:
             raise EnvError(f"unsupported sampler state version {state.get('version')!r} (expected 1)")
+        for d, lv in state.get("levels", {}).items():  # before the positions: they index the level's tasks
+            if d in self.levels:
+                self._set_level(d, min(int(lv["level"]), len(self.levels[d]) - 1))
+                self._level_window[d] = [float(x) for x in lv["window"]]
         positions = {d: [0, 0] for d in self.domains}
         for d, p in state["positions"].items():
             if d not in self.positions:

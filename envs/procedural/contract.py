@@ -9,6 +9,8 @@ in-process and on rollout workers, with
 - train and held-out tasks generated from seeds (`generate`), disjoint by question text (checked by the mixture),
   recorded in every task's provenance (library, version, generator, seed, size, index, settings);
 - the generator's settings (difficulty) per domain (`envs.domains.<d>.generator`), unknown names refused;
+- optionally, difficulty levels (a library's `levels(generator)`: settings per level, easiest first, e.g.
+  reasoning-gym's own curricula) that a domain climbs during the run (`envs.domains.<d>.levels`);
 - the answer asked for in <answer>...</answer> and scored by the generator's own scorer (partial credit kept),
   plus a separate `format` component (`envs.procedural.env`);
 - a generator that raises while making a task: that task is left out and counted per domain; while scoring: the
@@ -79,6 +81,17 @@ class TaskLibrary(Protocol):
 
     def score(self, generator: str, config: dict, seed: int, size: int, answer: str, entry: Any) -> float:
         """The generator's score in [0, 1] of `answer` (the text extracted from the reply) to the task `entry`."""
+
+
+def difficulty_levels(domain: str) -> list[dict]:
+    """The generator settings of `domain`'s difficulty levels, easiest first, from its library's optional
+    `levels(generator) -> list[dict]` (the generator's own curriculum); [] when the library has none. A domain
+    with `envs.domains.<d>.levels: N` climbs the first N of them during the run (`envs.sampler`)."""
+    parts = split_domain(domain)
+    if parts is None:
+        return []
+    levels = getattr(LIBRARIES.get(parts[0]), "levels", None)
+    return list(levels(parts[1])) if callable(levels) else []
 
 
 LIBRARIES: Registry[TaskLibrary] = Registry("task library", entry_point_group="megatron_rl.task_libraries")

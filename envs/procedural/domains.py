@@ -21,7 +21,13 @@ import dataclasses
 import fnmatch
 from typing import Any
 
-from megatron_rl.envs.procedural.contract import LIBRARIES, is_procedural, library_domains, split_domain
+from megatron_rl.envs.procedural.contract import (
+    LIBRARIES,
+    difficulty_levels,
+    is_procedural,
+    library_domains,
+    split_domain,
+)
 
 CATEGORY_SEP = ":"
 _MERGED = ("generator", "reward_weights")
@@ -103,8 +109,8 @@ def check_domain(name: str, d) -> None:
 
     key = f"envs.domains.{name}"
     if not is_procedural(name):
-        if d.generator or d.seed:
-            raise ConfigError(f"{key}: generator and seed apply to a task library's domains (e.g. "
+        if d.generator or d.seed or d.levels:
+            raise ConfigError(f"{key}: generator, seed and levels apply to a task library's domains (e.g. "
                               f"reasoning_gym/<generator>) only; {name!r} has a task suite")
         return
     if d.task_files:
@@ -115,6 +121,12 @@ def check_domain(name: str, d) -> None:
         LIBRARIES.get(lib).check_config(gen, dict(d.generator))
     except ValueError as e:
         raise ConfigError(f"{key}.generator: {e}") from None
+    if d.levels:
+        have = len(difficulty_levels(name))
+        if not 0 < d.levels <= have:
+            raise ConfigError(f"{key}.levels={d.levels}: {name!r} has {have} difficulty level(s) in its generator's "
+                              f"curriculum; need 1 <= levels <= {have}" + (" (or 0: fixed settings)" if have else
+                                                                           "; set levels: 0"))
 
 
 def check_splits(name: str, d, tasks) -> None:

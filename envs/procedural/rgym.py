@@ -147,6 +147,31 @@ class ReasoningGym:
             raise ValueError(f"reasoning-gym generator {generator!r} refuses settings {config}: "
                              f"{e.__class__.__name__}: {e}") from None
 
+    @functools.cache  # noqa: B019  (one instance, registered once)
+    def levels(self, generator: str) -> tuple[dict, ...]:
+        """The settings of the generator's own curriculum (reasoning-gym's `create_curriculum`) at each global
+        level, easiest first (level L puts every attribute at min(L, its last level)): only the settings the
+        curriculum moves (plain JSON values); () without a curriculum."""
+        import dataclasses
+
+        _datasets()
+        from reasoning_gym.factory import create_curriculum, has_curriculum
+
+        if not has_curriculum(generator):
+            return ()
+        cur, confs = create_curriculum(generator), []
+        for level in range(max((len(a.levels) for a in cur.attributes.values()), default=1)):
+            cur.set_global_level(level)
+            confs.append(dataclasses.asdict(cur.generate_configuration({"seed": 0, "size": 1})))
+        moved = sorted(k for k in confs[0] if k not in _SPLIT_KEYS and len({json.dumps(c[k], default=repr)
+                                                                           for c in confs}) > 1)
+        out = []
+        for c in confs:
+            level = {k: c[k] for k in moved if _plain(c[k])}
+            if not out or level != out[-1]:
+                out.append(level)
+        return tuple(out)
+
     def make(self, generator: str, config: dict, seed: int, size: int, index: int) -> Item:
         ds = _dataset(generator, json.dumps(config, sort_keys=True), seed, size)
         with _quiet():
@@ -157,6 +182,14 @@ class ReasoningGym:
     def score(self, generator: str, config: dict, seed: int, size: int, answer: str, entry: Any) -> float:
         ds = _dataset(generator, json.dumps(config, sort_keys=True), seed, size)
         return float(ds.score_answer(answer, entry))
+
+
+def _plain(value) -> bool:
+    """`value` survives a JSON round trip unchanged (an int, a float, a string, a list of them)."""
+    try:
+        return json.loads(json.dumps(value)) == value
+    except (TypeError, ValueError):
+        return False
 
 
 def available() -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -27,14 +28,15 @@ def task_lists(cfg: RunConfig) -> dict:
         heldout = generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")
         return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"), "heldout": heldout,
                 "rl": {"countdown": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl")},
-                "eval": heldout[:cfg.eval.tasks]}
+                "eval": heldout[:cfg.eval.tasks], "levels": {}}
     from megatron_rl.envs.tasks import load_domain
 
     evals = cfg.envs.tasks("heldout")
     return {"train": load_domain(cfg.data.domain, split="train")[:cfg.data.train_tasks],
             "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks],
             "rl": {d: ts for d, ts in cfg.envs.tasks("train").items() if cfg.envs.domains[d].weight > 0},
-            "eval": [t for ts in evals.values() for t in ts[:cfg.eval.tasks]]}
+            "eval": [t for ts in evals.values() for t in ts[:cfg.eval.tasks]],
+            "levels": cfg.envs.level_tasks()}  # domain -> train tasks per difficulty level (envs.domains.<d>.levels)
 
 
 def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
@@ -43,7 +45,14 @@ def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
     room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
     fits = lambda ts: [t for t in ts if len(prompt_ids(tok, t)) <= room]  # noqa: E731
     rl = {d: fits(ts) for d, ts in tasks["rl"].items()}
-    out = {**tasks, "rl": rl, "eval": fits(tasks["eval"])}
+    out = {**tasks, "rl": rl, "eval": fits(tasks["eval"]), "levels": {}}
+    for d, lv in tasks.get("levels", {}).items():  # a domain climbs up to its first level with no fitting task
+        kept = list(itertools.takewhile(bool, (fits(ts) for ts in lv)))
+        if say and len(kept) < len(lv):
+            print(f"[megatron-rl] {d}: difficulty levels {len(kept)}.. left out (no prompt shorter than {room} "
+                  f"tokens)", flush=True)
+        if kept:
+            out["levels"][d] = kept
     for d, ts in rl.items():
         if not ts:
             raise ConfigError(f"envs.domains.{d}: no task's prompt fits model.max_seq_length={cfg.model.max_seq_length}"
@@ -174,10 +183,12 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
               f"{time.monotonic() - t0:.0f} s; {sum(map(len, tasks['rl'].values()))} RL tasks, "
               f"{len(tasks['eval'])} held-out eval tasks", flush=True)
     runner = episode_runner(cfg, run_dir) if scores_episodes(cfg, ctx) else None
+    levels = tasks["levels"]  # the difficulty levels of the domains that climb them (envs.domains.<d>.levels)
     sampler = DomainSampler(tasks["rl"], {d: cfg.envs.domains[d].weight for d in tasks["rl"]}, seed=cfg.seed,
-                            curriculum=cfg.envs.curriculum)
+                            curriculum=cfg.envs.curriculum, levels=levels)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
+    by_id.update({task_key(t): t for lv in levels.values() for ts in lv for t in ts})
     monitor = Monitor(monitor_config(cfg), run_dir, rank0)
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
@@ -353,6 +364,7 @@ def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, cloc
             m.update({f"{d}/count": 0.0, f"{d}/reward_mean": None, f"{d}/turns_mean": None,
                       f"{d}/infra_error_frac": None})
     m.update({f"{d}/weight": p for d, p in parts.sampler.probabilities().items()})  # the next draws' (curriculum)
+    m.update(parts.sampler.level_metrics())  # '<domain>/level' of the domains that climb difficulty levels
     if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
         m["mismatch_kl"] = train["mismatch_kl"]
     m.update(_batch_metrics(cols, parts.engine.version - 1, clock))

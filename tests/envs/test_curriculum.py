@@ -152,3 +152,68 @@ def test_loop_step_metrics_and_console_summary_over_120_domains(tmp_path, capsys
     assert (f" (+{len(flat) - 12} more)" in line) == (len(flat) > 12)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert row["domains/no_gradient"] == flat and all(f"{d}/weight" in row for d in names)
+
+
+# --- difficulty levels within a domain ---------------------------------------------------------------------------
+
+def _levels(domain: str, n_levels: int = 3, n: int = 4) -> list[list[Task]]:
+    return [[Task(f"L{lv}-{domain}-{i}", domain, f"level {lv} task {i}") for i in range(n)] for lv in range(n_levels)]
+
+
+def _leveled(seed: int = 3, **cfg) -> DomainSampler:
+    curriculum = DomainCurriculumConfig(level_up_at=0.75, level_groups=3, **cfg)
+    return DomainSampler(_tasks(["climb", "flat"]), {"climb": 1.0, "flat": 1.0}, seed=seed, curriculum=curriculum,
+                         levels={"climb": _levels("climb")})
+
+
+def _level_run(sampler: DomainSampler, groups: int, reward) -> list[tuple[str, int]]:
+    """(task id, the domain's level when drawn) per group; `reward(level)`: the group's reward (all samples)."""
+    out = []
+    for _ in range(groups):
+        task = sampler.next()
+        level = sampler.level.get(task.domain, -1)
+        out.append((task.id, level))
+        sampler.record_group(task, [reward(level)] * 3 if task.domain == "climb" else [0.0, 1.0, 0.0])
+    return out
+
+
+def test_a_domain_climbs_its_levels_when_it_solves_them_and_stays_when_it_does_not():
+    solved = _leveled()
+    drawn = _level_run(solved, 60, lambda level: 1.0)  # solves every level: climbs to the last, never past
+    climb = [(i, lv) for i, lv in drawn if lv >= 0]
+    assert [lv for _, lv in climb][:3] == [0, 0, 0] and solved.level == {"climb": 2}
+    assert all(i.startswith(f"L{lv}-") for i, lv in climb)  # drawn from the level it was at
+    assert {lv for _, lv in climb} == {0, 1, 2}
+    assert solved.level_metrics() == {"climb/level": 2.0}
+    stuck = _leveled()
+    _level_run(stuck, 60, lambda level: 1.0 if level == 0 else 0.5)  # 0.5 < level_up_at: stays at level 1
+    assert stuck.level == {"climb": 1}
+    failing = _leveled()
+    _level_run(failing, 60, lambda level: 0.0)
+    assert failing.level == {"climb": 0} and all(t.startswith("L0-") for t, lv in _level_run(failing, 10,
+                                                                                            lambda lv: 0.0) if lv == 0)
+
+
+def test_levels_resume_exactly_from_the_sampler_state():
+    def reward(level):
+        return 1.0 if level < 2 else 0.0
+
+    ref = _leveled(seed=5)
+    _level_run(ref, 17, reward)
+    state = json.loads(json.dumps(ref.state_dict()))  # the driver checkpoint stores it as JSON
+    assert state["levels"]["climb"]["level"] == ref.level["climb"]
+    resumed = _leveled(seed=5)
+    resumed.load_state_dict(state)
+    assert resumed.level == ref.level and _level_run(resumed, 40, reward) == _level_run(ref, 40, reward)
+    fresh = _leveled(seed=5)
+    _level_run(fresh, 17, reward)
+    assert fresh.state_dict() == state  # an unbroken run reaches the same state
+
+
+def test_level_settings_are_refused_when_bad():
+    with pytest.raises(ConfigError, match=r"level_up_at=0.0"):
+        DomainCurriculumConfig(level_up_at=0.0).validate()
+    with pytest.raises(ConfigError, match=r"level_groups=0"):
+        DomainCurriculumConfig(level_groups=0).validate()
+    with pytest.raises(EnvError, match="difficulty level\\(s\\) without tasks: \\['climb level 1'\\]"):
+        DomainSampler(_tasks(["climb"]), levels={"climb": [_levels("climb", 1)[0], []]})

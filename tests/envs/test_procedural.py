@@ -157,7 +157,7 @@ def test_the_config_loader_resolves_patterns_and_records_them():
     ({"reasoning_gym/gcd": {"generator": {"difficulty": 3}}},
      "envs.domains.reasoning_gym/gcd.generator: unknown setting(s) ['difficulty']"),
     ({"reasoning_gym/gcd": {"generator": {"min_value": 0}}}, "envs.domains.reasoning_gym/gcd.generator: "),
-    ({"countdown": {"generator": {"span": 3}}}, "envs.domains.countdown: generator and seed apply"),
+    ({"countdown": {"generator": {"span": 3}}}, "envs.domains.countdown: generator, seed and levels apply"),
     ({"reasoning_gym/gcd": {"task_files": ["x.jsonl"]}}, "envs.domains.reasoning_gym/gcd.task_files"),
     ({"reasoning_gym/*": "heavy"}, "envs.domains.reasoning_gym/*: expected a mapping"),
 ])
@@ -280,3 +280,55 @@ print(json.dumps({"n": len(gens), "zebra": "zebra_puzzles" in gens, "tasks": len
     assert got["n"] == len(here) - ("zebra_puzzles" in here) and not got["zebra"] and got["tasks"] == 2
     assert "zebra_puzzles' is not a domain: it needs pycosat" in got["err"] and "pip install pycosat" in got["err"]
     assert got["probe"] is False and "pycosat is not installed" in got["call"]
+
+
+def test_difficulty_levels_come_from_the_generators_own_curriculum_and_climb_from_level_0():
+    """reasoning-gym's curricula give each generator's settings per level (easiest first; only what the curriculum
+    moves); `envs.domains.<d>.levels: N` makes train tasks per level with those settings (own seed, ids L<i>-...,
+    none a held-out question), scored with the settings they were made with; the run's task lists carry them."""
+    from megatron_rl.envs.procedural.contract import difficulty_levels
+
+    levels = difficulty_levels("reasoning_gym/basic_arithmetic")
+    assert len(levels) >= 3 and levels[0]["max_terms"] < levels[2]["max_terms"]
+    for settings in levels:
+        RG.check_config("basic_arithmetic", settings)  # each level is a valid setting of the generator
+    assert difficulty_levels("tiny/succ") == [] and difficulty_levels("countdown") == []
+    d = "reasoning_gym/basic_arithmetic"
+    mix = from_dict(MixtureConfig, {"domains": {d: {"levels": 3, "train_tasks": 6, "heldout_tasks": 4,
+                                                    "generator": {"allow_negation": False}}}}, prefix="envs")
+    per_level = mix.level_tasks()[d]
+    held = {t.prompt for t in mix.tasks("heldout")[d]}
+    assert len(per_level) == 3 and all(per_level)
+    for i, tasks in enumerate(per_level):
+        config = {**levels[i], "allow_negation": False}
+        assert all(t.id.startswith(f"L{i}-train-") and t.prompt not in held for t in tasks)
+        assert all(t.payload["provenance"]["config"] == config for t in tasks)
+        env = make_env(d)
+        assert play(env, tasks[0], f"<answer>{tasks[0].payload['answer']}</answer>").reward == pytest.approx(1.1)
+    assert len({t.id for ts in per_level for t in ts}) == sum(map(len, per_level))
+
+
+def test_levels_are_refused_where_they_cannot_apply(tiny):
+    with pytest.raises(ConfigError, match=r"envs.domains.countdown: generator, seed and levels apply to a task "):
+        from_dict(MixtureConfig, {"domains": {"countdown": {"levels": 2}}}, prefix="envs")
+    with pytest.raises(ConfigError, match=r"envs.domains.tiny/succ.levels=1: 'tiny/succ' has 0 difficulty level"):
+        from_dict(MixtureConfig, {"domains": {"tiny/succ": {"levels": 1}}}, prefix="envs")
+    have = len(RG.levels("basic_arithmetic"))
+    with pytest.raises(ConfigError, match=rf"levels={have + 1}: .* has {have} difficulty level\(s\) .* need 1 <= "):
+        from_dict(MixtureConfig, {"domains": {"reasoning_gym/basic_arithmetic": {"levels": have + 1}}}, prefix="envs")
+
+
+def test_the_run_builds_its_sampler_over_the_levels(repo_root):
+    """The product path: a run config with levels -> task_lists/fitting (prompts that fit the context) -> the
+    loop's sampler draws from level 0 of that domain first."""
+    from megatron_rl import load_config
+    from megatron_rl.envs.sampler import DomainSampler
+    from megatron_rl.loop.setup import fitting, task_lists
+
+    d = "reasoning_gym/chain_sum"
+    cfg = load_config(str(repo_root / "configs" / "post_train_cpu.yaml"),
+                      [f"envs.domains={{{d}: {{levels: 2, train_tasks: 4, heldout_tasks: 2}}}}"])
+    tasks = fitting(task_lists(cfg), cfg.tokenizer.build(cfg.model), cfg)  # the main job's model and tokenizer
+    assert [len(ts) for ts in tasks["levels"][d]] == [4, 4]
+    sampler = DomainSampler(tasks["rl"], {d: 1.0}, seed=0, curriculum=cfg.envs.curriculum, levels=tasks["levels"])
+    assert sampler.next().id.startswith("L0-") and sampler.level_metrics() == {f"{d}/level": 0.0}

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-rl plan", description=(
         "Per-GPU memory (weights, gradients, optimizer, activations), step FLOPs/time, rollout KV cache and "
         "weight-sync bandwidth of a config's parallel layout; --search ranks the layouts that fit."))
-    p.add_argument("config", help="plan config (configs/plan/deepseek_v3_671b.yaml) or run config (configs/demo_cpu.yaml)")
+    p.add_argument("config", help="plan config (configs/plan/deepseek_v3_671b.yaml) or run config "
+                                  "(configs/demo_cpu.yaml)")
     p.add_argument("--gpus", type=int, help="trainer GPUs (default: cluster.gpus of the config)")
     p.add_argument("--gpu", help="GPU kind: h100, h200 or b200 (default: cluster.gpu)")
     p.add_argument("--layout", help="e.g. tp=2,pp=8,vpp=4,ep=64,cp=1,etp=1,sp=1 (sp: sequence parallel 0/1); "
