@@ -148,6 +148,39 @@ def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_eac
 
 
 @needs_servers
+def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_the_shard(plane, tmp_path):
+    """The trainer reads a batch's shards once its leases are done; an object store killed then (or just before)
+    made the GET fail after boto3's 3 quick attempts, and the shard's episodes counted as missing (lost). The
+    GET is retried while the server is down or restarting; a request error (a missing key) is not."""
+    cfg = s3cfg(plane, tmp_path, "readretry")
+    folder, index = tmp_path / "run" / "rl_episodes" / "b0", tmp_path / "index.jsonl"
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=index)
+    try:
+        worker.publish(folder, "a.h5", [traj("r0"), traj("r1", version=3)])
+        assert trainer.published(folder) == {"a.h5": ["r0", "r1"]}
+        plane.kill("weed")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(read_episodes(folder, {"r0", "r1"}, out.setdefault(
+            "unreadable", []), store=trainer)))
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive()  # waiting for the store, not skipping the shard
+        plane.restart("weed")
+        t.join(60)
+        assert not t.is_alive() and out["unreadable"] == [], out.get("unreadable")
+        assert sorted(k for k in out if k != "unreadable") == ["r0", "r1"] and out["r1"]["versions"] == [3] * 4
+        from botocore.exceptions import ClientError
+
+        t0 = time.monotonic()
+        with pytest.raises(ClientError):  # not retried: the request is wrong, not the server
+            trainer.read(folder, "never-published.h5")
+        assert time.monotonic() - t0 < 5
+    finally:
+        worker.close()
+        trainer.close()
+
+
+@needs_servers
 def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
     """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
     those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
