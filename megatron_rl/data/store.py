@@ -189,6 +189,21 @@ class FsStore:
     def where(self, folder, name: str) -> str:
         return str(Path(folder) / name)
 
+    def save_state(self, folder, episode_id: str, data: bytes) -> None:
+        """A long episode's checkpoint (`envs.episode_state`), replacing the last one whole (temp file, rename)."""
+        path = Path(folder) / "state" / f"{episode_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def load_state(self, folder, episode_id: str) -> bytes | None:
+        """The episode's last checkpoint, None when it has none."""
+        try:
+            return (Path(folder) / "state" / f"{episode_id}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+
     def close(self) -> None:
         pass
 
@@ -390,6 +405,23 @@ class S3Store:
         body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]  # one GET (no HEAD first)
         with open(path, "wb") as f:
             shutil.copyfileobj(body, f, 1 << 20)
+
+    def save_state(self, folder, episode_id: str, data: bytes) -> None:
+        """A long episode's checkpoint (`envs.episode_state`): one PUT (whole or not at all), retried while the
+        object store restarts."""
+        key = self.key(folder, f"state/{episode_id}.json")
+        self._retry(lambda: self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=data), f"checkpoint {key}")
+
+    def load_state(self, folder, episode_id: str) -> bytes | None:
+        """The episode's last checkpoint, None when it has none."""
+        key = self.key(folder, f"state/{episode_id}.json")
+
+        def get():
+            try:
+                return self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+            except self.s3.exceptions.NoSuchKey:
+                return None
+        return self._retry(get, f"checkpoint {key}", retryable=_transient)
 
     def where(self, folder, name: str) -> str:
         return f"s3://{self.cfg.bucket}/{self.key(folder, name)}"

@@ -181,6 +181,26 @@ def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_t
 
 
 @needs_servers
+def test_a_long_episodes_checkpoint_is_kept_per_episode_in_the_bucket_replaced_whole(plane, tmp_path):
+    """`save_state`/`load_state` of the s3 store (`envs.episode_state`): one object per episode under the batch's
+    folder, the last save wins, an episode without one gets None; a worker of another process reads it back."""
+    cfg = s3cfg(plane, tmp_path, "state")
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    a, b = build_store("s3", cfg), build_store("s3", cfg)
+    try:
+        assert a.load_state(folder, "g1-s0") is None
+        a.save_state(folder, "g1-s0", b'{"version": 1, "turns": [], "context": [1]}')
+        a.save_state(folder, "g1-s0", b'{"version": 1, "turns": [[[5], [-0.5], [0]]], "context": [1, 5]}')
+        assert b.load_state(folder, "g1-s0") == b'{"version": 1, "turns": [[[5], [-0.5], [0]]], "context": [1, 5]}'
+        assert b.load_state(folder, "g1-s1") is None
+        keys = [o["Key"] for o in a.s3.list_objects_v2(Bucket=cfg.bucket, Prefix="state/")["Contents"]]
+        assert keys == ["state/run/rl_episodes/b0/state/g1-s0.json"]
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_servers
 def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
     """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
     those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
