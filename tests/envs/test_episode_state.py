@@ -125,3 +125,21 @@ def test_a_worker_episode_resumes_from_the_stores_checkpoint_token_exact(tmp_pat
         assert np.array_equal(getattr(got, k), getattr(want, k)), k
     assert (got.prompt_len, got.status, got.reward) == (want.prompt_len, want.status, want.reward)
     assert store.load_state(folder, "other") is None and not list(folder.glob("state/.*.tmp"))
+
+
+def test_the_run_config_sets_the_workers_checkpoint_interval(tmp_path):
+    from pathlib import Path
+
+    from megatron_rl import config as C
+    from megatron_rl.config import ConfigError
+    from megatron_rl.loop.setup import worker_config
+    from megatron_rl.run_config import RunConfig
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+    cfg = C.load(RunConfig, demo, ["episodes.runner=fleet", "episodes.checkpoint_turns=4"])
+    assert worker_config(cfg, tmp_path / "run").checkpoint_turns == 4
+    assert worker_config(C.load(RunConfig, demo, ["episodes.runner=fleet"]), tmp_path / "run").checkpoint_turns == 0
+    with pytest.raises(ConfigError, match="episodes.checkpoint_turns needs episodes.runner=dispatch or fleet"):
+        C.load(RunConfig, demo, ["episodes.checkpoint_turns=4"])
+    with pytest.raises(ConfigError, match="episodes.checkpoint_turns must be >= 0"):
+        C.load(RunConfig, demo, ["episodes.runner=fleet", "episodes.checkpoint_turns=-1"])
