@@ -189,6 +189,21 @@ class FsStore:
     def where(self, folder, name: str) -> str:
         return str(Path(folder) / name)
 
+    def save_state(self, folder, episode_id: str, data: bytes) -> None:
+        """A long episode's checkpoint (`envs.episode_state`), replacing the last one whole (temp file, rename)."""
+        path = Path(folder) / "state" / f"{episode_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def load_state(self, folder, episode_id: str) -> bytes | None:
+        """The episode's last checkpoint, None when it has none."""
+        try:
+            return (Path(folder) / "state" / f"{episode_id}.json").read_bytes()
+        except FileNotFoundError:
+            return None
+
     def close(self) -> None:
         pass
 
@@ -316,12 +331,16 @@ class S3Store:
         self.s3.upload_file(str(path), self.cfg.bucket, key, Config=TransferConfig(
             multipart_threshold=mb, multipart_chunksize=mb, use_threads=False))
 
-    def _retry(self, fn, what: str):
+    def _retry(self, fn, what: str, retryable=None):
+        """`fn()`, retried for 6x timeout_s (a server restarting), then StoreError. retryable(error) -> False:
+        that error is raised at once, as is (None: every error is retried)."""
         deadline = time.monotonic() + 6 * self.cfg.timeout_s
         while True:
             try:
                 return fn()
             except Exception as e:
+                if retryable is not None and not retryable(e):
+                    raise
                 if time.monotonic() > deadline:
                     raise StoreError(f"store: {what} failed for {6 * self.cfg.timeout_s:.0f}s: {e}") from e
                 log.warning("store: %s failed (%s: %s); retrying", what, type(e).__name__, e)
@@ -368,19 +387,41 @@ class S3Store:
         return sorted(self.published(folder))
 
     def read(self, folder, name: str, vocab_size: int | None = None) -> list:
-        """The shard's trajectories, checked against its announced sha256 (ShardError when they differ)."""
+        """The shard's trajectories, checked against its announced sha256 (ShardError when they differ). A GET
+        that fails because the object store is down or restarting (no connection, 5xx) is retried for 6x
+        timeout_s, then its error raised: an announced shard is never skipped for a server restart."""
         from megatron_rl.data.shards import ShardError, read_shard
 
         key = self.key(folder, name)
         want = self.index.get(key, {}).get("sha256")
         with tempfile.TemporaryDirectory(dir=self.cfg.spool_dir or None, prefix="mrl-shard-") as tmp:
             path = Path(tmp) / name
-            body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]  # one GET (no HEAD first)
-            with open(path, "wb") as f:
-                shutil.copyfileobj(body, f, 1 << 20)
+            self._retry(lambda: self._download(key, path), f"download of {key}", retryable=_transient)
             if want and _sha256(path) != want:
                 raise ShardError(f"s3://{self.cfg.bucket}/{key}: sha256 differs from its announcement")
             return read_shard(path, vocab_size=vocab_size)
+
+    def _download(self, key: str, path: Path) -> None:
+        body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]  # one GET (no HEAD first)
+        with open(path, "wb") as f:
+            shutil.copyfileobj(body, f, 1 << 20)
+
+    def save_state(self, folder, episode_id: str, data: bytes) -> None:
+        """A long episode's checkpoint (`envs.episode_state`): one PUT (whole or not at all), retried while the
+        object store restarts."""
+        key = self.key(folder, f"state/{episode_id}.json")
+        self._retry(lambda: self.s3.put_object(Bucket=self.cfg.bucket, Key=key, Body=data), f"checkpoint {key}")
+
+    def load_state(self, folder, episode_id: str) -> bytes | None:
+        """The episode's last checkpoint, None when it has none."""
+        key = self.key(folder, f"state/{episode_id}.json")
+
+        def get():
+            try:
+                return self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"].read()
+            except self.s3.exceptions.NoSuchKey:
+                return None
+        return self._retry(get, f"checkpoint {key}", retryable=_transient)
 
     def where(self, folder, name: str) -> str:
         return f"s3://{self.cfg.bucket}/{self.key(folder, name)}"
@@ -402,6 +443,16 @@ def _credentials(path: str) -> dict:
         raise ConfigError(f"episodes.s3.credentials_file={path!r} needs aws_access_key_id and aws_secret_access_key "
                           "under [default]")
     return {"aws_access_key_id": sec["aws_access_key_id"], "aws_secret_access_key": sec["aws_secret_access_key"]}
+
+
+def _transient(e: Exception) -> bool:
+    """An S3 error of a server that is down or restarting (no connection, a timeout, a 5xx), not of the request."""
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return int(status) >= 500
+    return isinstance(e, (ConnectionError, HTTPClientError))
 
 
 def _sha256(path: Path) -> str:

@@ -20,13 +20,16 @@ def run_episode(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_
     return episode_rows(ep, env, generator, tok, max_tokens)[-1]
 
 
-def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30) -> list:
+def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max_tokens: int = 1 << 30,
+                 state=None) -> list:
     """One episode -> the Trajectory rows it publishes, through the one episode loop (`envs.episode`: reset,
     [generate -> step]* until done), each turn one call of `generator`: the episode's, after the earlier exact
     segments of a split black-box agent episode (`shards.segment_rows`).
 
     A non-retryable `GenerationError` (the server rejected the request, a malformed answer) gives a
     `failed_trajectory`; a retryable one propagates (the episode is left for the dispatcher's next round).
+    state: (store, folder, every) to checkpoint a multi-turn episode every `every` model turns in the store and
+    continue from its last checkpoint (`envs.episode_state`); None = off.
     """
     from megatron_rl.data.routes import context_routes
     from megatron_rl.data.shards import Trajectory, segment_rows
@@ -35,9 +38,21 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
 
     t0, gen_s, routes = time.perf_counter(), [0.0], {}
     task = Task(**{k: v for k, v in ep.task.items() if k in ("id", "domain", "prompt", "payload", "split")})
-    co = open_episode(env, task, tok, min(max_tokens, env.budget.max_tokens), list(ep.prompt_ids) or None)
+    def make():
+        return open_episode(env, task, tok, min(max_tokens, env.budget.max_tokens), list(ep.prompt_ids) or None)
+
+    def gen(tokens, turn):
+        return _generate(generator, tokens, ep, turn, gen_s, routes)
+
     try:
-        r = drive(co, lambda tokens, turn: _generate(generator, tokens, ep, turn, gen_s, routes))
+        if state is not None and state[2] and env.multi_turn and not env.agent:
+            from megatron_rl.envs.episode_state import drive_resumable
+
+            store, folder, every = state
+            r = drive_resumable(make, gen, lambda: store.load_state(folder, ep.episode_id),
+                                lambda data: store.save_state(folder, ep.episode_id, data), every)
+        else:
+            r = drive(make(), gen)
     except GenerationError as e:
         if e.retryable:
             raise

@@ -113,6 +113,9 @@ class WorkerConfig:
     judge_model, judge_cache_dir: the driver sets it to <run>/judge_cache on the shared filesystem, '' =
     <shard_dir>/judge_cache); image_store / image_cache. {} domains = every environment with its own rewards,
     max_turns and max_tokens above."""
+    checkpoint_turns: int = 0
+    """A multi-turn episode (the loop's own turns, not a black-box agent's) saves its state to the store every
+    this many model turns, and a re-leased one continues from it, token-exact (`envs.episode_state`); 0 = off."""
     faults: FaultConfig = field(default_factory=FaultConfig)
     """Test-only fault injection."""
     images: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -136,8 +139,8 @@ class WorkerConfig:
                 raise ConfigError(f"worker.envs.domains.{name}: {e}") from None
             if d.agent_args and not d.agent:
                 raise ConfigError(f"worker.envs.domains.{name}.agent_args={d.agent_args!r} is set but no agent is")
-        if self.threads < 0 or self.episodes_per_shard < 0:
-            raise ConfigError("worker.threads and worker.episodes_per_shard must be >= 0")
+        if self.threads < 0 or self.episodes_per_shard < 0 or self.checkpoint_turns < 0:
+            raise ConfigError("worker.threads, worker.episodes_per_shard and worker.checkpoint_turns must be >= 0")
         if self.store == "s3":
             self.s3.check("worker.s3")
 

@@ -134,7 +134,8 @@ class EpisodeRunner:
             return
         try:
             env = self.make_env(ep.env, self.sandbox)
-            rows = episode_rows(ep, env, self.generator, self.tok, self.spec.worker.max_tokens)
+            rows = episode_rows(ep, env, self.generator, self.tok, self.spec.worker.max_tokens, state=(
+                self.publisher.store, self.spec.shard_dir, self.spec.worker.checkpoint_turns))
         except GenerationError as e:  # retryable: not published; the dispatcher's next round re-runs it
             log.warning("episode %s not finished (%s, retryable): %s", ep.episode_id, e.status, e)
             with self._lock:

@@ -134,6 +134,10 @@ class EpisodesConfig:
     filesystem."""
     s3: S3StoreConfig = field(default_factory=S3StoreConfig)
     """Endpoint, bucket, prefix and queue of store=s3 (credentials: environment or s3.credentials_file)."""
+    checkpoint_turns: int = 0
+    """Runner dispatch or fleet: a multi-turn episode (the loop's own turns) saves its state to the store every
+    this many model turns, and one re-leased after its worker died continues from it on another worker,
+    token-exact (`envs.episode_state`); 0 = off."""
 
     def validate(self) -> None:
         if self.runner not in ("inprocess", "dispatch", "fleet"):
@@ -149,6 +153,11 @@ class EpisodesConfig:
             raise ConfigError(f"episodes.server_threads must be >= 1, got {self.server_threads}")
         if self.worker_threads < 0:
             raise ConfigError(f"episodes.worker_threads must be >= 0, got {self.worker_threads}")
+        if self.checkpoint_turns < 0:
+            raise ConfigError(f"episodes.checkpoint_turns must be >= 0 (0 = off), got {self.checkpoint_turns}")
+        if self.checkpoint_turns and self.runner == "inprocess":
+            raise ConfigError("episodes.checkpoint_turns needs episodes.runner=dispatch or fleet (in-process episodes "
+                              "are not re-leased)")
         if self.store not in STORES:
             raise ConfigError(f"episodes.store must be one of {', '.join(STORES.names())}, got {self.store!r}")
         if self.store == "s3":

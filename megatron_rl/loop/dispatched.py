@@ -376,7 +376,7 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
     from botocore.exceptions import BotoCoreError, ClientError
 
     from megatron_rl.data.shards import ShardError
-    from megatron_rl.data.store import FsStore
+    from megatron_rl.data.store import FsStore, StoreError
 
     store = store or FsStore()
     out: dict[str, dict] = {}
@@ -384,7 +384,7 @@ def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | Non
         p = store.where(shard_dir, name)
         try:
             trajs = store.read(shard_dir, name, vocab_size=vocab_size)
-        except (ShardError, OSError, BotoCoreError, ClientError) as e:
+        except (ShardError, OSError, BotoCoreError, ClientError, StoreError) as e:  # StoreError: retried out
             log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
             if unreadable is not None:
                 unreadable.append(f"{p}: {e}")

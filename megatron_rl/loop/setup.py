@@ -111,7 +111,8 @@ def worker_config(cfg: RunConfig, run_dir: Path):
     return WorkerConfig(generator=gen, sandbox=cfg.data.sandbox_config(), threads=cfg.episodes.worker_threads,
                         max_tokens=cfg.model.max_seq_length, vocab_size=cfg.model.vocab_size,
                         tokenizer=cfg.tokenizer.resolved_path(cfg.model), envs=mixture,
-                        images=cfg.envs.worker_images(), store=cfg.episodes.store, s3=cfg.episodes.s3)
+                        images=cfg.envs.worker_images(), store=cfg.episodes.store, s3=cfg.episodes.s3,
+                        checkpoint_turns=cfg.episodes.checkpoint_turns)
 
 
 def judge_cache_dir(cfg: RunConfig, run_dir: Path) -> str:

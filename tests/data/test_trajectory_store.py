@@ -148,6 +148,59 @@ def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_eac
 
 
 @needs_servers
+def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_the_shard(plane, tmp_path):
+    """The trainer reads a batch's shards once its leases are done; an object store killed then (or just before)
+    made the GET fail after boto3's 3 quick attempts, and the shard's episodes counted as missing (lost). The
+    GET is retried while the server is down or restarting; a request error (a missing key) is not."""
+    cfg = s3cfg(plane, tmp_path, "readretry")
+    folder, index = tmp_path / "run" / "rl_episodes" / "b0", tmp_path / "index.jsonl"
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=index)
+    try:
+        worker.publish(folder, "a.h5", [traj("r0"), traj("r1", version=3)])
+        assert trainer.published(folder) == {"a.h5": ["r0", "r1"]}
+        plane.kill("weed")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(read_episodes(folder, {"r0", "r1"}, out.setdefault(
+            "unreadable", []), store=trainer)))
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive()  # waiting for the store, not skipping the shard
+        plane.restart("weed")
+        t.join(60)
+        assert not t.is_alive() and out["unreadable"] == [], out.get("unreadable")
+        assert sorted(k for k in out if k != "unreadable") == ["r0", "r1"] and out["r1"]["versions"] == [3] * 4
+        from botocore.exceptions import ClientError
+
+        t0 = time.monotonic()
+        with pytest.raises(ClientError):  # not retried: the request is wrong, not the server
+            trainer.read(folder, "never-published.h5")
+        assert time.monotonic() - t0 < 5
+    finally:
+        worker.close()
+        trainer.close()
+
+
+@needs_servers
+def test_a_long_episodes_checkpoint_is_kept_per_episode_in_the_bucket_replaced_whole(plane, tmp_path):
+    """`save_state`/`load_state` of the s3 store (`envs.episode_state`): one object per episode under the batch's
+    folder, the last save wins, an episode without one gets None; a worker of another process reads it back."""
+    cfg = s3cfg(plane, tmp_path, "state")
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    a, b = build_store("s3", cfg), build_store("s3", cfg)
+    try:
+        assert a.load_state(folder, "g1-s0") is None
+        a.save_state(folder, "g1-s0", b'{"version": 1, "turns": [], "context": [1]}')
+        a.save_state(folder, "g1-s0", b'{"version": 1, "turns": [[[5], [-0.5], [0]]], "context": [1, 5]}')
+        assert b.load_state(folder, "g1-s0") == b'{"version": 1, "turns": [[[5], [-0.5], [0]]], "context": [1, 5]}'
+        assert b.load_state(folder, "g1-s1") is None
+        keys = [o["Key"] for o in a.s3.list_objects_v2(Bucket=cfg.bucket, Prefix="state/")["Contents"]]
+        assert keys == ["state/run/rl_episodes/b0/state/g1-s0.json"]
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_servers
 def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
     """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
     those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
@@ -313,30 +366,83 @@ def test_train_refuses_a_missing_bucket_before_any_work(plane, tmp_path):
     assert proc.returncode == 2 and "episodes.s3.bucket='no-such-bucket' does not exist" in proc.stderr
     assert not (tmp_path / "demo").exists()  # nothing started: no run folder
 
+def _new_lines(logs: dict[Path, int], pattern: str) -> list[tuple[Path, str]]:
+    """(log, line) of lines matching `pattern` written to the fleet workers' logs after the sizes in `logs` (a log
+    not in `logs`, a replacement worker's, from its start)."""
+    import re
+
+    out = []
+    for p in logs:
+        text = p.read_text(errors="replace")[logs[p]:] if p.exists() else ""
+        out += [(p, line) for line in text.splitlines() if re.search(pattern, line)]
+    return out
+
+
+def _worker_logs(run: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in (run / "fleet" / "submitit").rglob("*_log.err")}
+
 
 @needs_servers
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_train_on_a_fleet_with_the_s3_store(plane, tmp_path):
-    """`megatron-rl train` with `episodes.store: s3`: the fleet's workers upload shards to SeaweedFS and announce
-    them on NATS; the trainer reads every episode from there, each once, none missing, no worker shard on the
-    run's filesystem."""
+def test_train_through_object_store_queue_server_and_worker_kills_trains_every_episode_once(plane, tmp_path):
+    """`megatron-rl train` on a fleet with the s3 store, through three faults in sequence while it runs: the object
+    store is killed and, while a worker's upload of a finished lease is retrying against it, that worker is
+    killed -9 (mid-upload: its lease is re-leased, its shard never appears), then the store is restarted; later
+    the queue server is killed while announcements are due and restarted. Every step trains all its episodes,
+    none missing or unreadable, and every episode is in exactly one announced, uploaded shard; the workers'
+    behaviour log-probs are the trainer's, evaluations go through the store too, no worker shard is on the run's
+    filesystem. (The fault-free run of `megatron-rl train` with the s3 store, which asserted the same, is this
+    test: one run of the main job for both.)"""
     import json
+    import subprocess
 
-    proc = _train(tmp_path, plane)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    run = tmp_path / "demo"
+    s3 = {**plane.settings(), "prefix": "faults", "spool_dir": str(tmp_path / "spool")}
+    (tmp_path / "spool").mkdir(exist_ok=True)
+    run, out = tmp_path / "demo", open(tmp_path / "train.log", "wb")
+    cmd = [str(Path(sys.executable).parent / "megatron-rl"), "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}",
+           *TRAIN, "episodes.fleet.lease_s=6",
+           "episodes.fleet.heartbeat_s=1", *(f"episodes.s3.{k}={v}" for k, v in s3.items())]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    objects = lambda: plane.client().list_objects_v2(  # noqa: E731  the RL steps' shards (not the evaluations')
+        Bucket=plane.bucket, Prefix="faults/demo/rl_episodes/").get("KeyCount", 0)
+    try:
+        wait_for(lambda: objects() > 0, 600, "step 0's first uploaded shard")
+        logs = _worker_logs(run)
+        plane.kill("weed")
+        [(log, _), *_] = wait_for(lambda: _new_lines(logs, r"store: upload of .* failed"), 180,
+                                  "a worker's upload retrying against the killed object store")
+        pid = int(wait_for(lambda: _new_lines({log: 0}, r"fleet worker \S+:\d+: episode runner ready"), 5,
+                           "the worker's pid")[0][1].split(": episode runner")[0].rsplit(":", 1)[1])
+        os.kill(pid, signal.SIGKILL)  # mid-upload: its lease's shard is never uploaded nor announced
+        plane.restart("weed")
+        before = objects()
+        wait_for(lambda: objects() > before, 300, "uploads going on after the object store's restart")
+        logs = _worker_logs(run)
+        plane.kill("nats")
+        wait_for(lambda: _new_lines(logs, r"store: announcement of .* failed"), 180,
+                 "a worker's announcement retrying against the killed queue server")
+        plane.restart("nats")
+        assert proc.wait(900) == 0, (tmp_path / "train.log").read_text()[-8000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        out.close()
     rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "rl"]
     assert [r["step"] for r in rl] == [0, 1]
     for r in rl:
-        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["unreadable_shards"] == 0
+        assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["unreadable_shards"] == 0, r
+        assert r["fleet_episodes_given_up"] == 0
         assert abs(r["mismatch_kl"]) < 1e-3  # the workers' behaviour log-probs are the trainer's
-    assert not list((run / "rl_episodes").rglob("*.h5"))  # no worker shard on the filesystem: all in the store
+    assert sum(r["fleet_workers_lost"] + r["fleet_leases_expired"] for r in rl) >= 1  # the killed worker's lease
+    assert sum(r["fleet_episodes_requeued"] for r in rl) >= 1
     index = [json.loads(line) for line in (run / "store_index.jsonl").read_text().splitlines()]
     assert any("/eval_episodes/" in a["folder"] for a in index)  # evaluations went through the store too
     index = [a for a in index if "/rl_episodes/" in a["folder"]]
-    ids = [e for a in index for e in a["episode_ids"]]
-    assert len(ids) == len(set(ids)) == sum(r["episodes_dispatched"] for r in rl)  # every episode once
-    keys = {o["Key"] for o in plane.client().list_objects_v2(Bucket=plane.bucket, Prefix="train/")["Contents"]}
-    assert {a["key"] for a in index} <= keys
     assert {a["policy_version_max"] for a in index} == {0, 1}  # each step's episodes from that step's weights
+    ids = [e for a in index for e in a["episode_ids"]]
+    assert len(ids) == len(set(ids)) == sum(r["episodes_dispatched"] for r in rl)  # every episode once, none lost
+    keys = {o["Key"] for o in plane.client().list_objects_v2(Bucket=plane.bucket, Prefix="faults/")["Contents"]}
+    assert {a["key"] for a in index} <= keys  # every announced shard uploaded whole
+    assert not list((run / "rl_episodes").rglob("*.h5"))
