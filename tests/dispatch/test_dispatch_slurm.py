@@ -55,12 +55,14 @@ def consume_all(shard_dir: Path) -> tuple[list[str], ShardDirectory]:
     return ids, reader
 
 
-def wait_for(cond, timeout: float, what: str) -> None:
+def wait_for(cond, timeout: float, what: str, every: float = 0.2) -> None:
+    """Poll `cond` every `every` s (1 s where it runs sacct: each call is a process and an RPC, which a loaded
+    machine takes from the jobs)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():
             return
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
@@ -211,7 +213,7 @@ def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unb
     wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["broken"]])
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"])  # noqa: E731
-    wait_for(lambda: all(done(j) for j in jobs.values()), 600, "both jobs to finish")
+    wait_for(lambda: all(done(j) for j in jobs.values()), 600, "both jobs to finish", every=1)
     text = (tmp_path / "broken.out").read_text()
     assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
     assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
@@ -237,30 +239,62 @@ def _rows(run: Path, kind: str) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+WARN_S = 170  # --signal=B:USR1@WARN_S of the time-limit test
+
+
+def signal_now_limit_min(elapsed_s: float) -> int:
+    """Whole minutes of time limit for a job that has run at most `elapsed_s` (and at least elapsed_s - 49 s):
+    slurmctld's next 30-s check signals it (the limit minus WARN_S + 30 s is behind it) and the limit itself
+    is >= 91 s ahead, time for the test to see the signal and raise the limit."""
+    return max(2, -(-int(elapsed_s + 91) // 60))
+
+
+def _rows_now(run: Path, kind: str) -> list[dict]:
+    """Rows of `kind` in metrics.jsonl as the run now stands (none yet, or a line being written, left out)."""
+    path = run / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("kind") == kind:
+            rows.append(r)
+    return rows
+
+
 def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the_unbroken_run(slurm_cluster,
                                                                                             tmp_path):
-    """No scancel: the real `megatron-rl train` under slurm/train_multinode.sbatch with a 2-minute limit and
-    --signal=B:USR1@60, so slurmctld's own timer sends USR1 (about 30-60 s into each run: it checks every
-    30 s and may signal up to 30 s early). Each run checkpoints the phase it is in (warm-up or RL) on the
-    signal and the job requeues itself until the run is done; its warm-up and RL metrics, step for step,
-    equal an unbroken job's (same script and settings, run alongside). Once the first signal is logged the
-    test raises the limit to 15 minutes, so a loaded machine (3x slower) does not need ten 2-minute runs."""
-    # 140 RL steps: ~100 s of work on an idle machine (~20 s of start, data check, evals and export, 7 s of
-    # warm-up, 0.5 s per RL step), well past the latest signal (60 s; with 100 steps it came at step 84, and
-    # 12 steps, 36 s, finished unsignalled)
-    jobs, steps = {}, 140
-    train = [*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={steps}"]
-    for name, limit in (("unbroken", []), ("limited", ["--time=00:02:00", "--signal=B:USR1@60"])):
+    """No scancel: the real `megatron-rl train` under slurm/train_multinode.sbatch with a time limit and
+    --signal=B:USR1@170, so slurmctld's own timer sends USR1 (it checks every 30 s and signals when the
+    limit is at most 170 + 30 s away). The limit is set once the trainer logs its first warm-up step (its
+    stop flag is in place: a USR1 earlier would kill the start-up, which the sbatch trap requeues without a
+    checkpoint) to the shortest whole minutes that put that point inside the signal window, so the signal
+    lands 0-30 s later, whatever the machine's load made of the start-up. Each run checkpoints the phase it
+    is in (warm-up or RL) on the signal and the job requeues itself until the run is done; its warm-up and
+    RL metrics, step for step, equal an unbroken job's (same script and settings, run alongside). Once the
+    first signal is logged the test raises the limit to 15 minutes, so the resumed run is not signalled."""
+    # 80 RL steps: ~47 s of work after the first warm-up step on an idle machine (7 s of warm-up, 0.5 s per
+    # RL step), past the latest signal (30 s after the limit is set)
+    jobs, steps = {}, 80
+    train = [*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={steps}", *NO_EXPORT]
+    submitted = time.monotonic()
+    for name, limit in (("unbroken", []), ("limited", ["--time=00:15:00", f"--signal=B:USR1@{WARN_S}"])):
         jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
                                             "--gres=gpu:1", *limit, "slurm/train_multinode.sbatch",
                                             "configs/demo_cpu.yaml", f"output_dir={tmp_path / name}", *train],
                             wait=False)
+    limited = tmp_path / "limited" / "demo"
+    wait_for(lambda: _rows_now(limited, "sft"), 600, "the limited job's first warm-up step", every=0.5)
+    slurm_cluster.run(["scontrol", "update", f"JobId={jobs['limited']}",
+                       f"TimeLimit={signal_now_limit_min(time.monotonic() - submitted)}"])
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"], ["TIMEOUT"])  # noqa: E731
     out = tmp_path / "limited.out"
-    wait_for(lambda: done(jobs["limited"]) or (out.exists() and "USR1: checkpoint requested" in out.read_text()),
-             600, "Slurm's timer to signal the limited job")
+    wait_for(lambda: (out.exists() and "USR1: checkpoint requested" in out.read_text()) or done(jobs["limited"]),
+             600, "Slurm's timer to signal the limited job", every=1)
     slurm_cluster.run(["scontrol", "update", f"JobId={jobs['limited']}", "TimeLimit=00:15:00"], check=False)
-    wait_for(lambda: all(done(j) for j in jobs.values()), 900, "both jobs to finish (the limited one requeued)")
+    wait_for(lambda: all(done(j) for j in jobs.values()), 900, "both jobs to finish (the limited one requeued)",
+             every=1)
     text = out.read_text()
     assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
     signalled = text.count("USR1: checkpoint requested")
@@ -273,7 +307,6 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     for m in stops:
         nxt = re.search(r"resuming (?:the warm-up )?from (\S+) ", text[m.end():])
         assert nxt and nxt[1] == m[1], (m[0], nxt and nxt[0])
-    limited = tmp_path / "limited" / "demo"
     resumes = _rows(limited, "resume")
     assert resumes and {r["phase"] for r in resumes} <= {"warmup", "rl"}, resumes
     unbroken = tmp_path / "unbroken" / "demo"
@@ -305,7 +338,7 @@ def test_rl_hetjob_sbatch_trains_on_component_0_with_a_persistent_fleet_on_compo
     wait_for(lambda: _rl_rows(run), 600, "RL step 0 of the hetjob to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
     ended = lambda: set(sacct(slurm_cluster, job)) in ({"COMPLETED"}, {"FAILED"}, {"CANCELLED"})  # noqa: E731
-    wait_for(ended, 600, "the hetjob (both components) to finish through its requeue")
+    wait_for(ended, 600, "the hetjob (both components) to finish through its requeue", every=1)
     text = (tmp_path / "het.out").read_text() + (out / "trainer.out").read_text() + (out / "workers.out").read_text()
     assert sacct(slurm_cluster, job) == ["COMPLETED", "COMPLETED"], text[-4000:]  # one row per component
     assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
