@@ -152,7 +152,7 @@ def monitor_config(cfg: RunConfig):
     return dataclasses.replace(cfg.monitor, alerts=alerts)
 
 
-def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
+def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) -> Parts:
     from megatron_rl.convert.source import initializer
     from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.monitoring import Monitor
@@ -177,7 +177,8 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
                             curriculum=cfg.envs.curriculum)
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
-    monitor = Monitor(monitor_config(cfg), run_dir, rank0)
+    monitor = monitor or Monitor(monitor_config(cfg), run_dir, rank0)  # the warm-up's, when it ran before
+    monitor.restart_clock()  # the RL rows' time_s counts from here, as before the Monitor was shared
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
     trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
