@@ -31,12 +31,14 @@ from megatron_rl.run_config import RunConfig
 from megatron_rl.slurm_env import SlurmEnv
 
 
-def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag | None = None) -> int:
+def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag | None = None,
+           monitor=None) -> int:
     """Run (or resume) the RL phase on this rank; returns 0, or 3 when stopped by a signal or an alert (`stop`:
-    the flag installed at the rank's start, so a signal during the set-up is not lost)."""
+    the flag installed at the rank's start, so a signal during the set-up is not lost; `monitor`: the run's
+    Monitor when the warm-up already logged through it)."""
     from megatron_rl.loop import setup
 
-    parts = setup.build(cfg, run_dir, ctx, warm_policy)  # policy, trainer, engine, runner, sampler, monitor
+    parts = setup.build(cfg, run_dir, ctx, warm_policy, monitor)  # policy, trainer, engine, runner, sampler, monitor
     rollouts = setup.make_rollouts(parts, run_dir)  # in-process engine + scorer, or dispatched episodes
     start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
     setup.sync_weights(parts, rollouts, version=start)

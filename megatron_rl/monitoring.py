@@ -89,6 +89,10 @@ class Monitor:
         if active:
             self._open_sinks()
 
+    def restart_clock(self) -> None:
+        """Rows' time_s count from now (a phase's start)."""
+        self.t0 = time.time()
+
     def expect(self, kind: str, total: int, start: int = 0) -> None:
         """Show a progress bar for `kind` rows: steps start..total-1."""
         if self.active and self.cfg.progress and total > 0:
@@ -198,12 +202,14 @@ class Monitor:
             self.should_stop = f"{rule}: {msg}"
 
     def close(self) -> None:
+        """Close the sinks (idempotent: the RL phase and the rank's entry point may both close it)."""
         if self.prometheus is not None:
             self.prometheus.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        self.prometheus = self.tb = self.wandb = None
 
 
 SUMMARY_KEYS = {"rl": "reward_mean", "eval": "pass@1"}

@@ -4,8 +4,6 @@
 """
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -144,18 +142,22 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.driver import StopFlag, run_rl
+    from megatron_rl.loop.setup import monitor_config
     from megatron_rl.loop.state import latest
+    from megatron_rl.monitoring import Monitor
 
     stop = StopFlag()  # first: from here on SIGTERM/SIGUSR1 stop at a step boundary, after a checkpoint
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     warm, rc = None, 0
+    monitor = Monitor(monitor_config(cfg), run_dir, ctx.rank == 0)  # one for both phases
     if not latest(run_dir) and cfg.train.steps > 0:
-        warm, reason = warmup_phase(cfg, run_dir, ctx, stop)
+        warm, reason = warmup_phase(cfg, run_dir, ctx, stop, monitor)
         rc = 3 if reason and (warm is None or cfg.rl.steps > 0) else 0
     if rc == 0 and cfg.rl.steps > 0:
-        rc = run_rl(cfg, run_dir, ctx, warm, stop=stop)
+        rc = run_rl(cfg, run_dir, ctx, warm, stop=stop, monitor=monitor)
+    monitor.close()
     destroy_distributed()
     return rc
 
@@ -201,12 +203,15 @@ def _resume_warmup(policy, run_dir: Path) -> tuple[int, Path | None]:
 
 
 # --------------------------------------------------------------------------------------- the phase
-def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
+def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None, monitor=None):
     """Supervised training on the verified solutions, resumed from its latest checkpoint if there is one
     (same data order: the sampler is replayed up to that step). Checkpoints every train.checkpoint_every steps,
     at the end, and when `stop` (driver.StopFlag) reports a signal. Returns (the Policy, the stop reason or
-    None); (None, reason) when stopped before its end."""
+    None); (None, reason) when stopped before its end. Rows go to `monitor` (the run's `Monitor`, shared with the
+    RL phase; one of its own, closed at the end, when None)."""
     from megatron_rl.convert.source import initializer
+    from megatron_rl.loop.setup import monitor_config
+    from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
 
     tok = cfg.tokenizer.build(cfg.model)
@@ -224,7 +229,10 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
 
     for _ in range(start):
         draw()  # the data order of the steps already done
-    log = _Logger(run_dir / "metrics.jsonl", ctx.rank == 0, print_every=max(1, steps // 30))
+    own = monitor is None
+    monitor = Monitor(monitor_config(cfg), run_dir, ctx.rank == 0) if own else monitor
+    monitor.restart_clock()  # the warm-up rows' time_s counts from here, as before
+    log = _Rows(monitor, print_every=max(1, steps // 30))
     if resumed is not None:
         log.note(f"resumed the warm-up from {resumed} at step {start}", kind="resume", step=start,
                  phase="warmup", checkpoint=str(resumed))
@@ -240,6 +248,8 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
             if reason:
                 log.note(f"stopped after warm-up step {step} ({reason}); checkpoint saved in {path}, rerun the "
                          "same command to resume")
+                if own:
+                    monitor.close()
                 return None, reason
     if start < steps:
         log.write("sft_eval", steps, _run_step(policy, held, held_mine, cfg, ctx, True))
@@ -247,30 +257,28 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None):
     reason = stop.agreed(None, ctx.device) if stop is not None else None
     if reason:
         log.note(f"stopped after the warm-up ({reason}); checkpoint saved, rerun the same command to resume")
+    if own:
+        monitor.close()
     return policy, reason
 
 
-class _Logger:
-    def __init__(self, path: Path, active: bool, print_every: int = 1):
-        self.path, self.active, self.t0, self.print_every = path, active, time.time(), print_every
+class _Rows:
+    """The warm-up's rows through the run's `Monitor` (metrics.jsonl, TensorBoard, W&B, Prometheus) and its
+    console lines (rank 0: every eval row, every `print_every`-th sft row)."""
+
+    def __init__(self, monitor, print_every: int = 1):
+        self.monitor, self.print_every = monitor, print_every
 
     def write(self, kind: str, step: int, metrics: dict) -> None:
-        if not self.active:
-            return
-        rec = {"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3), **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if kind == "sft" and step % self.print_every:
+        self.monitor.log(kind, step, metrics)
+        if not self.monitor.active or (kind == "sft" and step % self.print_every):
             return
         extra = f" grad_norm {metrics['grad_norm']:.3f}" if metrics.get("grad_norm") is not None else ""
         print(f"[megatron-rl] {kind:5s} step {step:4d} loss {metrics['loss']:.4f}{extra}", flush=True)
 
     def note(self, msg: str, kind: str | None = None, step: int = 0, **fields) -> None:
-        """Print `msg` (rank 0); with `kind`, also append a row {kind, step, **fields} (e.g. a resume marker)."""
-        if not self.active:
-            return
+        """Print `msg` (rank 0); with `kind`, also log a row {kind, step, **fields} (e.g. a resume marker)."""
         if kind is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"kind": kind, "step": step, "time_s": round(time.time() - self.t0, 3),
-                                    **fields}) + "\n")
-        print(f"[megatron-rl] {msg}", flush=True)
+            self.monitor.log(kind, step, fields)
+        if self.monitor.active:
+            print(f"[megatron-rl] {msg}", flush=True)

@@ -162,7 +162,7 @@ def monitor_config(cfg: RunConfig):
     return dataclasses.replace(cfg.monitor, alerts=alerts)
 
 
-def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
+def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) -> Parts:
     from megatron_rl.convert.source import initializer
     from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.monitoring import Monitor
@@ -172,11 +172,10 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
 
     tok = cfg.tokenizer.build(cfg.model)
     tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
-    warm = warm_policy.chunks[0].module.state_dict() if warm_policy is not None else None
+    warm = warm_init(warm_policy) if warm_policy is not None else None
     t0 = time.monotonic()
     policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=(lambda m: m.load_state_dict(warm)) if warm is not None else initializer(cfg.model),
-                    lora=cfg.lora)
+                    init=warm if warm is not None else initializer(cfg.model), lora=cfg.lora)
     engine, sync = build_engine(cfg, ctx, tok.vocab_size, run_dir)
     if rank0:
         source = "the warm-up's weights" if warm is not None else cfg.model.init or "random weights"
@@ -190,12 +189,27 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None) -> Parts:
     by_id = {task_key(t): t for split in ("train", "heldout", "eval") for t in tasks[split]}
     by_id.update({task_key(t): t for ts in tasks["rl"].values() for t in ts})
     by_id.update({task_key(t): t for lv in levels.values() for ts in lv for t in ts})
-    monitor = Monitor(monitor_config(cfg), run_dir, rank0)
+    monitor = monitor or Monitor(monitor_config(cfg), run_dir, rank0)  # the warm-up's, when it ran before
+    monitor.restart_clock()  # the RL rows' time_s counts from here, as before the Monitor was shared
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
     trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
     return Parts(cfg, ctx, tok, policy, trainer,
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
+
+
+def warm_init(warm_policy):
+    """The `Policy` init that hands the warm-up's weights to the RL policy: the k-th chunk built gets the
+    warm-up's k-th chunk (virtual-pipeline chunks hold different layers; loading chunk 0 into all was wrong)."""
+    states = iter([c.module.state_dict() for c in warm_policy.chunks])
+
+    def init(model) -> None:
+        state = next(states, None)
+        if state is None:
+            raise ValueError(f"the RL policy has more model chunks than the warm-up's {len(warm_policy.chunks)}: "
+                             "keep parallel.pp/vpp the same for both phases")
+        model.load_state_dict(state)
+    return init
 
 
 def build_engine(cfg: RunConfig, ctx, valid_vocab: int, run_dir: Path | None = None):
