@@ -1,7 +1,9 @@
 """Conversion at parallel layouts (gloo, CPU): HF -> Megatron at TP=2 x PP=2 and at EP=2 -> HF bitwise equal;
 reshard TP=2 x PP=2 -> TP=1 and TP=1 -> TP=2 give the logits of the HF model.
 
-The CLI is run as users run it: with --tp/--pp/--ep above 1 it starts torchrun itself.
+The CLI is run as users run it: with --tp/--pp/--ep above 1 it starts torchrun itself. The one-process steps
+(mcore-to-hf, reshard to TP=1) run in this pytest process through the same `main(argv)` (as in test_convert.py):
+a subprocess each would only add the start-up of Python, torch and Megatron.
 """
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ def convert(*argv: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"op"')]
 
 
+def convert_here(capsys, *argv: str) -> list[dict]:
+    """A one-process conversion in this process (`main(argv)`, its gloo group of size 1 reused); its JSON report."""
+    from tools.convert.cli import main
+
+    capsys.readouterr()
+    assert main(list(argv)) == 0, capsys.readouterr().err[-6000:]
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"op"')]
+
+
 def logit_diffs(reports: list[dict]) -> list[float]:
     return [r["verify"]["max_abs_logit_diff"] for r in reports if "max_abs_logit_diff" in r.get("verify", {})]
 
@@ -43,27 +54,28 @@ def assert_same_tensors(a_dir: Path, b_dir: Path, tied: bool) -> None:
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-def test_tp2_pp2_round_trip_and_reshard_to_tp1(tmp_path):
+def test_tp2_pp2_round_trip_and_reshard_to_tp1(tmp_path, capsys):
     hf = make_hf_model("qwen2", tmp_path / "hf", num_hidden_layers=4)  # QKV bias, tied embeddings
     reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--tp", "2", "--pp", "2",
                    "--verify")
     assert reps[0]["world_size"] == 4 and reps[0]["layout"] == {"tp": 2, "pp": 2, "ep": 1}
     tp2pp2 = logit_diffs(reps)
     assert tp2pp2 and max(tp2pp2) <= 1e-4  # logits at TP=2 x PP=2 vs the HF model
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=True)
-    reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--tp", "1", "--verify")
+    reps = convert_here(capsys, "reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--tp", "1",
+                        "--verify")
     assert max(logit_diffs(reps)) <= 1e-4  # TP=1 logits of the resharded checkpoint vs the HF model
     reps = convert("reshard", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "c"), "--tp", "2", "--verify")
     assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
-def test_moe_ep2_round_trip(tmp_path):
+def test_moe_ep2_round_trip(tmp_path, capsys):
     hf = make_hf_model("qwen3_moe", tmp_path / "hf")
     reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--ep", "2", "--verify")
     assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=False)
 
 
@@ -79,32 +91,32 @@ def test_failure_on_one_rank_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("a")] == []
 
 
-def test_mixed_dense_moe_layers_with_shared_expert_pp2_ep2(tmp_path):
+def test_mixed_dense_moe_layers_with_shared_expert_pp2_ep2(tmp_path, capsys):
     """Qwen2-MoE with a dense layer (per-layer checkpoint keys) and the gated shared expert at PP=2 x EP=2."""
     hf = make_hf_model("qwen2_moe", tmp_path / "hf", num_hidden_layers=4, mlp_only_layers=[1])
     reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--pp", "2", "--ep", "2",
                    "--verify")
     assert reps[0]["world_size"] == 4 and max(logit_diffs(reps)) <= 1e-4
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=False)
     reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--ep", "2", "--verify")
     assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4
 
 
-def test_deepseek_v3_tp2_ep2_round_trip_and_reshard_to_pp2(tmp_path):
+def test_deepseek_v3_tp2_ep2_round_trip_and_reshard_to_pp2(tmp_path, capsys):
     """DeepSeek-V3 (MLA, expert bias, grouped top-k, first layer dense) at TP=2 x EP=2 -> HF bitwise; resharded
     to PP=2 it gives the HF model's logits."""
     hf = make_hf_model("deepseek_v3", tmp_path / "hf", num_hidden_layers=4)
     reps = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "a"), "--tp", "2", "--ep", "2",
                    "--verify")
     assert reps[0]["layout"] == {"tp": 2, "pp": 1, "ep": 2} and max(logit_diffs(reps)) <= 1e-4
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=False)
     reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--pp", "2", "--verify")
     assert reps[0]["world_size"] == 2 and max(logit_diffs(reps)) <= 1e-4
 
 
-def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path):
+def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path, capsys):
     """3 layers over PP=2 (uneven): written with --first-stage-layers 1 -> HF bitwise equal, logits of the HF model;
     resharded to --pipeline-layout 'Ettt|L' (the last rank: final norm and the tied output layer only) -> the HF
     model's logits (--verify: its reference reads the tied output layer's entry, stored under the embedding's key)
@@ -115,13 +127,13 @@ def test_uneven_pipeline_stages_round_trip_and_reshard(tmp_path):
                    "--first-stage-layers", "1", "--verify")
     assert reps[0]["layout"] == {"tp": 1, "pp": 2, "ep": 1, "first_stage_layers": 1}
     assert max(logit_diffs(reps)) <= 1e-4
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf2"))
     assert_same_tensors(hf, tmp_path / "hf2", tied=True)
     reps = convert("reshard", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "b"), "--pp", "2",
                    "--pipeline-layout", "Ettt|L", "--verify")
     assert reps[0]["layout"]["pipeline_layout"] == "Ettt|L"
     assert len(logit_diffs(reps)) == 1 and max(logit_diffs(reps)) <= 1e-4
-    convert("mcore-to-hf", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "hf3"))
+    convert_here(capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "b"), "--out", str(tmp_path / "hf3"))
     assert_same_tensors(hf, tmp_path / "hf3", tied=True)
     from megatron_rl.convert.arch.base import ConvertError
     from megatron_rl.tools.convert.cli import build_parser, run
