@@ -35,7 +35,7 @@ def convert(*argv: str) -> list[dict]:
 
 def convert_here(capsys, *argv: str) -> list[dict]:
     """A one-process conversion in this process (`main(argv)`, its gloo group of size 1 reused); its JSON report."""
-    from tools.convert.cli import main
+    from megatron_rl.tools.convert.cli import main
 
     capsys.readouterr()
     assert main(list(argv)) == 0, capsys.readouterr().err[-6000:]
