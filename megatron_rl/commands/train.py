@@ -122,11 +122,10 @@ def cpu_seconds() -> float:
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint a rerun resumes from: the latest RL one, else the latest warm-up one."""
-    from megatron_rl.commands.warmup import warmup_latest
-    from megatron_rl.loop.state import latest
+    """The checkpoint a rerun resumes from: the newest one, RL or warm-up (the run's one pointer)."""
+    from megatron_rl.trainer.latest import latest
 
-    return latest(run_dir) or warmup_latest(run_dir)
+    return latest(run_dir)
 
 
 def _resume_or_start(cfg: RunConfig, run_dir: Path) -> Path | None:

@@ -143,8 +143,8 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.driver import StopFlag, run_rl
     from megatron_rl.loop.setup import monitor_config
-    from megatron_rl.loop.state import latest
     from megatron_rl.monitoring import Monitor
+    from megatron_rl.trainer.latest import latest
 
     stop = StopFlag()  # first: from here on SIGTERM/SIGUSR1 stop at a step boundary, after a checkpoint
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
@@ -152,7 +152,7 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     warm, rc = None, 0
     monitor = Monitor(monitor_config(cfg), run_dir, ctx.rank == 0)  # one for both phases
-    if not latest(run_dir) and cfg.train.steps > 0:
+    if not latest(run_dir, "rl") and cfg.train.steps > 0:
         warm, reason = warmup_phase(cfg, run_dir, ctx, stop, monitor)
         rc = 3 if reason and (warm is None or cfg.rl.steps > 0) else 0
     if rc == 0 and cfg.rl.steps > 0:
@@ -164,27 +164,26 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
 
 # ------------------------------------------------------------------------------ warm-up checkpoints
 def warmup_latest(run_dir: Path) -> Path | None:
-    """The newest complete warm-up checkpoint (<run>/checkpoints/warmup/latest names it), or None."""
-    f = Path(run_dir) / "checkpoints" / "warmup" / "latest"
-    return f.parent / f.read_text().strip() if f.exists() else None
+    """The newest complete warm-up checkpoint when the run's pointer names one (trainer/latest.py), or None."""
+    from megatron_rl.trainer.latest import latest
+
+    return latest(run_dir, "warmup")
 
 
 def _save_warmup(policy, run_dir: Path, step: int, is_rank0: bool) -> Path:
     """Checkpoint the warm-up after `step` steps (model, optimizer, scheduler, RNG; trainer/checkpoint.py);
     only the newest is kept (it exists to resume the warm-up; the RL phase checkpoints itself)."""
-    import os
     import shutil
 
     from megatron_rl.trainer.checkpoint import save_checkpoint
+    from megatron_rl.trainer.latest import write_latest
 
     root = Path(run_dir) / "checkpoints" / "warmup"
     name = f"step-{step:06d}"
     save_checkpoint(policy, root / name, extra={"phase": "warmup", "step": step})
     torch.distributed.barrier()
     if is_rank0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, root / "latest")
+        write_latest(run_dir, root / name)
         for old in root.glob("step-*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)

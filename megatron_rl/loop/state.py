@@ -7,19 +7,21 @@ the policy at the start of the RL phase (the warm-up's result or model.init's we
 does not rebuild (the warm-up is not rerun, and the trainer is built before the checkpoint loads, from the
 model's initialiser), so a resumed run computes its KL term against exactly the reference of the unbroken run.
 The PPO critic (advantage gae) is saved and restored with them: its model, value head, optimizer and schedule.
-`<run>/checkpoints/latest` names the newest complete checkpoint (written after the save, atomically)."""
+`<run>/checkpoints/latest` names the newest complete checkpoint (written after the save, atomically; the run's one
+pointer, shared with the warm-up: trainer/latest.py)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from megatron_rl.trainer import latest as pointer
+
 
 def latest(run_dir: Path) -> Path | None:
-    f = Path(run_dir) / "checkpoints" / "latest"
-    return Path(run_dir) / "checkpoints" / f.read_text().strip() if f.exists() else None
+    """The newest complete RL checkpoint of the run, or None (none yet, or the newest is the warm-up's)."""
+    return pointer.latest(run_dir, "rl")
 
 
 def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
@@ -37,9 +39,7 @@ def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
                     critic=parts.trainer.critic)
     torch.distributed.barrier(group=world)
     if parts.is_rank0:
-        tmp = path.parent / "latest.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, path.parent / "latest")
+        pointer.write_latest(run_dir, path)
     torch.distributed.barrier(group=world)
     return path
 

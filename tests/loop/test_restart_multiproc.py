@@ -65,7 +65,7 @@ def _launch(out: Path, sig: int, tree: bool, due) -> tuple[int, str]:
 
 
 def _ckpt_step(run: Path) -> int:
-    f = run / "checkpoints" / "warmup" / "latest"
+    f = run / "checkpoints" / "latest"  # names warmup/step-N during the warm-up (trainer/latest.py)
     return int(f.read_text().strip().split("-")[1]) if f.exists() else 0
 
 
