@@ -29,16 +29,7 @@ class LaunchConfig:
     """Collective timeout."""
     threads_per_rank: int = 0
     """Torch intra-op threads of each rank (OMP_NUM_THREADS); 0 = $OMP_NUM_THREADS, else this machine's cores
-    shared among the local ranks."""
-
-    def rank_threads(self) -> int:
-        import os
-
-        if self.threads_per_rank:
-            return self.threads_per_rank
-        if os.environ.get("OMP_NUM_THREADS"):
-            return int(os.environ["OMP_NUM_THREADS"])
-        return max(1, len(os.sched_getaffinity(0)) // self.nproc_per_node)
+    shared among the local ranks (decided in commands/launch.py: rank_threads)."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -92,7 +91,7 @@ def _launch(cfg: RunConfig, args: argparse.Namespace) -> int:
     from megatron_rl.commands.launch import run_ranks
 
     module = ["-m", "megatron_rl.commands.eval", *_argv(args), "--worker"]
-    return run_ranks(module, cfg.launch.nproc_per_node, os.environ.get("OMP_NUM_THREADS", "1"))
+    return run_ranks(module, cfg.launch.nproc_per_node)  # threads: $OMP_NUM_THREADS or 1 (launch.py: rank_threads)
 
 
 def _argv(args: argparse.Namespace) -> list[str]:

@@ -1,15 +1,31 @@
 """The one launcher: start a command's ranks on this machine with torchrun, or run the rank in-process when a
 launcher (torchrun, srun, mpirun) already started this process as one of the job's ranks.
 
-Used by `train`, `eval` and `tools/convert`; each passes its own thread count (behaviour of each unchanged)."""
+Used by `train`, `eval` and `tools/convert`: `torchrun_launch` builds the command and the ranks' environment,
+`rank_threads` decides their thread count (the one place of the thread defaults)."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from megatron_rl.slurm_env import under_launcher
+
+if TYPE_CHECKING:
+    from megatron_rl.run_config import LaunchConfig
+
+
+def rank_threads(launch: LaunchConfig | None = None) -> int:
+    """Torch intra-op threads (OMP_NUM_THREADS) of each rank. With the run's `launch` (train):
+    launch.threads_per_rank, else $OMP_NUM_THREADS, else this machine's cores shared among launch.nproc_per_node
+    ranks. Without (eval, convert: short jobs beside a run): $OMP_NUM_THREADS, else 1."""
+    if launch is not None and launch.threads_per_rank:
+        return launch.threads_per_rank
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return 1 if launch is None else max(1, len(os.sched_getaffinity(0)) // launch.nproc_per_node)
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
@@ -20,17 +36,20 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
             "--master_addr=127.0.0.1", f"--master_port={free_port()}", *argv]
 
 
-def rank_env(threads: int | str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with OMP_NUM_THREADS=threads (and `extra`) for the ranks torchrun starts."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra or {})}
+def torchrun_launch(argv: list[str], nproc: int, launch: LaunchConfig | None = None,
+                    extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command of `nproc` ranks each running `python argv`, and their environment: this process's
+    with OMP_NUM_THREADS=rank_threads(launch) and `extra`."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(launch)), **(extra or {})}
+    return torchrun_command(nproc, argv), env
 
 
-def run_ranks(argv: list[str], nproc: int, threads: int | str) -> int:
+def run_ranks(argv: list[str], nproc: int, launch: LaunchConfig | None = None) -> int:
     """Run `python argv` as this machine's ranks: in-process rank when already under a launcher, else `nproc`
-    ranks under torchrun with OMP_NUM_THREADS=threads. Returns the exit code (3: stopped by a signal)."""
+    ranks under torchrun (`torchrun_launch`). Returns the exit code (3: stopped by a signal)."""
     if under_launcher():
         return call([sys.executable, *argv], None)
-    return call(torchrun_command(nproc, argv), rank_env(threads))
+    return call(*torchrun_launch(argv, nproc, launch))
 
 
 def call(cmd: list[str], env) -> int:

@@ -207,7 +207,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path) -> int:
     """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): in-process
     when already under a launcher (torchrun, srun), else torchrun here."""
     module = ["-m", "megatron_rl.commands.train", str(run_dir / "config.yaml"), "--worker"]
-    return run_ranks(module, cfg.launch.nproc_per_node, cfg.launch.rank_threads())
+    return run_ranks(module, cfg.launch.nproc_per_node, cfg.launch)
 
 
 def summary(cfg: RunConfig, run_dir: Path, seconds: float, cpu: float, export_dir: Path | None = None) -> None:

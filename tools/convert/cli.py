@@ -64,12 +64,11 @@ def launched() -> bool:
 
 def spawn_torchrun(args, argv: list[str]) -> int:
     """Re-run this command under torchrun with tp*pp*ep ranks; clean the temporary folder on failure."""
-    from megatron_rl.commands.launch import rank_env, torchrun_command
+    from megatron_rl.commands.launch import torchrun_launch
     from megatron_rl.convert.runtime import TMP_TAG_ENV
 
     n = args.tp * args.pp * args.ep
-    cmd = torchrun_command(n, ["-m", "megatron_rl.tools.convert.cli", *argv])
-    env = rank_env(os.environ.get("OMP_NUM_THREADS", "1"), {TMP_TAG_ENV: str(os.getpid())})
+    cmd, env = torchrun_launch(["-m", "megatron_rl.tools.convert.cli", *argv], n, extra={TMP_TAG_ENV: str(os.getpid())})
     rc = subprocess.run(cmd, env=env).returncode
     out = Path(args.out).absolute()
     shutil.rmtree(out.with_name(f"{out.name}.tmp-{os.getpid()}"), ignore_errors=True)
