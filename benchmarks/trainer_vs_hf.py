@@ -48,7 +48,7 @@ def ours(args, batch: list[dict]) -> list[float]:
     from megatron_rl.convert.source import initializer
     from megatron_rl.data.shards import Trajectory, read_arrays, write_shard
     from megatron_rl.distributed import init_distributed
-    from megatron_rl.loop.setup import trainer_config
+    from megatron_rl.loop.job import trainer_config
     from megatron_rl.run_config import RunConfig
     from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer

@@ -1,7 +1,7 @@
 """Seconds per GB of the RL loop's weight sync, trainer -> engine, against a plain copy of the same bytes.
 
 Launches itself under torchrun (gloo, CPU) with a trainer at `--pp` pipeline stages (2 ranks by default),
-builds the loop's engine and weight sync (`loop.setup.build_engine`: the TP-only engine and the sync that
+builds the loop's engine and weight sync (`loop.job.build_engine`: the TP-only engine and the sync that
 gathers the stages into it) and times it against a plain copy of the same bytes by the same route, in the
 same run, as `--repeats` pairs run back to back after one untimed warm-up each (a shared machine's load hits
 both alike; the ratio is the median of the pairs'):
@@ -70,7 +70,7 @@ def worker(args) -> None:
 
     from megatron_rl.distributed import init_distributed
     from megatron_rl.loop.dispatched import RolloutServerProcess
-    from megatron_rl.loop.setup import build_engine, engine_weights
+    from megatron_rl.loop.job import build_engine, engine_weights
     from megatron_rl.parallel import ParallelConfig
     from megatron_rl.trainer.policy import OptimConfig, Policy
 

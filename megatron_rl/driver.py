@@ -36,41 +36,41 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag 
     """Run (or resume) the RL phase on this rank; returns 0, or 3 when stopped by a signal or an alert (`stop`:
     the flag installed at the rank's start, so a signal during the set-up is not lost; `monitor`: the run's
     Monitor when the warm-up already logged through it)."""
-    from megatron_rl.loop import setup
+    from megatron_rl.loop import evaluation, handoff, metrics
+    from megatron_rl.loop.job import build, make_rollouts, say, sync_weights
 
-    parts = setup.build(cfg, run_dir, ctx, warm_policy, monitor)  # policy, trainer, engine, runner, sampler, monitor
-    rollouts = setup.make_rollouts(parts, run_dir)  # in-process engine + scorer, or dispatched episodes
-    start = S.resume(parts, rollouts, run_dir) if S.latest(run_dir) else 0
-    setup.sync_weights(parts, rollouts, version=start)
+    job = build(cfg, run_dir, ctx, warm_policy, monitor)  # policy, trainer, engine, runner, sampler, monitor
+    rollouts = make_rollouts(job, run_dir)  # in-process engine + scorer, or dispatched episodes
+    start = S.resume(job, rollouts, run_dir) if S.latest(run_dir) else 0
+    sync_weights(job, rollouts, version=start)
     stop = stop or StopFlag()
     if start == 0:
-        setup.evaluate(parts, rollouts, step=0)
+        evaluation.evaluate(job, rollouts, step=0)
     last = cfg.rl.steps - 1
     for step in range(start, cfg.rl.steps):
-        clock = setup.Clock(rollouts)
-        rollouts.fill(upto=step + cfg.rl.max_staleness, sampler=parts.sampler, last_step=last)
-        groups, sampling = rollouts.batch(step, parts.sampler)
-        cols = setup.to_shard(parts, rollouts, groups, step, run_dir)
+        clock = metrics.Clock(rollouts)
+        rollouts.fill(upto=step + cfg.rl.max_staleness, sampler=job.sampler, last_step=last)
+        groups, sampling = rollouts.batch(step, job.sampler)
+        cols = handoff.to_shard(job, rollouts, groups, step, run_dir)
         clock.mark("rollout")
-        train = parts.trainer.step(cols) if cols is not None else {"update_skipped": True}
+        train = job.trainer.step(cols) if cols is not None else {"update_skipped": True}
         clock.mark("train")
-        setup.sync_weights(parts, rollouts, version=step + 1)
+        sync_weights(job, rollouts, version=step + 1)
         clock.mark("sync")
-        metrics = setup.step_metrics(parts, rollouts, cols, train, sampling, clock)
-        parts.monitor.log("rl", step, metrics)
-        parts.monitor.check(step, metrics)
-        if setup.eval_due(cfg, step):
-            setup.evaluate(parts, rollouts, step=step + 1)
-        reason = stop.agreed(parts.monitor.should_stop, ctx.device)
+        row = metrics.step_metrics(job, rollouts, cols, train, sampling, clock)
+        job.monitor.log("rl", step, row)
+        job.monitor.check(step, row)
+        if evaluation.eval_due(cfg, step):
+            evaluation.evaluate(job, rollouts, step=step + 1)
+        reason = stop.agreed(job.monitor.should_stop, ctx.device)
         if reason or step == last or (cfg.rl.checkpoint_every and (step + 1) % cfg.rl.checkpoint_every == 0):
-            S.checkpoint(parts, rollouts, run_dir, step + 1)
+            S.checkpoint(job, rollouts, run_dir, step + 1)
         if reason and step != last:
-            setup.say(parts, f"stopped after step {step} ({reason}); checkpoint saved, rerun the same command "
-                             "to resume")
+            say(job, f"stopped after step {step} ({reason}); checkpoint saved, rerun the same command to resume")
             rollouts.close()
             return 3
     rollouts.close()
-    parts.close()
+    job.close()
     return 0
 
 

@@ -233,7 +233,7 @@ class RunConfig:
                               f"the experts they were routed to, so those episodes would train with the trainer's "
                               f"own routing; set routing_replay=off, or drop the domains' agent")
         tc = self.rl.trainer
-        old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.setup.trainer_config
+        old = "recompute" if self.rl.correction() != "none" else tc.old_logprobs  # as loop.job.trainer_config
         if mode == "logprobs" and old != "recompute" and not tc.reference:
             raise ConfigError("rl.trainer.routing_replay=logprobs replays the forward-only log-prob passes, but this "
                               "run has none (rl.trainer.old_logprobs=behaviour, no reference model): it would "

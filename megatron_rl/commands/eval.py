@@ -10,7 +10,7 @@ shipped held-out suites. Results are printed and written as JSON (`--out`, defau
 table (pass@1 and pass@k per task, per domain and overall; `megatron_rl.eval_report`) is printed and written next
 to it as `eval_tasks.json`, `eval_tasks.md` and a plot `eval_tasks.png` (when matplotlib is installed).
 Episodes run on the run's episode runner, the same one the RL loop uses: in process, or dispatched to rollout
-workers or the persistent fleet (`episodes.runner: dispatch | fleet`, `loop.setup.rollouts_for`). Harbor tasks:
+workers or the persistent fleet (`episodes.runner: dispatch | fleet`, `loop.job.rollouts_for`). Harbor tasks:
 `--domains harbor` (its shipped held-out tasks), or `envs.domains.harbor.task_files=[DIR]` for a folder of tasks.
 Pass the run's saved `<run>/config.yaml` to evaluate it as trained.
 """
@@ -104,7 +104,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 def _heldout(cfg: RunConfig, domain: str) -> list:
     from megatron_rl.envs.tasks import load_domain
-    from megatron_rl.loop.setup import task_lists
+    from megatron_rl.loop.job import task_lists
 
     if cfg.curriculum.enabled and domain == "countdown":
         return task_lists(cfg)["eval"]
@@ -121,14 +121,8 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     from megatron_rl.convert.source import initializer
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
-    from megatron_rl.loop.setup import (
-        build_engine,
-        close_engine,
-        engine_weights,
-        episode_runner,
-        heldout_run,
-        rollouts_for,
-    )
+    from megatron_rl.loop.evaluation import heldout_run
+    from megatron_rl.loop.job import build_engine, close_engine, engine_weights, episode_runner, rollouts_for
     from megatron_rl.prompts import prompt_ids
     from megatron_rl.trainer.checkpoint import load_checkpoint
     from megatron_rl.trainer.policy import Policy

@@ -34,7 +34,7 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts."""
     import megatron_rl.envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from megatron_rl.data.shards import write_shard
-    from megatron_rl.loop.setup import episode_runner, task_lists
+    from megatron_rl.loop.job import episode_runner, task_lists
     from megatron_rl.prompts import environment
 
     tok, shard_dir = cfg.tokenizer.build(cfg.model), run_dir / "shards"
@@ -142,7 +142,7 @@ def worker_main(cfg: RunConfig, run_dir: Path) -> int:
 
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.driver import StopFlag, run_rl
-    from megatron_rl.loop.setup import monitor_config
+    from megatron_rl.loop.job import monitor_config
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.latest import latest
 
@@ -209,7 +209,7 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None, monitor=None):
     None); (None, reason) when stopped before its end. Rows go to `monitor` (the run's `Monitor`, shared with the
     RL phase; one of its own, closed at the end, when None)."""
     from megatron_rl.convert.source import initializer
-    from megatron_rl.loop.setup import monitor_config
+    from megatron_rl.loop.job import monitor_config
     from megatron_rl.monitoring import Monitor
     from megatron_rl.trainer.policy import Policy
 

@@ -14,7 +14,7 @@ broadcasts each pump round's new follow-up requests. When a group's episodes are
 their tokens, loss masks (model tokens 1, observations 0), rewards and turns, so every rank makes the same
 dynamic-sampling decisions and trains on the same sequences.
 
-Generation scales with data parallelism (`replica_group`: the engine's TP group, `loop.setup.make_rollouts`):
+Generation scales with data parallelism (`replica_group`: the engine's TP group, `loop.job.make_rollouts`):
 the engine is TP-only, so every TP group of the job is an engine replica of its own. Group g belongs to
 replica g.gid % replicas: only that replica's engine generates it and only its leader (TP rank 0, which
 has an episode runner) runs its episodes, broadcasting follow-ups inside its TP group. Settling a batch,
@@ -313,7 +313,7 @@ class Rollouts:
         self.timers["env_wait_s"] += time.perf_counter() - t0
 
     def push_weights(self, version: int, named_parameters) -> None:
-        """Nothing to push: the engine is in-process (see loop.setup.sync_weights)."""
+        """Nothing to push: the engine is in-process (see loop.job.sync_weights)."""
 
     def close(self) -> None:
         """Nothing to release here (the engine and runner belong to the driver's Parts)."""

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rl.trainer import latest as pointer
+
+if TYPE_CHECKING:
+    from megatron_rl.loop.job import Job
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -24,38 +28,38 @@ def latest(run_dir: Path) -> Path | None:
     return pointer.latest(run_dir, "rl")
 
 
-def checkpoint(parts, rollouts, run_dir: Path, step: int) -> Path:
+def checkpoint(job: Job, rollouts, run_dir: Path, step: int) -> Path:
     from megatron_rl.trainer.checkpoint import save_checkpoint
 
     rollouts.drain()
-    alerts = [parts.monitor.rewards]  # kept on rank 0 (the monitor's); the common state must match on every rank
-    world = parts.ctx.world
+    alerts = [job.monitor.rewards]  # kept on rank 0 (the monitor's); the common state must match on every rank
+    world = job.ctx.world
     torch.distributed.broadcast_object_list(alerts, src=torch.distributed.get_global_rank(world, 0), group=world)
-    state = {"step": step, "sampler": parts.sampler.state_dict(), "rollouts": rollouts.state_dict(),
+    state = {"step": step, "sampler": job.sampler.state_dict(), "rollouts": rollouts.state_dict(),
              "alert_rewards": alerts[0]}
     name = f"step-{step:06d}"
     path = Path(run_dir) / "checkpoints" / name
-    save_checkpoint(parts.policy, path, reference=parts.trainer.reference, extra={"driver": json.dumps(state)},
-                    critic=parts.trainer.critic)
+    save_checkpoint(job.policy, path, reference=job.trainer.reference, extra={"driver": json.dumps(state)},
+                    critic=job.trainer.critic)
     torch.distributed.barrier(group=world)
-    if parts.is_rank0:
+    if job.is_rank0:
         pointer.write_latest(run_dir, path)
     torch.distributed.barrier(group=world)
     return path
 
 
-def resume(parts, rollouts, run_dir: Path) -> int:
+def resume(job: Job, rollouts, run_dir: Path) -> int:
     """Load the latest checkpoint into the policy, sampler and rollout buffer; returns the step to run next."""
     from megatron_rl.trainer.checkpoint import load_checkpoint
 
     path = latest(run_dir)
-    state = json.loads(load_checkpoint(parts.policy, path, reference=parts.trainer.reference,
-                                       critic=parts.trainer.critic)["driver"])
-    parts.sampler.load_state_dict(state["sampler"])
-    rollouts.load_state_dict(state["rollouts"], parts.tasks_by_id)
-    parts.monitor.rewards = list(state["alert_rewards"])
-    parts.monitor.log("resume", int(state["step"]), {"phase": "rl", "checkpoint": str(path)})  # rows are appended
-    if parts.is_rank0:
+    state = json.loads(load_checkpoint(job.policy, path, reference=job.trainer.reference,
+                                       critic=job.trainer.critic)["driver"])
+    job.sampler.load_state_dict(state["sampler"])
+    rollouts.load_state_dict(state["rollouts"], job.tasks_by_id)
+    job.monitor.rewards = list(state["alert_rewards"])
+    job.monitor.log("resume", int(state["step"]), {"phase": "rl", "checkpoint": str(path)})  # rows are appended
+    if job.is_rank0:
         print(f"[megatron-rl] resumed from {path} at RL step {state['step']} "
               f"({len(rollouts.ready)} buffered groups)", flush=True)
     return int(state["step"])

@@ -1,5 +1,5 @@
 """Domain images on dispatched and fleet workers (submitit's local executor: separate worker processes): the
-run config's envs.domains.code.image is built once by the driver (`loop.setup.worker_config`) into the store,
+run config's envs.domains.code.image is built once by the driver (`loop.job.worker_config`) into the store,
 the worker spec carries its digest and file, and each worker extracts it into its node cache and runs the
 code reward in it. The task's solution imports a module that only the image has: reward 1.0 in the image, 0.0
 without it, so a worker that ignored the image fails the test."""
@@ -68,7 +68,7 @@ def rewards(shard_dir: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_dispatched_workers_run_the_code_reward_in_the_domain_image(open_dir):
-    from megatron_rl.loop.setup import worker_config
+    from megatron_rl.loop.job import worker_config
 
     cfg = run_config(open_dir, "dispatch")  # no longer refused
     worker = worker_config(cfg, open_dir)
@@ -92,7 +92,7 @@ def test_dispatched_workers_run_the_code_reward_in_the_domain_image(open_dir):
 @pytest.mark.slow
 def test_fleet_workers_run_the_code_reward_in_the_domain_image(open_dir):
     from megatron_rl.dispatch.fleet import Fleet, FleetConfig
-    from megatron_rl.loop.setup import worker_config
+    from megatron_rl.loop.job import worker_config
 
     cfg = run_config(open_dir, "fleet")
     worker = scripted(worker_config(cfg, open_dir))

@@ -126,7 +126,7 @@ def test_loop_step_metrics_and_console_summary_over_120_domains(tmp_path, capsys
     with no gradient and keeps them all in metrics.jsonl."""
     from types import SimpleNamespace
 
-    from megatron_rl.loop.setup import step_metrics
+    from megatron_rl.loop.metrics import step_metrics
     from megatron_rl.monitoring import Monitor, MonitorConfig
 
     names = [f"failed{i:03d}" for i in range(100)] + [f"mixed{i:02d}" for i in range(20)]

@@ -1,7 +1,7 @@
 """One environment factory (`envs.mixture.EnvFactory`) for the in-process loop, eval and the rollout workers:
 a judged domain (docqa with its LLM judge) scored on dispatched workers (submitit's local executor: separate
 worker processes) gets the judge's verdict in its reward, because the worker spec carries the run's mixture
-(`loop.setup.worker_config`) and the worker builds its environments from it as the driver does."""
+(`loop.job.worker_config`) and the worker builds its environments from it as the driver does."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +70,7 @@ def docqa_episodes(n: int):
 
 @pytest.mark.slow
 def test_dispatched_workers_score_a_judged_domain_with_the_runs_judge(tmp_path, judge_url):
-    from megatron_rl.loop.setup import worker_config
+    from megatron_rl.loop.job import worker_config
 
     url, requests = judge_url
     cfg = run_config(tmp_path, url)
@@ -92,11 +92,11 @@ def test_dispatched_workers_score_a_judged_domain_with_the_runs_judge(tmp_path, 
 
 
 def test_the_driver_and_the_workers_build_the_same_environment(tmp_path, judge_url):
-    """The in-process runner (`loop.setup.episode_runner`) and a worker (`dispatch.worker.env_factory`) build a
+    """The in-process runner (`loop.job.episode_runner`) and a worker (`dispatch.worker.env_factory`) build a
     domain through one factory: same reward spec (judge included), budget and reward weights."""
     from megatron_rl.dispatch import WorkerSpec
     from megatron_rl.dispatch.worker import env_factory
-    from megatron_rl.loop.setup import episode_runner, worker_config
+    from megatron_rl.loop.job import episode_runner, worker_config
     from megatron_rl.tokenizer import from_path
 
     cfg = run_config(tmp_path, judge_url[0])

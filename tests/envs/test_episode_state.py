@@ -132,7 +132,7 @@ def test_the_run_config_sets_the_workers_checkpoint_interval(tmp_path):
 
     from megatron_rl import config as C
     from megatron_rl.config import ConfigError
-    from megatron_rl.loop.setup import worker_config
+    from megatron_rl.loop.job import worker_config
     from megatron_rl.run_config import RunConfig
 
     demo = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"

@@ -321,7 +321,7 @@ def test_eval_per_task_table_for_a_scripted_run(hf_tok, suite, tmp_path):
     from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
-    from megatron_rl.loop.setup import heldout_run
+    from megatron_rl.loop.evaluation import heldout_run
     from megatron_rl.run_config import RunConfig
 
     tasks = [suite["fix-env-settings"], suite["csv-sales-report"]]

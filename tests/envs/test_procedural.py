@@ -323,7 +323,7 @@ def test_the_run_builds_its_sampler_over_the_levels(repo_root):
     loop's sampler draws from level 0 of that domain first."""
     from megatron_rl import load_config
     from megatron_rl.envs.sampler import DomainSampler
-    from megatron_rl.loop.setup import fitting, task_lists
+    from megatron_rl.loop.job import fitting, task_lists
 
     d = "reasoning_gym/chain_sum"
     cfg = load_config(str(repo_root / "configs" / "post_train_cpu.yaml"),

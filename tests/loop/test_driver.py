@@ -59,7 +59,7 @@ def test_trainer_fields_the_loop_sets_are_refused_when_they_would_be_overwritten
     """rl.trainer.temperature / valid_vocab are the loop's to set (from rl.temperature and the tokenizer): another
     value there is refused naming the setting to use, not overwritten silently; the loop's value passes on."""
     from megatron_rl import load_config
-    from megatron_rl.loop.setup import trainer_config
+    from megatron_rl.loop.job import trainer_config
 
     demo = str(repo_root / "configs" / "demo_cpu.yaml")
     with pytest.raises(ConfigError, match=r"rl.trainer.temperature=0.7 is set by the loop from rl.temperature"):

@@ -246,7 +246,7 @@ def test_terminal_tasks_are_evaluated_by_their_verifier(hf_tok, solve):
     from megatron_rl.envs.sandbox import SandboxConfig
     from megatron_rl.envs.tasks import load_domain
     from megatron_rl.loop.episodes import ThreadEpisodeRunner
-    from megatron_rl.loop.setup import heldout_success
+    from megatron_rl.loop.evaluation import heldout_success
     from megatron_rl.run_config import RunConfig
 
     task = next(t for t in load_domain("terminal", split="train") if t.id == "terminal-fix-median")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.loop.setup import warm_init
+from megatron_rl.loop.job import warm_init
 
 
 def _warm_policy(n: int):

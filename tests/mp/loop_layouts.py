@@ -1,4 +1,4 @@
-"""Rank script: the RL loop's engine set-up and weight sync (`loop.setup.build` + `loop.setup.sync_weights`) at
+"""Rank script: the RL loop's engine set-up and weight sync (`loop.job.build` + `loop.job.sync_weights`) at
 several trainer layouts in one 4-rank launch; greedy rollouts must equal the one-copy (TP=1, PP=EP=1) loop's.
 
 For each case the loop's parts are built from a RunConfig, the policy's weights are drawn from each
@@ -64,7 +64,7 @@ def run_case(name: str, model: dict, parallel: dict, run_dir: Path) -> dict:
 
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.distributed import init_distributed
-    from megatron_rl.loop import setup
+    from megatron_rl.loop import job as setup
     from megatron_rl.parallel import ParallelConfig
     from megatron_rl.rollout import SamplingParams
     from tests.mp.ckpt_resume import reset

@@ -301,7 +301,7 @@ def test_mla_model_logprobs_equal_full_forward(pgs):
 
 
 def test_bf16_engine_serves_fp32_weights_with_fp32_logprobs(model, pgs):
-    """`rollout.engine.dtype: bf16` (the run config key; loop/setup.py builds the engine with it): bf16 weights
+    """`rollout.engine.dtype: bf16` (the run config key; loop/job.py builds the engine with it): bf16 weights
     and KV cache synced from an fp32 policy, log-softmax in fp32; log-probs close to the fp32 full forward's."""
     eng = RolloutEngine.build(MODEL, EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24, dtype="bf16"),
                               ParallelConfig(), pgs)

@@ -118,7 +118,7 @@ def test_mismatch_is_engine_vs_trainer_and_sees_perturbed_logprobs(old, is_corre
 def test_mismatch_alert_fires_above_rl_mismatch_alert_kl(tmp_path):
     """rl.mismatch_alert_kl reaches the monitor's mismatch rule (the run config no longer has two knobs)."""
     from megatron_rl import config as C
-    from megatron_rl.loop.setup import monitor_config
+    from megatron_rl.loop.job import monitor_config
     from megatron_rl.monitoring import Monitor
     from megatron_rl.run_config import RunConfig
 

@@ -1,4 +1,8 @@
-"""The pieces the driver (`megatron_rl/driver.py`) wires together, and its per-step helpers."""
+"""One assembly place: `build(cfg, run_dir, ctx) -> Job`, everything one RL step touches on this rank (policy,
+trainer, engine, episode runner, sampler, monitor, weight sync) for the train loop (`megatron_rl/driver.py`); its
+pieces (`build_engine`, `episode_runner`, `rollouts_for`, `task_lists`, `monitor_config`) also assemble
+`megatron-rl eval` and the warm-up. The loop's per-step helpers live by idea: `loop/handoff.py` (the step's
+shard), `loop/metrics.py` (the step's row), `loop/evaluation.py` (held-out success)."""
 from __future__ import annotations
 
 import copy
@@ -6,17 +10,33 @@ import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
-import numpy as np
 import torch
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.shards import SEGMENT_MARK
 from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
 from megatron_rl.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from megatron_rl.distributed import DistContext
+    from megatron_rl.envs.base import Task
+    from megatron_rl.envs.sampler import DomainSampler
+    from megatron_rl.loop.episodes import ThreadEpisodeRunner
+    from megatron_rl.monitoring import Monitor
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.trainer.policy import Policy
+    from megatron_rl.trainer.rl_step import RLTrainer
+
+Engine = Union["RolloutEngine", "VLLMEngine"]
+"""The rollout engine of a rank: the native in-process one, or a vLLM process (engine.backend)."""
+WeightSyncFn = Callable[["Engine", int, Iterable], None]
+"""(engine, version, the trainer's named tensors) -> None: rollout/reshard.WeightSync, or the vLLM reload."""
 
 
 def task_lists(cfg: RunConfig) -> dict:
@@ -69,20 +89,34 @@ def task_key(task) -> str:
 
 
 @dataclass
-class Parts:
+class Job:
+    """Everything one RL step touches on this rank, built by `build`."""
+
     cfg: RunConfig
-    ctx: object
+    """The run's resolved config."""
+    ctx: DistContext
+    """This rank's process groups and device."""
     tok: Tokenizer
-    policy: object
-    trainer: object
-    engine: object
-    runner: object
-    sampler: object
-    heldout: list
-    tasks_by_id: dict
-    monitor: object
+    """The model's tokenizer."""
+    policy: Policy
+    """The trainer's model, optimizer and schedule (Megatron-Core)."""
+    trainer: RLTrainer
+    """The RL update (advantages, loss, KL reference, critic, teacher)."""
+    engine: Engine
+    """The rollout engine: in-process (native) or this rank's vLLM process."""
+    runner: ThreadEpisodeRunner | None
+    """The episode thread pool of a rank that scores episodes (`scores_episodes`), else None."""
+    sampler: DomainSampler
+    """The mixture's task sampler (weights, curriculum, difficulty levels)."""
+    heldout: list[Task]
+    """The held-out eval tasks of every domain of the mixture."""
+    tasks_by_id: dict[str, Task]
+    """Every task of the run by `task_key` (a checkpointed rollout buffer names its tasks)."""
+    monitor: Monitor
+    """The run's monitor (shared with the warm-up when it ran in this process)."""
     is_rank0: bool
-    sync: object = None
+    """This rank is the job's rank 0 (it writes the logs)."""
+    sync: WeightSyncFn | None = None
     """The weight sync from the trainer's layout into the engine's (rollout/reshard.py)."""
     sync_stats: dict = dataclasses.field(default_factory=dict)
     """The last weight sync of this rank: sync_bytes (the tensors it passed in, its TP slice), sync_s, and with
@@ -121,9 +155,9 @@ def judge_cache_dir(cfg: RunConfig, run_dir: Path) -> str:
     return os.path.abspath(cfg.envs.judge_cache_dir or str(Path(run_dir) / "judge_cache"))
 
 
-def make_rollouts(parts: Parts, run_dir: Path):
+def make_rollouts(job: Job, run_dir: Path):
     """The run's rollouts (`rollouts_for`)."""
-    return rollouts_for(parts.cfg, parts.ctx, parts.engine, parts.runner, parts.tok, parts.prompt_fn, run_dir)
+    return rollouts_for(job.cfg, job.ctx, job.engine, job.runner, job.tok, job.prompt_fn, run_dir)
 
 
 def rollouts_for(cfg: RunConfig, ctx, engine, runner, tok, prompt_fn, run_dir: Path):
@@ -162,7 +196,7 @@ def monitor_config(cfg: RunConfig):
     return dataclasses.replace(cfg.monitor, alerts=alerts)
 
 
-def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) -> Parts:
+def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) -> Job:
     from megatron_rl.convert.source import initializer
     from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.monitoring import Monitor
@@ -194,7 +228,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) ->
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
     trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
-    return Parts(cfg, ctx, tok, policy, trainer,
+    return Job(cfg, ctx, tok, policy, trainer,
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
 
@@ -263,17 +297,17 @@ def episode_runner(cfg: RunConfig, run_dir: Path):
                                max_tokens=lambda name: factory.budget(name).max_tokens)
 
 
-def sync_weights(parts: Parts, rollouts, version: int) -> None:
+def sync_weights(job: Job, rollouts, version: int) -> None:
     """Reshard the trainer's weights into the engine (every layer and expert, checked complete), then push the
     engine's (rank 0's holds the whole model at TP=1) to a separate rollout server when there is one."""
     t0, counted = time.perf_counter(), [0]
-    parts.sync(parts.engine, version, _counting(parts.policy.global_named_tensors(), counted))
-    rollouts.push_weights(version, engine_weights(parts.engine))
-    parts.sync_stats = {"sync_bytes": float(counted[0]), "sync_s": time.perf_counter() - t0}
-    if getattr(parts.policy, "lora", None) is not None:
+    job.sync(job.engine, version, _counting(job.policy.global_named_tensors(), counted))
+    rollouts.push_weights(version, engine_weights(job.engine))
+    job.sync_stats = {"sync_bytes": float(counted[0]), "sync_s": time.perf_counter() - t0}
+    if getattr(job.policy, "lora", None) is not None:
         from megatron_rl.trainer.lora import adapter_bytes
 
-        parts.sync_stats["sync_adapter_bytes"] = float(sum(adapter_bytes(c.module) for c in parts.policy.chunks))
+        job.sync_stats["sync_adapter_bytes"] = float(sum(adapter_bytes(c.module) for c in job.policy.chunks))
 
 
 def _counting(named, counted: list):
@@ -293,194 +327,6 @@ def engine_weights(engine):
             yield name, b
 
 
-def say(parts: Parts, msg: str) -> None:
-    if parts.is_rank0:
+def say(job: Job, msg: str) -> None:
+    if job.is_rank0:
         print(f"[megatron-rl] {msg}", flush=True)
-
-
-def eval_due(cfg: RunConfig, step: int) -> bool:
-    return step == cfg.rl.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
-
-
-# ------------------------------------------------------------------------------------------ shards
-def to_shard(parts: Parts, rollouts, groups: list, step: int, run_dir: Path):
-    """Write the step's trajectories as an HDF5 shard (rank 0) and read it back on every rank, keeping samples
-    within the staleness bound; None when the batch is empty."""
-    from megatron_rl.data.shards import read_arrays, write_shard
-
-    trajs = rollouts.trajectories(groups, tag=f"s{step}")
-    path = Path(run_dir) / "rl_shards" / f"step-{step:06d}.h5"
-    if trajs and parts.is_rank0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_shard(path, trajs)
-    torch.distributed.barrier(group=parts.ctx.world)
-    if not trajs:
-        return None
-    cols = read_arrays(path)
-    episode = cols.episode_index()  # [N] the rows of a split agent episode are kept or dropped together
-    first = np.full(int(episode.max()) + 1, np.iinfo(np.int64).max)
-    np.minimum.at(first, episode, np.asarray(cols.policy_version_first, np.int64))
-    fresh = first[episode] >= step - parts.cfg.rl.max_staleness
-    return cols if fresh.all() else cols.select(np.flatnonzero(fresh))
-
-
-# ------------------------------------------------------------------------------------------ metrics
-class Clock:
-    """Wall time of a step's phases; generation and env-wait come from the rollouts' own timers."""
-
-    def __init__(self, rollouts):
-        self.rollouts, self.t0, self.cpu0 = rollouts, time.perf_counter(), _rank_cpu_s()
-        self.start = dict(rollouts.timers)
-        self.marks: dict[str, float] = {}
-        self.last = self.t0
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.marks[name] = now - self.last
-        self.last = now
-
-    def summary(self) -> dict:
-        total = time.perf_counter() - self.t0
-        gen = self.rollouts.timers["generate_s"] - self.start["generate_s"]
-        env = self.rollouts.timers["env_wait_s"] - self.start["env_wait_s"]
-        train = self.marks.get("train", 0.0)
-        return {"time_step_s": total, "time_generate_s": gen, "time_env_wait_s": env, "time_train_s": train,
-                "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9),
-                "cpu_step_s": _rank_cpu_s() - self.cpu0}
-
-
-def _rank_cpu_s() -> float:
-    """User + system CPU seconds of this rank (every thread: trainer, in-process engine, episode threads) and of
-    its children that were waited for (sandboxes): summed over steps, the CPU cost of a run on this rank."""
-    import resource
-
-    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for f in ("ru_utime", "ru_stime"))
-
-
-TRAIN_KEYS = ("loss", "grad_norm", "clip_fraction", "approx_kl", "ref_kl", "entropy_mean", "behaviour_kl",
-              "is_weight_mean", "samples", "update_skipped", "lr", "routing_mismatch_frac", "value_loss",
-              "value_clip_fraction", "explained_variance", "value_mean", "value_grad_norm", "mtp_loss",
-              "teacher_kl")
-
-
-def step_metrics(parts: Parts, rollouts, cols, train: dict, sampling: dict, clock: Clock) -> dict:
-    from megatron_rl.registry import plugin_failures
-
-    domains = parts.sampler.metrics.summary(reset=True)
-    m = {**domains, **sampling, **{k: train[k] for k in TRAIN_KEYS if train.get(k) is not None},
-         **clock.summary()}
-    counts = {k.rsplit("/", 1)[0]: v for k, v in domains.items() if k.endswith("/count")}  # names may hold '/'
-    valid = {d: c * (1.0 - domains[f"{d}/infra_error_frac"]) for d, c in counts.items()}  # scored episodes
-    m["reward_mean"] = sum(domains[f"{d}/reward_mean"] * c for d, c in valid.items()) / (sum(valid.values()) or 1.0)
-    m["sandbox_error_rate"] = sum(c - valid[d] for d, c in counts.items()) / (sum(counts.values()) or 1.0)
-    for d in parts.sampler.domains:  # every domain of the mixture, sampled this step or not
-        if d not in counts:
-            m.update({f"{d}/count": 0.0, f"{d}/reward_mean": None, f"{d}/turns_mean": None,
-                      f"{d}/infra_error_frac": None})
-    m.update({f"{d}/weight": p for d, p in parts.sampler.probabilities().items()})  # the next draws' (curriculum)
-    m.update(parts.sampler.level_metrics())  # '<domain>/level' of the domains that climb difficulty levels
-    if train.get("mismatch_kl") is not None:  # KL(engine's behaviour log-probs || trainer's, before the update)
-        m["mismatch_kl"] = train["mismatch_kl"]
-    m.update(_batch_metrics(cols, parts.engine.version - 1, clock))
-    m.update(_runner_metrics(parts.runner))
-    if getattr(parts.engine, "restarts", None) is not None:  # engine.backend=vllm: its process restarts so far
-        m["vllm_restarts"] = parts.engine.restarts
-    m.update(parts.sync_stats)  # bytes and seconds of the weight sync after this update
-    m["plugins_failed"] = sum(plugin_failures().values())  # each logged with its reason when it failed
-    return m
-
-
-def _batch_metrics(cols, version: int, clock: Clock) -> dict:
-    if cols is None:
-        return {"trained_samples": 0}
-    lengths = np.diff(np.asarray(cols.offsets)) - np.asarray(cols.prompt_len)  # [N] response tokens
-    lag = version - np.asarray(cols.policy_version_first)
-    gen = max(clock.summary()["time_generate_s"], 1e-9)
-    return {**_agent_metrics(cols), "trained_samples": len(cols), "response_len_mean": float(lengths.mean()),
-            "response_len_max": int(lengths.max()), "policy_lag_mean": float(lag.mean()),
-            "policy_lag_max": int(lag.max()), "tokens_per_s": float(lengths.sum()) / gen,
-            "mixed_version_samples": int((np.asarray(cols.policy_version_last)
-                                          != np.asarray(cols.policy_version_first)).sum())}
-
-
-def _agent_metrics(cols) -> dict:
-    """Black-box agent episodes of the batch (envs.agents): calls per episode, and history splits (each one an
-    extra row of its episode: an earlier exact segment, trained with it); {} without any."""
-    t = cols.timings
-    if "agent.calls" not in t:
-        return {}
-    return {"agent_calls_mean": float(np.nanmean(t["agent.calls"])),
-            "agent_splits": float(np.nansum(t.get("agent.splits", 0.0))),
-            "agent_segment_rows": int(sum(SEGMENT_MARK in str(e) for e in cols.episode_id))}
-
-
-def _runner_metrics(runner) -> dict:
-    if runner is None:
-        return {}
-    s = runner.stats()
-    pending = s["submitted"] - s["finished"]
-    return {"episodes_pending": pending, "episodes_stalled_s": time.monotonic() - s["last_finish"] if pending else 0.0}
-
-
-# ------------------------------------------------------------------------------------------ evaluation
-def evaluate(parts: Parts, rollouts, step: int) -> dict:
-    """Held-out success of every domain of the mixture, logged as an `eval` row (rank 0; {} on other ranks)."""
-    cfg = parts.cfg
-    m = heldout_success(rollouts, parts.heldout, cfg, tag=f"eval{step}")
-    if not parts.is_rank0:
-        return {}
-    parts.monitor.log("eval", step, m)
-    say(parts, f"eval  step {step:3d}: held-out success greedy {m['success_greedy']:.3f}  pass@1 {m['pass@1']:.3f}"
-               f"  pass@{cfg.eval.k} {m[f'pass@{cfg.eval.k}']:.3f}  ({m['tasks']} tasks)")
-    return m
-
-
-def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
-    """Greedy success, pass@1 and pass@k (eval.k samples at the rollout temperature) on `tasks`, overall and per
-    domain, each episode judged by its environment's own success definition (`Environment.success`) after the
-    same episode loop as training (multi-turn included). Samples whose episode failed for an infrastructure
-    reason are left out (counted in infra_error_frac), never scored as failures. Every rank runs the engine;
-    rank 0 (the runner's) returns the metrics, the others {}."""
-    return heldout_run(rollouts, tasks, cfg, tag)[0]
-
-
-def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, list[dict]]:
-    """`heldout_success`'s metrics and one row per task (`megatron_rl.eval_report.task_rows`); ({}, []) off rank 0."""
-    from megatron_rl.eval_report import task_rows
-    from megatron_rl.rollout import SamplingParams
-
-    tok = rollouts.tok
-    greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=list(tok.stop_ids))
-              for _ in tasks]
-    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(tasks))]
-    t0 = time.perf_counter()
-    groups = rollouts.run_now(tasks + tasks, greedy + sampled, tag=tag)
-    if not rollouts.is_scorer:
-        return {}, []
-    n, out = len(tasks), {}
-    solved = [_solved(g) for g in groups]  # per group: 0/1 per valid sample
-    for d in sorted({t.domain for t in tasks}):
-        idx = [i for i, t in enumerate(tasks) if t.domain == d]
-        out.update({f"{d}/{k}": v for k, v in _success([solved[i] for i in idx], [solved[n + i] for i in idx],
-                                                       cfg.eval.k).items()})
-        out[f"{d}/turns_mean"] = float(np.mean([x for i in idx for x in groups[n + i].turns] or [0]))
-    samples = [r for g in groups for r in g.rewards]
-    rows = task_rows(tasks, solved[:n], solved[n:], [g.turns for g in groups[n:]], cfg.eval.k)
-    return {**_success(solved[:n], solved[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0,
-            "infra_error_frac": float(np.mean([r[2] != "ok" for r in samples])) if samples else 0.0}, rows
-
-
-def _solved(g) -> list[int]:
-    from megatron_rl.envs.base import RewardResult
-    from megatron_rl.prompts import environment
-
-    env = environment(g.task.domain)
-    return [int(env.success(RewardResult(r[0], dict(r[1]), status=r[2]))) for r in g.rewards if r[2] == "ok"]
-
-
-def _success(greedy: list[list[int]], sampled: list[list[int]], k: int) -> dict:
-    """Means over the tasks that have a valid sample (greedy and sampled separately)."""
-    g, s = [c[0] for c in greedy if c], [c for c in sampled if c]
-    return {"success_greedy": float(np.mean(g)) if g else 0.0, "pass@1": float(np.mean([np.mean(c) for c in s]))
-            if s else 0.0, f"pass@{k}": float(np.mean([max(c) for c in s])) if s else 0.0, "tasks": len(greedy)}
