@@ -118,28 +118,18 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     import torch
     from megatron.core import tensor_parallel
 
-    from megatron_rl.convert.source import initializer
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.evaluation import heldout_run
-    from megatron_rl.loop.job import build_engine, close_engine, engine_weights, episode_runner, rollouts_for
+    from megatron_rl.loop.job import build_eval, close_engine, engine_weights, rollouts_for
     from megatron_rl.prompts import prompt_ids
-    from megatron_rl.trainer.checkpoint import load_checkpoint
-    from megatron_rl.trainer.policy import Policy
 
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    # a LoRA run's checkpoint holds adapters only: its base comes from model.init
-    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=None if checkpoint and not cfg.lora.enabled else initializer(cfg.model), lora=cfg.lora)
-    if checkpoint is not None:
-        load_checkpoint(policy, checkpoint)
-    rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
-    engine, sync = build_engine(cfg, ctx, tok.vocab_size, Path(cfg.output_dir) / cfg.name)
-    sync(engine, policy.step_count, policy.global_named_tensors())
     run_dir = Path(cfg.output_dir) / cfg.name
-    runner = episode_runner(cfg, run_dir) if rank0 else None
+    job = build_eval(cfg, run_dir, ctx, checkpoint)  # the policy's weights in the engine, rank 0's runner
+    policy, engine, tok, runner, rank0 = job.policy, job.engine, job.tok, job.runner, job.is_rank0
     rollouts = rollouts_for(cfg, ctx, engine, runner, tok, lambda t: prompt_ids(tok, t), run_dir)
     rollouts.push_weights(policy.step_count, engine_weights(engine))  # to a separate rollout server, if any
     results, rows = {}, []

@@ -47,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(cfg.output_dir) / cfg.name
     if args.worker:
-        from megatron_rl.commands.warmup import worker_main
-
-        return worker_main(cfg, run_dir)
+        return rank_main(cfg, run_dir)
     if args.dry_run:
         print(C.dump_yaml(cfg))
         return 0
@@ -119,6 +117,35 @@ def cpu_seconds() -> float:
 
     return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for f in ("ru_utime", "ru_stime"))
+
+
+def rank_main(cfg: RunConfig, run_dir: Path) -> int:
+    """One rank: the supervised warm-up (unless resuming an RL run), then the RL loop. Returns 0, or 3 when a
+    signal (or an alert) stopped the run after a checkpoint of the phase it was in."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.commands.warmup import warmup_phase
+    from megatron_rl.distributed import destroy_distributed, init_distributed
+    from megatron_rl.driver import StopFlag, run_rl
+    from megatron_rl.loop.job import monitor_config
+    from megatron_rl.monitoring import Monitor
+    from megatron_rl.trainer.latest import latest
+
+    stop = StopFlag()  # first: from here on SIGTERM/SIGUSR1 stop at a step boundary, after a checkpoint
+    ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
+    torch.manual_seed(cfg.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    warm, rc = None, 0
+    monitor = Monitor(monitor_config(cfg), run_dir, ctx.rank == 0)  # one for both phases
+    if not latest(run_dir, "rl") and cfg.train.steps > 0:
+        warm, reason = warmup_phase(cfg, run_dir, ctx, stop, monitor)
+        rc = 3 if reason and (warm is None or cfg.rl.steps > 0) else 0
+    if rc == 0 and cfg.rl.steps > 0:
+        rc = run_rl(cfg, run_dir, ctx, warm, stop=stop, monitor=monitor)
+    monitor.close()
+    destroy_distributed()
+    return rc
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:

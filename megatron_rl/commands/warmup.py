@@ -1,6 +1,7 @@
 """The supervised warm-up phase of a run: verified reference solutions -> HDF5 shards -> Megatron-Core training.
 
-`prepare_data` runs in the driver process (environments and sandboxes); `worker_main` runs on every rank.
+`prepare_data` runs in the driver process (environments and sandboxes); `warmup_phase` runs on every rank
+(`commands/train.py: rank_main`).
 """
 from __future__ import annotations
 
@@ -135,33 +136,6 @@ def _run_step(policy, data, index, cfg, ctx, forward_only: bool) -> dict:
     return out
 
 
-def worker_main(cfg: RunConfig, run_dir: Path) -> int:
-    """One rank: the supervised warm-up (unless resuming an RL run), then the RL loop. Returns 0, or 3 when a
-    signal (or an alert) stopped the run after a checkpoint of the phase it was in."""
-    from megatron.core import tensor_parallel
-
-    from megatron_rl.distributed import destroy_distributed, init_distributed
-    from megatron_rl.driver import StopFlag, run_rl
-    from megatron_rl.loop.job import monitor_config
-    from megatron_rl.monitoring import Monitor
-    from megatron_rl.trainer.latest import latest
-
-    stop = StopFlag()  # first: from here on SIGTERM/SIGUSR1 stop at a step boundary, after a checkpoint
-    ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
-    torch.manual_seed(cfg.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    warm, rc = None, 0
-    monitor = Monitor(monitor_config(cfg), run_dir, ctx.rank == 0)  # one for both phases
-    if not latest(run_dir, "rl") and cfg.train.steps > 0:
-        warm, reason = warmup_phase(cfg, run_dir, ctx, stop, monitor)
-        rc = 3 if reason and (warm is None or cfg.rl.steps > 0) else 0
-    if rc == 0 and cfg.rl.steps > 0:
-        rc = run_rl(cfg, run_dir, ctx, warm, stop=stop, monitor=monitor)
-    monitor.close()
-    destroy_distributed()
-    return rc
-
-
 # ------------------------------------------------------------------------------ warm-up checkpoints
 def warmup_latest(run_dir: Path) -> Path | None:
     """The newest complete warm-up checkpoint when the run's pointer names one (trainer/latest.py), or None."""
@@ -208,15 +182,13 @@ def warmup_phase(cfg: RunConfig, run_dir: Path, ctx, stop=None, monitor=None):
     at the end, and when `stop` (driver.StopFlag) reports a signal. Returns (the Policy, the stop reason or
     None); (None, reason) when stopped before its end. Rows go to `monitor` (the run's `Monitor`, shared with the
     RL phase; one of its own, closed at the end, when None)."""
-    from megatron_rl.convert.source import initializer
-    from megatron_rl.loop.job import monitor_config
+    from megatron_rl.loop.job import monitor_config, new_policy
     from megatron_rl.monitoring import Monitor
-    from megatron_rl.trainer.policy import Policy
 
     tok = cfg.tokenizer.build(cfg.model)
     train = _batches(run_dir / "shards" / TRAIN_SHARD, cfg.train.seq_length, tok.pad_id)
     held = _batches(run_dir / "shards" / HELDOUT_SHARD, cfg.train.seq_length, tok.pad_id)
-    policy = Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps, init=initializer(cfg.model))
+    policy = new_policy(cfg, ctx, "warmup")
     start, resumed = _resume_warmup(policy, run_dir)
     per_step, steps, every = cfg.train.micro_batch_size * cfg.train.num_microbatches, cfg.train.steps, \
         cfg.train.checkpoint_every

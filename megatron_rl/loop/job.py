@@ -196,11 +196,30 @@ def monitor_config(cfg: RunConfig):
     return dataclasses.replace(cfg.monitor, alerts=alerts)
 
 
-def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) -> Job:
+MODEL_INIT = "model.init"
+"""`new_policy`'s default init: the weights model.init names (random when it is empty)."""
+
+
+def new_policy(cfg: RunConfig, ctx: DistContext, phase: str, init=MODEL_INIT) -> Policy:
+    """The trainer's model, optimizer and schedule in the run's layout, for the `warmup` (optim, train.steps, no
+    LoRA) or the `rl` phase (rl.optim, rl.steps, lora; eval builds this one too). `init`: MODEL_INIT, a
+    `Policy` init (the warm-up's weights) or None (random: a checkpoint is loaded next)."""
     from megatron_rl.convert.source import initializer
+    from megatron_rl.trainer.policy import Policy
+
+    init = initializer(cfg.model) if init == MODEL_INIT else init
+    if phase == "warmup":
+        return Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps, init=init)
+    return Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1), init=init, lora=cfg.lora)
+
+
+def build(cfg: RunConfig, run_dir: Path, ctx: DistContext, warm_policy: Policy | None = None,
+          monitor: Monitor | None = None) -> Job:
+    """The RL phase's Job on this rank (collective: every rank builds its share); `warm_policy`: the warm-up's
+    policy when it ran in this process (its weights start the RL policy), `monitor`: the run's, when the
+    warm-up already logged through it."""
     from megatron_rl.envs.sampler import DomainSampler
     from megatron_rl.monitoring import Monitor
-    from megatron_rl.trainer.policy import Policy
     from megatron_rl.trainer.rl_step import RLTrainer
     from megatron_rl.trainer.teacher import load_teacher
 
@@ -208,8 +227,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) ->
     tasks, rank0 = fitting(task_lists(cfg), tok, cfg, say=ctx.rank == 0), ctx.rank == 0
     warm = warm_init(warm_policy) if warm_policy is not None else None
     t0 = time.monotonic()
-    policy = Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1),
-                    init=warm if warm is not None else initializer(cfg.model), lora=cfg.lora)
+    policy = new_policy(cfg, ctx, "rl", init=warm if warm is not None else MODEL_INIT)
     engine, sync = build_engine(cfg, ctx, tok.vocab_size, run_dir)
     if rank0:
         source = "the warm-up's weights" if warm is not None else cfg.model.init or "random weights"
@@ -230,6 +248,37 @@ def build(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, monitor=None) ->
     trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
     return Job(cfg, ctx, tok, policy, trainer,
                  engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
+
+
+@dataclass
+class EvalJob:
+    """What `megatron-rl eval` runs on this rank (`build_eval`): a policy's weights synced into an engine, the
+    episode runner on rank 0."""
+
+    tok: Tokenizer
+    """The model's tokenizer."""
+    policy: Policy
+    """The evaluated weights (a checkpoint's, or model.init's)."""
+    engine: Engine
+    """The rollout engine, holding the policy's weights."""
+    runner: ThreadEpisodeRunner | None
+    """Rank 0's episode thread pool; None on the other ranks."""
+    is_rank0: bool
+    """This rank is the job's rank 0 (it scores and writes the report)."""
+
+
+def build_eval(cfg: RunConfig, run_dir: Path, ctx: DistContext, checkpoint: Path | None) -> EvalJob:
+    """The RL policy from `checkpoint` (None: model.init's weights; a LoRA checkpoint holds adapters only, its
+    base comes from model.init) synced into the engine; the same builders as `build`."""
+    from megatron_rl.trainer.checkpoint import load_checkpoint
+
+    policy = new_policy(cfg, ctx, "rl", init=None if checkpoint and not cfg.lora.enabled else MODEL_INIT)
+    if checkpoint is not None:
+        load_checkpoint(policy, checkpoint)
+    rank0, tok = ctx.rank == 0, cfg.tokenizer.build(cfg.model)
+    engine, sync = build_engine(cfg, ctx, tok.vocab_size, run_dir)
+    sync(engine, policy.step_count, policy.global_named_tensors())
+    return EvalJob(tok, policy, engine, episode_runner(cfg, run_dir) if rank0 else None, rank0)
 
 
 def warm_init(warm_policy):
