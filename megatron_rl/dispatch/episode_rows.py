@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 
-from megatron_rl.dispatch.generators import GenerationError, Generator, ScriptedGenerator
+from megatron_rl.dispatch.generators import GenerationError, Generator
 from megatron_rl.dispatch.spec import EpisodeSpec
+from megatron_rl.dispatch.testing import ScriptedGenerator
 from megatron_rl.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The rollout worker's generators: where an episode's model turns come from (an OpenAI-style HTTP server, or a
-scripted list for tests and smoke runs), behind one Protocol."""
+scripted test policy of `dispatch/testing.py`), behind one Protocol."""
 from __future__ import annotations
 
 import logging
@@ -34,33 +34,6 @@ class GenerationError(RuntimeError):
     def __init__(self, message: str, status: str = "error", retryable: bool = False):
         super().__init__(message)
         self.status, self.retryable = status, retryable
-
-
-class ScriptedGenerator:
-    """A TEST POLICY, NOT A MODEL: answers from the task's hidden reference data (countdown's
-    `payload['solution']`), or a deliberately wrong answer for a seeded fraction of episodes. Its
-    log-probs are fixed made-up numbers. It exists so dispatch and shards can be tested without a GPU."""
-
-    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer):
-        self.config, self.tok = config, tokenizer
-
-    def _wrong(self, episode: EpisodeSpec) -> bool:
-        rng = np.random.default_rng([episode.seed, 7919])
-        return bool(rng.random() < self.config.wrong_fraction)
-
-    def answer_text(self, episode: EpisodeSpec) -> str:
-        payload = episode.task.get("payload", {})
-        answer = payload.get("solution") or payload.get("answer") or ""
-        if self._wrong(episode) or not answer:
-            return "<think>test policy: wrong on purpose</think><answer>0</answer>"
-        return f"<think>test policy</think><answer>{answer}</answer>"
-
-    def generate(self, prompt_ids, sampling, episode=None, turn=0):
-        if episode is None:
-            raise ValueError("ScriptedGenerator (test policy) needs the episode to answer from")
-        ids = self.tok.encode(self.answer_text(episode)) + [self.tok.eos_id]
-        logprobs = [-0.1 * (1 + i % 5) for i in range(len(ids))]  # made-up, deterministic
-        return ids, logprobs, self.config.policy_version
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_tokens", "stop_token_ids", "seed")
@@ -162,5 +135,7 @@ def parse_completion(out) -> tuple[list[int], list[float], list[int]]:
 def build_generator(config: GeneratorConfig, tokenizer: Tokenizer, max_tokens: int = 1 << 30) -> Generator:
     config.validate()
     if config.kind == "scripted":
+        from megatron_rl.dispatch.testing import ScriptedGenerator
+
         return ScriptedGenerator(config, tokenizer)
     return HttpGenerator(config, tokenizer, max_tokens)

@@ -1,0 +1,36 @@
+"""The dispatch layer's test double: `ScriptedGenerator` (generator.kind=scripted), a test policy that lets
+dispatch, workers and shards be tested without a model. Kept out of the product modules; the workers load it by
+that config kind (they run in processes of their own, so it lives in the package, not under tests/)."""
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_rl.dispatch.spec import EpisodeSpec, GeneratorConfig
+from megatron_rl.tokenizer import Tokenizer
+
+
+class ScriptedGenerator:
+    """A TEST POLICY, NOT A MODEL: answers from the task's hidden reference data (countdown's
+    `payload['solution']`), or a deliberately wrong answer for a seeded fraction of episodes. Its
+    log-probs are fixed made-up numbers. It exists so dispatch and shards can be tested without a GPU."""
+
+    def __init__(self, config: GeneratorConfig, tokenizer: Tokenizer):
+        self.config, self.tok = config, tokenizer
+
+    def _wrong(self, episode: EpisodeSpec) -> bool:
+        rng = np.random.default_rng([episode.seed, 7919])
+        return bool(rng.random() < self.config.wrong_fraction)
+
+    def answer_text(self, episode: EpisodeSpec) -> str:
+        payload = episode.task.get("payload", {})
+        answer = payload.get("solution") or payload.get("answer") or ""
+        if self._wrong(episode) or not answer:
+            return "<think>test policy: wrong on purpose</think><answer>0</answer>"
+        return f"<think>test policy</think><answer>{answer}</answer>"
+
+    def generate(self, prompt_ids, sampling, episode=None, turn=0):
+        if episode is None:
+            raise ValueError("ScriptedGenerator (test policy) needs the episode to answer from")
+        ids = self.tok.encode(self.answer_text(episode)) + [self.tok.eos_id]
+        logprobs = [-0.1 * (1 + i % 5) for i in range(len(ids))]  # made-up, deterministic
+        return ids, logprobs, self.config.policy_version
