@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
 
@@ -200,14 +200,14 @@ MODEL_INIT = "model.init"
 """`new_policy`'s default init: the weights model.init names (random when it is empty)."""
 
 
-def new_policy(cfg: RunConfig, ctx: DistContext, phase: str, init=MODEL_INIT) -> Policy:
+def new_policy(cfg: RunConfig, ctx: DistContext, phase: Literal["warmup", "rl"], init=MODEL_INIT) -> Policy:
     """The trainer's model, optimizer and schedule in the run's layout, for the `warmup` (optim, train.steps, no
     LoRA) or the `rl` phase (rl.optim, rl.steps, lora; eval builds this one too). `init`: MODEL_INIT, a
     `Policy` init (the warm-up's weights) or None (random: a checkpoint is loaded next)."""
     from megatron_rl.convert.source import initializer
     from megatron_rl.trainer.policy import Policy
 
-    init = initializer(cfg.model) if init == MODEL_INIT else init
+    init = initializer(cfg.model) if init is MODEL_INIT else init
     if phase == "warmup":
         return Policy(cfg.model, cfg.optim, ctx, total_steps=cfg.train.steps, init=init)
     return Policy(cfg.model, cfg.rl.optim, ctx, total_steps=max(cfg.rl.steps, 1), init=init, lora=cfg.lora)
@@ -246,8 +246,7 @@ def build(cfg: RunConfig, run_dir: Path, ctx: DistContext, warm_policy: Policy |
     monitor.expect("rl", cfg.rl.steps)
     monitor.set_domains(cfg.envs.domains)  # summarised on the console and in TensorBoard
     trainer = RLTrainer(policy, trainer_config(cfg, tok.vocab_size), teacher=load_teacher(cfg, policy))
-    return Job(cfg, ctx, tok, policy, trainer,
-                 engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
+    return Job(cfg, ctx, tok, policy, trainer, engine, runner, sampler, tasks["eval"], by_id, monitor, rank0, sync)
 
 
 @dataclass
