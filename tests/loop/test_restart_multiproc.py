@@ -15,8 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
-STEPS, EVERY = 80, 25  # a SIGTERM lands before the first periodic checkpoint, a kill -9 between two
-WARMUP = (f"train.steps={STEPS}", "train.eval_every=30", f"train.checkpoint_every={EVERY}", "data.train_tasks=32",
+STEPS, EVERY = 40, 15  # a SIGTERM lands before the first periodic checkpoint, a kill -9 between two
+WARMUP = (f"train.steps={STEPS}", "train.eval_every=20", f"train.checkpoint_every={EVERY}", "data.train_tasks=32",
           "data.heldout_tasks=8", "rl.steps=0", "monitor.tensorboard=false", "monitor.prometheus_port=-1")
 
 
