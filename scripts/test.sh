@@ -10,10 +10,16 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ "${MRL_SKIP_VLLM:-0}" = 1 ] || bash scripts/setup_vllm.sh
 export PYTHONUNBUFFERED=1
+# Two pytest workers (pytest-xdist): the multi-process and Slurm tests leave a third of the 2 cores idle
+# waiting on launches and the scheduler. tests/conftest.py keeps a file's tests on one worker and all Slurm
+# tests on one worker, costliest first. MRL_TEST_WORKERS=0 runs in this process, one test at a time.
+WORKERS=${MRL_TEST_WORKERS:-2}
+PAR=()
+[ "$WORKERS" = 0 ] || PAR=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 if [ $# -gt 0 ] || [ "$(id -u)" != 0 ] || [ -n "${MRL_SKIP_UNPRIVILEGED:-}" ]; then
-  exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
+  exec .venv/bin/python -m pytest -p no:cacheprovider "${PAR[@]}" "$@"
 fi
 rc=0
-.venv/bin/python -m pytest -p no:cacheprovider || rc=$?
+.venv/bin/python -m pytest -p no:cacheprovider "${PAR[@]}" || rc=$?
 bash scripts/test_unprivileged.sh || rc=$((rc ? rc : $?))
 exit "$rc"

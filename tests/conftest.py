@@ -14,12 +14,52 @@ from tests.slurm_fixtures import slurm_cluster  # noqa: E402,F401
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `pytest -n N` (scripts/test.sh)
+        totals: dict[str, float] = {}
+        for item in items:
+            totals[_group(item.nodeid)] = totals.get(_group(item.nodeid), 0.0) + _cost(item)
+        items.sort(key=lambda item: -totals[_group(item.nodeid)])  # costliest group first; stable within
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_Scheduler(), "megatron-rl-scheduler")
+
+
+class _Scheduler:
+    """`pytest -n N --dist loadfile` (scripts/test.sh), with one change: all Slurm test files (`*_slurm.py`)
+    are one group, run one test after another on one worker, since they share the dev cluster (12 CPUs:
+    two jobs at once would queue behind each other). A file's tests stay on one worker, so its module
+    fixtures (a shared warm-up, a converted checkpoint) are built once. Groups start costliest first, the
+    cost estimated from the markers (`_cost`), so that the last group to finish is a short one."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getoption("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class SlurmTogether(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _group(nodeid)
+
+        return SlurmTogether(config, log)
+
+
+def _group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "slurm" if path.endswith("_slurm.py") else path
+
+
+def _cost(item) -> float:
+    """Rough seconds: a Slurm test ~60, a multi-process one ~20, another slow one ~3, a fast one ~0.1."""
+    kw = item.keywords
+    return 60 if "slurm" in kw else 20 if "multiproc" in kw else 3 if "slow" in kw else 0.1
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +101,4 @@ def sandbox():
     sb = SandboxConfig().build()
     yield sb
     sb.close()
+
