@@ -292,7 +292,7 @@ class MixtureConfig:
 @dataclass
 class EnvFactory:
     """The one place a run's environments are built: the in-process loop, eval and warm-up
-    (`loop.setup.episode_runner`), dispatched and fleet workers (`dispatch.worker.EpisodeRunner`, from the worker
+    (`loop.job.episode_runner`), dispatched and fleet workers (`dispatch.worker.EpisodeRunner`, from the worker
     spec's `envs`). `factory(name, sandbox)` is a fresh environment of domain `name` for one episode, with the
     domain's reward weights, budget, agent and sandbox image, and the run's LLM judge."""
 
