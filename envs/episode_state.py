@@ -58,10 +58,12 @@ class EpisodeCheckpoint:
 
 
 def drive_resumable(make: Callable[[], Generator], generate: Callable[[list[int], int], GenOut],
-                    load: Callable[[], bytes | None], save: Callable[[bytes], None], every: int) -> EpisodeResult:
+                    load: Callable[[], bytes | None], save: Callable[[bytes], None], every: int,
+                    name: str = "episode") -> EpisodeResult:
     """Run the episode coroutine `make()` to its end like `envs.episode.drive`, from the checkpoint `load()`
     gives (None: from the start), saving one through `save` after every `every` model turns. A checkpoint that
-    cannot be read or replayed is logged and the episode starts from scratch."""
+    cannot be read or replayed is logged and the episode starts from scratch; a resumed one is logged (INFO,
+    `name`: the episode's id)."""
     data = load()
     ckpt = None
     if data:
@@ -71,7 +73,9 @@ def drive_resumable(make: Callable[[], Generator], generate: Callable[[list[int]
             log.warning("episode checkpoint unreadable (%s); starting the episode again", e)
     if ckpt is not None and ckpt.turns:
         try:
-            return _drive(make(), generate, save, every, ckpt)
+            r = _drive(make(), generate, save, every, ckpt)
+            log.info("%s resumed from its checkpoint after %d model turns", name, len(ckpt.turns))
+            return r
         except ReplayMismatch as e:
             log.warning("%s; starting the episode again", e)
     return _drive(make(), generate, save, every, EpisodeCheckpoint())

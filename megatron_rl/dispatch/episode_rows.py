@@ -51,7 +51,7 @@ def episode_rows(ep: EpisodeSpec, env, generator: Generator, tok: Tokenizer, max
 
             store, folder, every = state
             r = drive_resumable(make, gen, lambda: store.load_state(folder, ep.episode_id),
-                                lambda data: store.save_state(folder, ep.episode_id, data), every)
+                                lambda data: store.save_state(folder, ep.episode_id, data), every, ep.episode_id)
         else:
             r = drive(make(), gen)
     except GenerationError as e:

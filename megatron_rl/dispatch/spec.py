@@ -61,6 +61,12 @@ class GeneratorConfig:
     """Scripted test policy: fraction of episodes (chosen by episode seed) answered wrongly."""
     policy_version: int = 0
     """Scripted test policy: the policy version it reports."""
+    tool_turns: int = 0
+    """Scripted test policy: model turns of tool calls before the answer (a multi-turn episode of a tool
+    environment: `write_file` on even turns, `list_files` on odd ones, so later observations depend on the
+    workspace the earlier turns built); 0 = the answer at once."""
+    turn_delay_s: float = 0.0
+    """Scripted test policy: seconds each model turn takes (an episode slow enough to kill mid-way)."""
 
     def validate(self) -> None:
         if self.kind not in ("http", "scripted"):
@@ -71,6 +77,9 @@ class GeneratorConfig:
             raise ConfigError("generator.timeout_s must be > 0, retries and backoff_s >= 0, max_new_tokens >= 1")
         if not 0.0 <= self.wrong_fraction <= 1.0:
             raise ConfigError(f"generator.wrong_fraction must be in [0, 1], got {self.wrong_fraction}")
+        if self.tool_turns < 0 or self.turn_delay_s < 0:
+            raise ConfigError(f"generator.tool_turns and turn_delay_s must be >= 0, got {self.tool_turns}, "
+                              f"{self.turn_delay_s}")
 
 
 @dataclass

@@ -343,6 +343,52 @@ def test_a_fleet_on_the_s3_store_through_store_and_worker_kills_trains_the_fs_ep
         store.close()
 
 
+@needs_servers
+@pytest.mark.slow
+def test_a_worker_killed_mid_episode_leaves_it_to_another_that_continues_from_the_buckets_checkpoint(plane, tmp_path):
+    """A multi-turn tool episode (7 model turns, checkpointed every 2 in the bucket) on a fleet of real workers: the
+    worker running it is killed -9 after its first checkpoint, mid-episode; the lease expires and another worker
+    continues the episode from the checkpoint (logged: only the later turns generated) instead of starting again,
+    and the trajectory is token for token the one an unbroken run gives (tokens, log-probs, mask, versions)."""
+    from megatron_rl.dispatch.worker import run_episode_batch
+    from megatron_rl.envs.episode_state import EpisodeCheckpoint
+
+    [ep] = episodes_from_tasks(load_domain("tool_use", split="train")[:1], prefix="mt")
+    policy = GeneratorConfig(tool_turns=6)  # 6 turns of tool calls (files written, listed), then the answer
+    fs_dir = tmp_path / "fs" / "rl_episodes" / "b0"
+    run_episode_batch(WorkerSpec(episodes=[ep], shard_dir=str(fs_dir),
+                                 worker=WorkerConfig(threads=1, generator=policy)))
+    want = read_episodes(fs_dir, {ep.episode_id})[ep.episode_id]
+    assert want["turns"] == 7 and want["status"] == "ok"
+
+    worker = WorkerConfig(threads=1, generator=GeneratorConfig(tool_turns=6, turn_delay_s=0.5), store="s3",
+                          s3=s3cfg(plane, tmp_path, "resume"), checkpoint_turns=2)
+    store = build_store("s3", worker.s3, index=tmp_path / "index.jsonl")
+    fleet = Fleet(FleetConfig(size=2, episodes_per_lease=1, **FAST), worker, tmp_path / "fleet", store=store).start()
+    folder = tmp_path / "run" / "rl_episodes" / "b0"
+    try:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fleet.run_batch("b0", [ep], folder, url="")))
+        t.start()
+        saved = wait_for(lambda: store.load_state(folder, ep.episode_id), 120, "the episode's first checkpoint")
+        [busy] = wait_for(lambda: [w for w in fleet.status()["workers"].values() if w["leases"]], 10, "its lease")
+        os.kill(busy["pid"], signal.SIGKILL)  # mid-episode: 2 of its 7 turns checkpointed
+        assert 2 <= len(EpisodeCheckpoint.loads(saved).turns) < 7 and not store.published(folder)
+        t.join(120)
+        assert not t.is_alive() and out["given_up"] == {}, out
+        assert fleet.state.queue.counters["leases_expired"] >= 1  # the killed worker's lease went to another
+        assert [ids for ids in store.published(folder).values()] == [[ep.episode_id]]  # published once
+        got = read_episodes(folder, {ep.episode_id}, store=store)[ep.episode_id]
+        logs = "".join(p.read_text() for p in (tmp_path / "fleet" / "submitit").rglob("*_log.err"))
+        resumed = [line for line in logs.splitlines() if f"{ep.episode_id} resumed from its checkpoint" in line]
+        assert len(resumed) == 1 and int(resumed[0].split("after ")[1].split()[0]) >= 2, logs[-3000:]
+        for k in ("token_ids", "logprobs", "mask", "versions", "turns", "reward", "status"):
+            assert got[k] == want[k], k  # token-exact: the unbroken episode's trajectory
+    finally:
+        fleet.close()
+        store.close()
+
+
 TRAIN = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
          "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false",
          "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "export.enabled=false",

@@ -143,3 +143,13 @@ def test_the_run_config_sets_the_workers_checkpoint_interval(tmp_path):
         C.load(RunConfig, demo, ["episodes.checkpoint_turns=4"])
     with pytest.raises(ConfigError, match="episodes.checkpoint_turns must be >= 0"):
         C.load(RunConfig, demo, ["episodes.runner=fleet", "episodes.checkpoint_turns=-1"])
+
+
+def test_the_scripted_policys_multi_turn_settings_are_checked():
+    from megatron_rl.config import ConfigError
+    from megatron_rl.dispatch import GeneratorConfig
+
+    GeneratorConfig(tool_turns=3, turn_delay_s=0.1).validate()
+    for bad in ({"tool_turns": -1}, {"turn_delay_s": -0.5}):
+        with pytest.raises(ConfigError, match="generator.tool_turns and turn_delay_s must be >= 0"):
+            GeneratorConfig(**bad).validate()
