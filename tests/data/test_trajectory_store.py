@@ -428,18 +428,82 @@ def _worker_logs(run: Path) -> dict[Path, int]:
     return {p: p.stat().st_size for p in (run / "fleet" / "submitit").rglob("*_log.err")}
 
 
+def _unacked(store, run: Path) -> int:
+    """Announcements of the run's RL shards waiting for the trainer's durable consumer (not yet acked)."""
+    from nats.js.errors import NotFoundError
+
+    async def info():
+        js = await store.queue._ensure()
+        return await js.consumer_info(store.cfg.stream, store.consumer_name(run / "rl_episodes" / "b"))
+    try:
+        i = store.queue._call(info())
+    except NotFoundError:  # the trainer has not consumed yet
+        return 0
+    except Exception:  # noqa: BLE001  the queue server restarting: asked again
+        store.queue.nc = None
+        return 0
+    return int(i.num_pending or 0) + int(i.num_ack_pending or 0)
+
+
+def _kill_driver(pid: int) -> list:
+    """kill -9 of the driver: `megatron-rl train`, torchrun, the rank (its own session) and their helpers, not the
+    fleet's workers (submitit's processes: they outlive a driver and the next one adopts them). The spared ones."""
+    import psutil
+
+    procs, spared, todo = [], [], [psutil.Process(pid)]
+    while todo:
+        p = todo.pop()
+        try:
+            if "submitit" in " ".join(p.cmdline()):
+                spared += [p, *p.children(recursive=True)]
+                continue
+            todo += p.children()
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # ended already (a worker killed earlier)
+            continue
+        procs.append(p)
+    for p in procs:
+        p.kill()
+    _, alive = psutil.wait_procs(procs[1:], timeout=30)  # the train command itself is reaped by Popen.wait
+    assert not alive, alive
+    return spared
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @needs_servers
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_train_through_object_store_queue_server_and_worker_kills_trains_every_episode_once(plane, tmp_path):
-    """`megatron-rl train` on a fleet with the s3 store, through three faults in sequence while it runs: the object
+    """`megatron-rl train` on a fleet with the s3 store, through four faults in sequence while it runs: the object
     store is killed and, while a worker's upload of a finished lease is retrying against it, that worker is
     killed -9 (mid-upload: its lease is re-leased, its shard never appears), then the store is restarted; later
-    the queue server is killed while announcements are due and restarted. Every step trains all its episodes,
-    none missing or unreadable, and every episode is in exactly one announced, uploaded shard; the workers'
-    behaviour log-probs are the trainer's, evaluations go through the store too, no worker shard is on the run's
-    filesystem. (The fault-free run of `megatron-rl train` with the s3 store, which asserted the same, is this
-    test: one run of the main job for both.)"""
+    the queue server is killed while announcements are due and restarted; then, in step 1 (after step 0's
+    checkpoint) while some of its shards are announced and not yet acked by the trainer, the driver (the train
+    command, torchrun and the rank: loop, fleet, engine, store consumer) is killed -9 and `megatron-rl train` is
+    started again on the same run folder: it resumes at step 1, takes the announcements from its durable
+    consumer (those shards' episodes are not run again), adopts the running workers and finishes. Every step
+    trains all its episodes once, none missing or unreadable, and every episode is in exactly one announced,
+    uploaded shard; the workers' behaviour log-probs are the trainer's, evaluations go through the store too, no
+    worker shard is on the run's filesystem. (The fault-free run of `megatron-rl train` with the s3 store, which
+    asserted the same, is this test: one run of the main job for all.)"""
     import json
     import subprocess
 
@@ -447,11 +511,12 @@ def test_train_through_object_store_queue_server_and_worker_kills_trains_every_e
     (tmp_path / "spool").mkdir(exist_ok=True)
     run, out = tmp_path / "demo", open(tmp_path / "train.log", "wb")
     cmd = [str(Path(sys.executable).parent / "megatron-rl"), "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}",
-           *TRAIN, "episodes.fleet.lease_s=6",
+           *TRAIN, "episodes.fleet.lease_s=6", "rl.checkpoint_every=1",
            "episodes.fleet.heartbeat_s=1", *(f"episodes.s3.{k}={v}" for k, v in s3.items())]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     objects = lambda: plane.client().list_objects_v2(  # noqa: E731  the RL steps' shards (not the evaluations')
         Bucket=plane.bucket, Prefix="faults/demo/rl_episodes/").get("KeyCount", 0)
+    first, workers, probe = proc, [], build_store("s3", S3StoreConfig(**s3))
     try:
         wait_for(lambda: objects() > 0, 600, "step 0's first uploaded shard")
         logs = _worker_logs(run)
@@ -469,14 +534,30 @@ def test_train_through_object_store_queue_server_and_worker_kills_trains_every_e
         wait_for(lambda: _new_lines(logs, r"store: announcement of .* failed"), 180,
                  "a worker's announcement retrying against the killed queue server")
         plane.restart("nats")
+        from megatron_rl.loop import state as S
+
+        wait_for(lambda: proc.poll() is not None or (S.latest(run) and _unacked(probe, run)), 600,
+                 "step 1's shards announced and not yet acked by the trainer")
+        assert proc.poll() is None, "the run ended before the driver could be killed in step 1"
+        killed_at, workers = time.time(), _kill_driver(proc.pid)
+        assert proc.wait(30) == -signal.SIGKILL and workers  # the fleet's workers outlive the driver
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         assert proc.wait(900) == 0, (tmp_path / "train.log").read_text()[-8000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        for p in {first, proc}:
+            if p.poll() is None:  # a failed run: the command and its whole tree (the ranks have sessions of
+                _kill_tree(p.pid)  # their own, so a process-group kill would miss them)
+                p.wait(30)
+        for w in workers:  # a failed run's adopted workers (the restarted driver stops them when it ends)
+            if _running(w):
+                w.kill()
+        probe.close()
         out.close()
+    wait_for(lambda: not any(_running(w) for w in workers), 30,
+             "the adopted workers to stop with the restarted driver")
     rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "rl"]
-    assert [r["step"] for r in rl] == [0, 1]
+    assert [r["step"] for r in rl] == [0, 1]  # step 0 trained before the kill, step 1 after the restart, once each
+    assert rl[1]["episodes_recovered"] >= 1  # announced before the kill: taken from the queue, not run again
     for r in rl:
         assert r["episodes_dispatched"] >= 16 and r["episodes_missing"] == 0 and r["unreadable_shards"] == 0, r
         assert r["fleet_episodes_given_up"] == 0
@@ -487,8 +568,11 @@ def test_train_through_object_store_queue_server_and_worker_kills_trains_every_e
     assert any("/eval_episodes/" in a["folder"] for a in index)  # evaluations went through the store too
     index = [a for a in index if "/rl_episodes/" in a["folder"]]
     assert {a["policy_version_max"] for a in index} == {0, 1}  # each step's episodes from that step's weights
+    # announced before the kill, consumed (indexed, acked) only by the restarted driver: the durable consumer
+    assert any(a["published_unix"] < killed_at < a["seen_unix"] for a in index)
     ids = [e for a in index for e in a["episode_ids"]]
-    assert len(ids) == len(set(ids)) == sum(r["episodes_dispatched"] for r in rl)  # every episode once, none lost
+    trained = sum(r["episodes_dispatched"] + r["episodes_recovered"] for r in rl)
+    assert len(ids) == len(set(ids)) == trained  # every episode once, none lost
     keys = {o["Key"] for o in plane.client().list_objects_v2(Bucket=plane.bucket, Prefix="faults/")["Contents"]}
     assert {a["key"] for a in index} <= keys  # every announced shard uploaded whole
     assert not list((run / "rl_episodes").rglob("*.h5"))
