@@ -539,7 +539,8 @@ def test_train_through_object_store_queue_server_and_worker_kills_trains_every_e
         wait_for(lambda: proc.poll() is not None or (S.latest(run) and _unacked(probe, run)), 600,
                  "step 1's shards announced and not yet acked by the trainer")
         assert proc.poll() is None, "the run ended before the driver could be killed in step 1"
-        killed_at, workers = time.time(), _kill_driver(proc.pid)
+        jobs = lambda: {p.name for p in (run / "fleet" / "submitit").iterdir()}  # noqa: E731  workers submitted
+        killed_at, workers, jobs_at_kill = time.time(), _kill_driver(proc.pid), jobs()
         assert proc.wait(30) == -signal.SIGKILL and workers  # the fleet's workers outlive the driver
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         assert proc.wait(900) == 0, (tmp_path / "train.log").read_text()[-8000:]
@@ -553,6 +554,7 @@ def test_train_through_object_store_queue_server_and_worker_kills_trains_every_e
                 w.kill()
         probe.close()
         out.close()
+    assert jobs() == jobs_at_kill  # the restarted driver submitted no worker: it adopted the running ones
     wait_for(lambda: not any(_running(w) for w in workers), 30,
              "the adopted workers to stop with the restarted driver")
     rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "rl"]
