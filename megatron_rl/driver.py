@@ -51,7 +51,7 @@ def run_rl(cfg: RunConfig, run_dir: Path, ctx, warm_policy=None, stop: StopFlag 
         clock = metrics.Clock(rollouts)
         rollouts.fill(upto=step + cfg.rl.max_staleness, sampler=job.sampler, last_step=last)
         groups, sampling = rollouts.batch(step, job.sampler)
-        cols = handoff.to_shard(job, rollouts, groups, step, run_dir)
+        cols, sampling["dropped_stale"] = handoff.to_shard(job, rollouts, groups, step, run_dir)
         clock.mark("rollout")
         train = job.trainer.step(cols) if cols is not None else {"update_skipped": True}
         clock.mark("train")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_rl.config import ConfigError
-from megatron_rl.envs.countdown.curriculum import CurriculumConfig
 from megatron_rl.envs.mixture import DomainConfig, MixtureConfig
+from megatron_rl.envs.task_source import task_source as build_task_source
 from megatron_rl.loop.config import EpisodesConfig, EvalConfig, RLLoopConfig
 from megatron_rl.models.gpt import ModelConfig
 from megatron_rl.monitoring import MonitorConfig
@@ -135,8 +136,11 @@ class RunConfig:
     """The RL loop's mixture of domains (weights, tasks, rewards, budgets, judge)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Supervised warm-up."""
-    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
-    """Generated (easier) countdown tasks."""
+    curriculum: dict[str, Any] = field(default_factory=dict)
+    """data.domain's generated task source (`envs.task_source`) instead of its shipped suite, for warm-up, RL and
+    evaluation: its settings, checked by the source (countdown's easier curriculum: enabled, min_numbers,
+    max_numbers, max_value, max_ops, rl_tasks, in envs/countdown/curriculum.py); {} = the source's defaults (on);
+    {enabled: false} = the shipped suite."""
     rl: RLLoopConfig = field(default_factory=RLLoopConfig)
     """The RL loop."""
     episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
@@ -176,9 +180,13 @@ class RunConfig:
         self.envs.validate()
         self.envs.check_generated()  # a task library's domains: their splits made and checked here
 
+    def task_source(self):
+        """data.domain's generated task source (`curriculum:`), None when off (`envs.task_source`)."""
+        return build_task_source(self.curriculum, self.data.domain)
+
     def _check_warmup(self) -> None:
         """The supervised warm-up trains on reference answers (`payload.solution`); refuse a domain without."""
-        if self.train.steps == 0 or self.curriculum.enabled:
+        if self.train.steps == 0 or self.task_source() is not None:
             return
         from megatron_rl.envs.tasks import load_domain
 
@@ -306,9 +314,4 @@ class RunConfig:
         if self.monitor.alerts.mismatch_kl is not None:
             raise ConfigError(f"monitor.alerts.mismatch_kl={self.monitor.alerts.mismatch_kl} is set by the RL loop "
                               f"from rl.mismatch_alert_kl; set rl.mismatch_alert_kl instead")
-        if self.curriculum.enabled and set(self.envs.domains) != {"countdown"}:
-            raise ConfigError(f"curriculum.enabled generates countdown tasks for the RL loop but envs.domains is "
-                              f"{sorted(self.envs.domains)}; set curriculum.enabled=false")
-        if self.curriculum.enabled and self.data.domain != "countdown":
-            raise ConfigError(f"curriculum.enabled generates countdown tasks but data.domain is "
-                              f"{self.data.domain!r}; set curriculum.enabled=false")
+        build_task_source(self.curriculum, self.data.domain, mixture=list(self.envs.domains))  # refused, naming the fix

@@ -1,5 +1,6 @@
-"""The countdown environment's curriculum (the run config's `curriculum:` section): an easier suite for tiny
-models, few small numbers, targets one or two operations away.
+"""The countdown environment's curriculum, countdown's generated task source (`envs.task_source`; the run config's
+`curriculum:` section while data.domain is countdown): an easier suite for tiny models, few small numbers, targets
+one or two operations away.
 
 The tasks are ordinary `envs` countdown tasks (domain 'countdown', payload numbers/target/solution), so the
 reward is the real sandboxed countdown reward. Deterministic given (seed, split); splits never share a task.
@@ -34,6 +35,10 @@ class CurriculumConfig:
     def validate(self) -> None:
         if not 2 <= self.min_numbers <= self.max_numbers or self.max_value < 2 or self.max_ops < 1:
             raise ConfigError("curriculum: need 2 <= min_numbers <= max_numbers, max_value >= 2, max_ops >= 1")
+
+    def generate(self, n: int, seed: int, split: str) -> list[Task]:
+        """The task source's interface (`envs.task_source`): `generate(n, self, seed, split)`."""
+        return generate(n, self, seed, split)
 
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

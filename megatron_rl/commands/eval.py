@@ -106,7 +106,7 @@ def _heldout(cfg: RunConfig, domain: str) -> list:
     from megatron_rl.envs.tasks import load_domain
     from megatron_rl.loop.job import task_lists
 
-    if cfg.curriculum.enabled and domain == "countdown":
+    if domain == cfg.data.domain and cfg.task_source() is not None:  # the run's generated held-out tasks
         return task_lists(cfg)["eval"]
     return load_domain(domain, cfg.envs.domains[domain].task_files or None if domain in cfg.envs.domains else None,
                        split="heldout", **cfg.envs.loader_options(domain))[:cfg.eval.tasks]

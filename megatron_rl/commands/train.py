@@ -1,6 +1,6 @@
 """`megatron-rl train <config.yaml> [key=value ...]`: the main job.
 
-  1. tasks (the configured domain's suite, or a generated easier countdown curriculum); every reference
+  1. tasks (the configured domain's suite, or its generated tasks: `curriculum:`, envs.task_source); every reference
      solution is checked by the environment's own reward in the sandbox (bubblewrap by default); verified ones
      become warm-up trajectories (prompt tokens loss-masked) in atomic HDF5 shards;
   2. torchrun starts the ranks (gloo on CPU); Megatron-Core builds the policy at the configured layout and

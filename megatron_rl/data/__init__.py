@@ -4,13 +4,9 @@ from megatron_rl.data.shards import (
     SCHEMA,
     SCHEMA_VERSION,
     STATUSES,
-    ShardBatch,
-    ShardDirectory,
-    ShardDirectoryConfig,
     ShardError,
     ShardReader,
     ShardSchemaError,
-    ShardStats,
     ShardWriter,
     ShardWriterConfig,
     Trajectory,
@@ -22,7 +18,7 @@ from megatron_rl.data.shards import (
 )
 
 __all__ = [
-    "COMPRESSIONS", "SCHEMA", "SCHEMA_VERSION", "STATUSES", "ShardBatch", "ShardDirectory", "ShardDirectoryConfig",
-    "ShardError", "ShardReader", "ShardSchemaError", "ShardStats", "ShardWriter", "ShardWriterConfig", "Trajectory",
+    "COMPRESSIONS", "SCHEMA", "SCHEMA_VERSION", "STATUSES", "ShardError", "ShardReader",
+    "ShardSchemaError", "ShardWriter", "ShardWriterConfig", "Trajectory",
     "TrajectoryColumns", "TrajectoryError", "read_arrays", "read_shard", "write_shard",
 ]

@@ -6,7 +6,8 @@
     store.read(folder, name, vocab_size=...) -> [Trajectory]
 
 This is the one consumer path of worker shards: the dispatcher's rounds, the fleet's lease settling and the
-loop's read-back (`dispatch.dispatcher.published_episode_ids`, `loop.dispatched.read_episodes`) all ask a store.
+loop's read-back (`dispatch.dispatcher.published_episode_ids`, `data.consume.read_folder`, which quarantines
+unreadable shards through `store.quarantine` and drops duplicate episodes) all ask a store.
 A `folder` is the batch's shard folder as the driver names it (`<run>/rl_episodes/<batch>`); the s3 store keys
 its objects by that folder's last three parts under `prefix`.
 
@@ -49,6 +50,7 @@ import shutil
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,9 @@ from megatron_rl.config import ConfigError
 from megatron_rl.registry import Registry
 
 log = logging.getLogger(__name__)
+
+QUARANTINE = "quarantine"
+"""Sub-folder of a batch folder that the fs store moves unreadable shards into (with `<name>.reason.txt`)."""
 
 STORES: Registry = Registry("trajectory store")
 """Store name (`episodes.store`) -> class taking (S3StoreConfig, index path or None)."""
@@ -188,6 +193,21 @@ class FsStore:
 
     def where(self, folder, name: str) -> str:
         return str(Path(folder) / name)
+
+    def quarantine(self, folder, name: str, error: BaseException) -> None:
+        """Move an unreadable shard into `<folder>/quarantine/` with `<name>.reason.txt` (time, error, traceback);
+        logged. A shard that cannot be moved is logged and left (its episodes still count as missing)."""
+        src, dst = Path(folder) / name, Path(folder) / QUARANTINE / name
+        try:
+            dst.parent.mkdir(exist_ok=True)
+            if dst.exists():
+                dst = dst.with_name(f"{src.stem}.{time.time_ns()}{src.suffix}")
+            os.replace(src, dst)
+            dst.with_name(dst.name + ".reason.txt").write_text(_reason(src, error))
+        except OSError as e:
+            log.warning("store: shard %s is unreadable (%s) and could not be quarantined: %s", src, error, e)
+            return
+        log.warning("store: quarantined shard %s -> %s: %s: %s", src, dst, type(error).__name__, error)
 
     def save_state(self, folder, episode_id: str, data: bytes) -> None:
         """A long episode's checkpoint (`envs.episode_state`), replacing the last one whole (temp file, rename)."""
@@ -378,7 +398,7 @@ class S3Store:
         fk = self.folder_key(folder)
         cache = {} if cache is None else cache
         for a in self.index.values():
-            if a["folder"] == fk and a["name"].startswith(prefix):
+            if a["folder"] == fk and a["name"].startswith(prefix) and "quarantined" not in a:
                 cache.setdefault(a["name"], list(a["episode_ids"]))
         return cache
 
@@ -426,10 +446,32 @@ class S3Store:
     def where(self, folder, name: str) -> str:
         return f"s3://{self.cfg.bucket}/{self.key(folder, name)}"
 
+    def quarantine(self, folder, name: str, error: BaseException) -> None:
+        """Mark an unreadable shard's announcement quarantined in the index (fsync; the object stays at its key for
+        a look), so it is neither listed nor read again; logged."""
+        key = self.key(folder, name)
+        with self._lock:
+            a = {**self.index.get(key, {"key": key, "folder": self.folder_key(folder), "name": name,
+                                        "episode_ids": []}), "quarantined": f"{type(error).__name__}: {error}"}
+            self.index[key] = a
+            if self.index_path is not None:
+                with open(self.index_path, "a") as f:
+                    f.write(json.dumps(a) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        log.warning("store: quarantined shard %s: %s: %s", self.where(folder, name), type(error).__name__, error)
+
     def close(self) -> None:
         if self._queue is not None:
             self._queue.close()
             self._queue = None
+
+
+def _reason(path, error: BaseException) -> str:
+    """A quarantined shard's `<name>.reason.txt`: when, which, the error and its traceback."""
+    return (f"time: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\nshard: {path}\n"
+            f"error: {type(error).__name__}: {error}\n\n"
+            + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
 
 
 def _credentials(path: str) -> dict:

@@ -10,7 +10,7 @@ a straggler, killed), the shard folder is scanned: an episode is finished iff it
 The rest go into the next round, at most `max_retries` more rounds. A round never starts before the
 previous one's tasks are over, so a retried episode cannot also be published by its first attempt: no
 duplicates by construction. If a "dead" task publishes anyway (a node that was unreachable, not stopped),
-its duplicate is dropped by `ShardDirectory` (episode-id dedup) and counted in the report.
+its duplicate is dropped by the loop's reader (`data.consume.read_folder`, episode-id dedup) and counted in the report.
 
 Errors are visible: for every failed task the report carries submitit's error (with the worker's traceback)
 and the tail of its stderr log; they are logged as warnings too.
@@ -80,25 +80,9 @@ class DispatchConfig:
 
     def build_executor(self, folder: Path):
         """The submitit executor for one dispatch run, logs under `folder`."""
-        import submitit
+        from megatron_rl.dispatch.executor import submitit_executor
 
-        ex = submitit.AutoExecutor(folder=folder / "%j", cluster=self.executor,
-                                   slurm_max_num_timeout=self.max_num_timeout)
-        params: dict = {"timeout_min": self.time_min, "cpus_per_task": self.cpus_per_task, "mem_gb": self.mem_gb,
-                        "name": "mrl-rollout"}
-        if self.executor == "slurm":
-            params.update(slurm_partition=self.partition, slurm_array_parallelism=self.array_parallelism,
-                          slurm_signal_delay_s=self.signal_delay_s)
-            if self.account:
-                params["slurm_account"] = self.account
-            if self.qos:
-                params["slurm_qos"] = self.qos
-            if self.setup:
-                params["slurm_setup"] = list(self.setup)
-        elif self.executor == "local" and self.setup:
-            params["local_setup"] = list(self.setup)
-        ex.update_parameters(**params)
-        return ex
+        return submitit_executor(self, folder, "mrl-rollout", self.array_parallelism)
 
 
 @dataclass

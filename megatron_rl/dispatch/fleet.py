@@ -427,23 +427,9 @@ class Fleet:
         log.info("fleet: submitted %d workers (%s)", n, ", ".join(str(j.job_id) for j in jobs))
 
     def _build_executor(self):
-        import submitit
+        from megatron_rl.dispatch.executor import submitit_executor
 
-        c = self.config
-        ex = submitit.AutoExecutor(folder=self.folder / "submitit" / "%j", cluster=c.executor,
-                                   slurm_max_num_timeout=c.max_num_timeout)
-        params: dict = {"timeout_min": c.time_min, "cpus_per_task": c.cpus_per_task, "mem_gb": c.mem_gb,
-                        "name": "mrl-fleet"}
-        if c.executor == "slurm":
-            params.update(slurm_partition=c.partition, slurm_signal_delay_s=c.signal_delay_s,
-                          slurm_array_parallelism=max(c.size, 1) * 4)
-            params.update({k: v for k, v in (("slurm_account", c.account), ("slurm_qos", c.qos)) if v})
-            if c.setup:
-                params["slurm_setup"] = list(c.setup)
-        elif c.setup:
-            params["local_setup"] = list(c.setup)
-        ex.update_parameters(**params)
-        return ex
+        return submitit_executor(self.config, self.folder / "submitit", "mrl-fleet", max(self.config.size, 1) * 4)
 
     def _save_jobs(self) -> None:
         _write_private(self.folder / "jobs.json", json.dumps(sorted(self.jobs)))

@@ -97,7 +97,8 @@ class DispatchRollouts(Rollouts):
         # up to max_staleness + 1 steps' batches in flight at once, each its own dispatch
         self.pool = ThreadPoolExecutor(cfg.max_staleness + 1, thread_name_prefix="dispatch") if self.separate else None
         self.counters = {"episodes_dispatched": 0, "episodes_recovered": 0, "episodes_missing": 0,
-                         "dispatch_failed_tasks": 0, "dispatch_rounds": 0, "unreadable_shards": 0}
+                         "dispatch_failed_tasks": 0, "dispatch_rounds": 0, "unreadable_shards": 0,
+                         "quarantined_shards": 0, "duplicate_episodes": 0}
         self.fleet = None
         """Rank 0, runner=fleet: the persistent fleet (started here, so its workers start during step 0's
         set-up and stay for the whole run)."""
@@ -286,7 +287,8 @@ class DispatchRollouts(Rollouts):
                 counters.update(dispatch_failed_tasks=len(report.failures), dispatch_rounds=len(report.rounds))
             unreadable: list[str] = []
             episodes = read_episodes(shard_dir, {s.episode_id for s in specs}, unreadable,
-                                     vocab_size=getattr(self.tok, "vocab_size", None), store=self.store)
+                                     vocab_size=getattr(self.tok, "vocab_size", None), store=self.store,
+                                     counts=counters)
             counters.update(episodes_missing=len(specs) - len(episodes), unreadable_shards=len(unreadable))
             return {"episodes": episodes, "counters": counters}
         except Exception as e:  # reported to every rank, which all raise
@@ -366,54 +368,45 @@ def batch_name(groups: list[Group]) -> str:
 
 
 def read_episodes(shard_dir: Path, wanted: set[str], unreadable: list[str] | None = None,
-                  vocab_size: int | None = None, store=None) -> dict[str, dict]:
+                  vocab_size: int | None = None, store=None, counts: dict | None = None) -> dict[str, dict]:
     """episode id -> response token ids, behaviour log-probs, loss mask, turns, per-token versions, reward,
     components, status, the engine's experts of its tokens (routing replay; None when not recorded) for the
-    wanted episodes published in `shard_dir` (first copy wins). An unreadable shard, or one whose values break the
-    shard contract (`ShardReader`: token ids below `vocab_size`, finite bounded rewards, ...), is skipped with a
-    logged reason and appended to `unreadable` ("path: reason"); its episodes count as missing. `store`: the run's
+    wanted episodes published in `shard_dir`, read by the one shard consumer (`data.consume.read_folder`: first
+    copy of an episode wins; a shard that is unreadable, or whose values break the shard contract, is quarantined
+    with a logged reason and its episodes count as missing). `unreadable` gets "where: reason" of each shard
+    quarantined or skipped; `counts` gets quarantined_shards and duplicate_episodes added. `store`: the run's
     trajectory store (`data.store`; None = the shared filesystem)."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from megatron_rl.data.consume import read_folder
 
-    from megatron_rl.data.shards import ShardError
-    from megatron_rl.data.store import FsStore, StoreError
+    got = read_folder(shard_dir, store, vocab_size=vocab_size)
+    if unreadable is not None:
+        unreadable += got.quarantined + got.skipped
+    if counts is not None:
+        counts["quarantined_shards"] = counts.get("quarantined_shards", 0) + len(got.quarantined)
+        counts["duplicate_episodes"] = counts.get("duplicate_episodes", 0) + got.duplicates
+    segments: dict[str, list] = {}  # a split agent episode's earlier rows (`<episode>#<k>`)
+    for t in got.trajectories:
+        if SEGMENT_MARK in t.episode_id:
+            segments.setdefault(episode_of(t.episode_id), []).append(t)
+    return {t.episode_id: _episode(t, segments.get(t.episode_id, [])) for t in got.trajectories
+            if t.episode_id in wanted}
 
-    store = store or FsStore()
-    out: dict[str, dict] = {}
-    for name in store.shards(shard_dir):
-        p = store.where(shard_dir, name)
-        try:
-            trajs = store.read(shard_dir, name, vocab_size=vocab_size)
-        except (ShardError, OSError, BotoCoreError, ClientError, StoreError) as e:  # StoreError: retried out
-            log.warning("rollouts: shard %s unreadable, skipped (its episodes count as missing): %s", p, e)
-            if unreadable is not None:
-                unreadable.append(f"{p}: {e}")
-            continue
-        segments: dict[str, list] = {}  # a split agent episode's earlier rows, from the shard of its last
-        for t in trajs:
-            if SEGMENT_MARK in t.episode_id:
-                segments.setdefault(episode_of(t.episode_id), []).append(t)
-        for t in trajs:
-            if t.episode_id not in wanted or t.episode_id in out:
-                continue
-            n = t.prompt_len
-            versions = t.token_versions[n:] if t.token_versions is not None else [t.policy_version_first] * (
-                len(t.tokens) - n)
-            out[t.episode_id] = {"token_ids": [int(x) for x in t.tokens[n:]],
-                                 "logprobs": [float(x) for x in t.logprobs[n:]],
-                                 "mask": [int(x) for x in t.loss_mask[n:]],
-                                 "turns": int(t.timings.get("turns", 1)),
-                                 "versions": [int(x) for x in versions], "reward": float(t.reward),
-                                 "components": {k: float(v) for k, v in t.reward_components.items()},
-                                 "status": str(t.status), "env": str(t.env),
-                                 "prompt": [int(x) for x in t.tokens[:n]],
-                                 "segments": [_segment(x) for x in sorted(
-                                     segments.get(t.episode_id, []),
-                                     key=lambda x: int(x.episode_id.rsplit(SEGMENT_MARK, 1)[1]))],
-                                 "timings": {k: float(v) for k, v in t.timings.items()},
-                                 "routes": t.routed_experts,  # int16 [L, L_moe, k] (routing replay) or None
-                                 "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
-    return out
+
+def _episode(t, segments: list) -> dict:
+    """A trajectory row as `read_episodes` hands it out, with its earlier segment rows."""
+    n = t.prompt_len
+    versions = t.token_versions[n:] if t.token_versions is not None else [t.policy_version_first] * (
+        len(t.tokens) - n)
+    return {"token_ids": [int(x) for x in t.tokens[n:]], "logprobs": [float(x) for x in t.logprobs[n:]],
+            "mask": [int(x) for x in t.loss_mask[n:]], "turns": int(t.timings.get("turns", 1)),
+            "versions": [int(x) for x in versions], "reward": float(t.reward),
+            "components": {k: float(v) for k, v in t.reward_components.items()},
+            "status": str(t.status), "env": str(t.env), "prompt": [int(x) for x in t.tokens[:n]],
+            "segments": [_segment(x) for x in sorted(
+                segments, key=lambda x: int(x.episode_id.rsplit(SEGMENT_MARK, 1)[1]))],
+            "timings": {k: float(v) for k, v in t.timings.items()},
+            "routes": t.routed_experts,  # int16 [L, L_moe, k] (routing replay) or None
+            "tools": {k: float(v) for k, v in t.timings.items() if k.startswith("tool.")}}
 
 
 def _segment(t) -> dict:

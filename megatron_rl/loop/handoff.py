@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def to_shard(job: Job, rollouts, groups: list, step: int, run_dir: Path):
     """Write the step's trajectories as an HDF5 shard (rank 0) and read it back on every rank, keeping samples
-    within the staleness bound; None when the batch is empty."""
+    within the staleness bound: (columns, or None when the batch is empty; samples dropped as stale)."""
     from megatron_rl.data.shards import read_arrays, write_shard
 
     trajs = rollouts.trajectories(groups, tag=f"s{step}")
@@ -24,10 +24,15 @@ def to_shard(job: Job, rollouts, groups: list, step: int, run_dir: Path):
         write_shard(path, trajs)
     torch.distributed.barrier(group=job.ctx.world)
     if not trajs:
-        return None
-    cols = read_arrays(path)
-    episode = cols.episode_index()  # [N] the rows of a split agent episode are kept or dropped together
+        return None, 0
+    return fresh_rows(read_arrays(path), oldest=step - job.cfg.rl.max_staleness)
+
+
+def fresh_rows(cols, oldest: int):
+    """(the rows of `cols` whose episode's first policy version is >= `oldest`, how many were dropped): the rows of
+    a split agent episode are kept or dropped together."""
+    episode = cols.episode_index()  # [N]
     first = np.full(int(episode.max()) + 1, np.iinfo(np.int64).max)
     np.minimum.at(first, episode, np.asarray(cols.policy_version_first, np.int64))
-    fresh = first[episode] >= step - job.cfg.rl.max_staleness
-    return cols if fresh.all() else cols.select(np.flatnonzero(fresh))
+    fresh = first[episode] >= oldest
+    return (cols, 0) if fresh.all() else (cols.select(np.flatnonzero(fresh)), int((~fresh).sum()))

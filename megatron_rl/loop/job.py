@@ -42,12 +42,11 @@ WeightSyncFn = Callable[["Engine", int, Iterable], None]
 def task_lists(cfg: RunConfig) -> dict:
     """Tasks: train and heldout of data.domain (the warm-up's), rl (the RL loop's, per domain of the mixture)
     and eval (held-out tasks of every domain of the mixture, eval.tasks each)."""
-    if cfg.curriculum.enabled:
-        from megatron_rl.envs.countdown.curriculum import generate
-
-        heldout = generate(cfg.data.heldout_tasks, cfg.curriculum, cfg.seed, "heldout")
-        return {"train": generate(cfg.data.train_tasks, cfg.curriculum, cfg.seed, "train"), "heldout": heldout,
-                "rl": {"countdown": generate(cfg.curriculum.rl_tasks, cfg.curriculum, cfg.seed, "rl")},
+    source = cfg.task_source()  # data.domain's generated tasks (`curriculum:`), None: its shipped suite
+    if source is not None:
+        heldout = source.generate(cfg.data.heldout_tasks, cfg.seed, "heldout")
+        return {"train": source.generate(cfg.data.train_tasks, cfg.seed, "train"), "heldout": heldout,
+                "rl": {cfg.data.domain: source.generate(source.rl_tasks, cfg.seed, "rl")},
                 "eval": heldout[:cfg.eval.tasks], "levels": {}}
     from megatron_rl.envs.tasks import load_domain
 

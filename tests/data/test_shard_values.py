@@ -1,7 +1,8 @@
 """The shard reader checks values as the writer does: a shard forged (or corrupted) after the writer's checks, with
-one bad value, is quarantined by ShardDirectory with a reason naming the field, refused by read_shard/read_arrays
-with ShardError (never another exception, never a silently wrong sample), and skipped by the dispatched loop's
-reader (its episodes count as missing). Real HDF5 files in tmp_path, edited with h5py."""
+one bad value, is quarantined by the one shard consumer (`data.consume.read_folder`, which the dispatched loop's
+reader uses: its episodes count as missing) with a reason naming the field, and refused by read_shard/read_arrays
+with ShardError (never another exception, never a silently wrong sample). Real HDF5 files in tmp_path, edited
+with h5py."""
 from __future__ import annotations
 
 import h5py
@@ -9,7 +10,8 @@ import hdf5plugin  # noqa: F401  (the blosc filter, for the in-place edits)
 import numpy as np
 import pytest
 
-from megatron_rl.data import ShardDirectory, ShardError, Trajectory, read_arrays, read_shard, write_shard
+from megatron_rl.data import ShardError, Trajectory, read_arrays, read_shard, write_shard
+from megatron_rl.data.consume import read_folder
 
 
 def _good(path, n: int = 3):
@@ -86,13 +88,10 @@ def _forged(tmp_path, case: str):
 def test_a_shard_with_a_bad_value_is_quarantined_with_the_field_named(tmp_path, case):
     path, field = _forged(tmp_path, case)
     _good(tmp_path / "zz-good.h5")  # reading continues after it
-    sd = ShardDirectory(tmp_path, prefetch=False)
-    batch = sd.next_batch(3)
-    assert batch is not None and batch.path.name == "zz-good.h5" and len(batch.columns) == 3
-    assert sd.stats.quarantined == 1 and not path.exists()
+    got = read_folder(tmp_path)
+    assert got.shards == 1 and len(got.trajectories) == 3 and len(got.quarantined) == 1 and not path.exists()
     reason = (tmp_path / "quarantine" / f"{path.name}.reason.txt").read_text().splitlines()[2]
     assert reason.startswith(("error: ShardError", "error: ShardSchemaError")) and field in reason, reason
-    sd.close()
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -122,22 +121,9 @@ def test_token_ids_are_checked_against_the_vocabulary_when_known(tmp_path):
     assert len(read_arrays(path, vocab_size=9)) == 3
     with pytest.raises(ShardError, match=r"tokens must be ids in \[0, 7\] \(vocabulary of 8\)"):
         read_arrays(path, vocab_size=8)
-    sd = ShardDirectory(tmp_path, prefetch=False, vocab_size=8)
-    assert sd.next_batch(3) is None and sd.stats.quarantined == 1
-    sd.close()
-
-
-def test_versions_above_the_current_one_are_quarantined_when_asked(tmp_path):
-    _good(tmp_path / "a.h5")
-    sd = ShardDirectory(tmp_path, prefetch=False, max_version_ahead=0)
-    assert sd.next_batch(2) is None and sd.stats.quarantined == 1
-    reason = (tmp_path / "quarantine" / "a.h5.reason.txt").read_text()
-    assert "policy_version_last 3 is above 2" in reason
-    sd.close()
-    _good(tmp_path / "b.h5")
-    sd = ShardDirectory(tmp_path, prefetch=False, max_version_ahead=0)
-    assert len(sd.next_batch(3).columns) == 3
-    sd.close()
+    assert len(read_folder(tmp_path, vocab_size=9).trajectories) == 3
+    got = read_folder(tmp_path, vocab_size=8)
+    assert got.trajectories == [] and len(got.quarantined) == 1 and "vocabulary of 8" in got.quarantined[0]
 
 
 def test_the_writer_refuses_the_same_values(tmp_path):

@@ -1,5 +1,6 @@
-"""HDF5 trajectory shards: round trip, CSR layout, atomic publish under SIGKILL, quarantine, staleness, dedup,
-resume, inspect. Real h5py/hdf5plugin files in tmp_path; the crash tests SIGKILL real writer processes."""
+"""HDF5 trajectory shards: round trip, CSR layout, atomic publish under SIGKILL, quarantine and dedup by the one
+shard consumer (`data.consume.read_folder`), inspect. Real h5py/hdf5plugin files in tmp_path; the crash tests
+SIGKILL real writer processes."""
 import json
 import logging
 import os
@@ -16,8 +17,6 @@ import pytest
 
 from megatron_rl.data import (
     SCHEMA,
-    ShardDirectory,
-    ShardDirectoryConfig,
     ShardError,
     ShardReader,
     ShardSchemaError,
@@ -30,6 +29,7 @@ from megatron_rl.data import (
     write_shard,
 )
 from megatron_rl.data import inspect as shard_inspect
+from megatron_rl.data.consume import read_folder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -282,12 +282,10 @@ def test_sigkill_mid_write_leaves_no_visible_shard(tmp_path):
     run_and_kill(tmp_path, "one-big", delay=0.2)
     assert not (tmp_path / "big.h5").exists()
     assert (tmp_path / "big.h5.tmp").exists()  # the unfinished file only ever has the .tmp name
-    sd = ShardDirectory(tmp_path)
-    assert sd.list_new() == [tmp_path / "done.h5"]
-    batch = sd.next_batch(current_version=3)
-    for i, t in enumerate(batch.columns.to_trajectories()):
+    got = read_folder(tmp_path)
+    assert got.shards == 1 and not got.quarantined and not got.skipped
+    for i, t in enumerate(got.trajectories):
         assert_same(make_traj(i), t)
-    assert sd.next_batch(3) is None and sd.stats.quarantined == 0
     assert not (tmp_path / "quarantine").exists() and (tmp_path / "big.h5.tmp").exists()
 
 
@@ -303,10 +301,8 @@ def test_sigkill_at_any_moment_every_visible_shard_is_whole(tmp_path, delay):
         for i, t in enumerate(back):
             assert_same(make_traj(i, seed=k), t)
     assert len(list(tmp_path.glob("*.tmp"))) <= 1
-    sd = ShardDirectory(tmp_path)
-    while sd.next_batch(3) is not None:
-        pass
-    assert sd.stats.shards == len(visible) and sd.stats.quarantined == 0
+    got = read_folder(tmp_path)
+    assert got.shards == len(visible) and not got.quarantined
 
 
 # ------------------------------------------------------------------------------------------ directory
@@ -350,52 +346,27 @@ def test_bad_shards_are_quarantined_and_reading_continues(tmp_path, caplog):
     good_a = write_range(tmp_path / "a-good.h5", 0, 10, seed=1)
     bad = corrupt_shards(tmp_path)
     good_z = write_range(tmp_path / "z-good.h5", 0, 10, seed=2)
-    os.utime(tmp_path / "z-good.h5", ns=(time.time_ns() + 10**9,) * 2)  # last in publish order
-    sd = ShardDirectory(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.data.shards"):
-        batches = []
-        while (b := sd.next_batch(current_version=3)) is not None:
-            batches.append(b)
-    assert [b.path.name for b in batches] == ["a-good.h5", "z-good.h5"]
-    for expect, batch in zip((good_a, good_z), batches):
-        for a, b in zip(expect, batch.columns.to_trajectories()):
-            assert_same(a, b)
-    assert sd.stats.quarantined == len(bad) and sd.stats.shards == 2
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.data.store"):
+        got = read_folder(tmp_path)
+    assert got.shards == 2 and len(got.quarantined) == len(bad) and not got.skipped
+    for a, b in zip(good_a + good_z, got.trajectories, strict=True):
+        assert_same(a, b)
     for name, reason in bad.items():
         assert not (tmp_path / name).exists() and (tmp_path / "quarantine" / name).exists()
         text = (tmp_path / "quarantine" / f"{name}.reason.txt").read_text()
         assert reason in text and "time: " in text, (name, text)
-        assert any(name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+        assert any(name in r.getMessage() and "quarantined" in r.getMessage() for r in caplog.records)
+    again = read_folder(tmp_path)  # the quarantined ones are gone from the folder: read once, counted once
+    assert again.shards == 2 and not again.quarantined
 
 
-def test_one_consumer_per_folder_is_enforced_and_released(tmp_path):
-    write_range(tmp_path / "a.h5", 0, 4)
-    first = ShardDirectory(tmp_path)
-    assert first.next_batch(3) is not None
-    second = ShardDirectory(tmp_path)
-    with pytest.raises(ShardError, match=rf"already read by another consumer \(pid {os.getpid()} on "):
-        second.next_batch(3)
-    first.close()
-    assert second.next_batch(3) is not None  # state is per object: the new consumer starts from scratch
-    del second  # dropping the object releases the folder too
-    with ShardDirectory(tmp_path) as third:
-        assert third.next_batch(3) is not None
-
-
-def test_a_killed_consumer_leaves_the_folder_free(tmp_path):
-    write_range(tmp_path / "a.h5", 0, 4)
-    code = ("import sys, time; from megatron_rl.data import ShardDirectory; d = ShardDirectory(sys.argv[1]); "
-            "d.next_batch(3); print('locked', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
-        with pytest.raises(ShardError, match=rf"pid {proc.pid} on "):
-            ShardDirectory(tmp_path).next_batch(3)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert ShardDirectory(tmp_path).next_batch(3) is not None
+def test_a_quarantined_name_taken_again_keeps_both_files(tmp_path):
+    (tmp_path / "x.h5").write_bytes(b"torn")
+    assert len(read_folder(tmp_path).quarantined) == 1
+    (tmp_path / "x.h5").write_bytes(b"torn again")
+    assert len(read_folder(tmp_path).quarantined) == 1
+    kept = sorted(p.name for p in (tmp_path / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
+    assert len(kept) == 2 and kept[-1] == "x.h5"
 
 
 def test_newer_schema_error_names_file_and_versions(tmp_path):
@@ -409,82 +380,14 @@ def test_newer_schema_error_names_file_and_versions(tmp_path):
         read_shard(tmp_path / "g.h5")
 
 
-def test_staleness_filter(tmp_path):
-    trajs = [make_traj(i, version=v) for i, v in enumerate([1, 2, 3, 4, 5, 2, 5])]
-    write_shard(tmp_path / "s.h5", trajs)
-    sd = ShardDirectoryConfig(root=str(tmp_path), max_staleness=2).build()
-    batch = sd.next_batch(current_version=5)
-    # keep policy_version_first >= 5 - 2; sample 0 (v1->2) and 1 (v2) and 5 (v2) are too stale
-    assert batch.columns.episode_id.tolist() == [trajs[i].episode_id for i in (2, 3, 4, 6)]
-    assert (batch.stats.samples_read, batch.stats.dropped_stale, batch.stats.samples_kept) == (7, 3, 4)
-    for j, i in enumerate((2, 3, 4, 6)):
-        assert_same(trajs[i], batch.columns.trajectory(j))
-    assert sd.stats.dropped_stale == 3
-
-
 def test_duplicate_episode_ids_dropped_across_and_within_shards(tmp_path):
     write_range(tmp_path / "a.h5", 0, 5)
-    os.utime(tmp_path / "a.h5", ns=(10**18,) * 2)
     write_shard(tmp_path / "b.h5", [make_traj(i) for i in (3, 4, 5, 6, 6)])  # a retry re-wrote 3 and 4
-    os.utime(tmp_path / "b.h5", ns=(10**18 + 1,) * 2)
-    sd = ShardDirectory(tmp_path)
-    assert len(sd.next_batch(3).columns) == 5
-    b = sd.next_batch(3)
-    assert b.columns.episode_id.tolist() == ["ep-0-5", "ep-0-6"]
-    assert b.stats.dropped_duplicate == 3 and sd.stats.dropped_duplicate == 3 and sd.stats.samples_kept == 7
-
-
-def test_dedup_window_bounds_the_remembered_ids(tmp_path):
-    """Only the last `dedup_window` kept ids are remembered (memory stays bounded); resume keeps the window."""
-    write_range(tmp_path / "a.h5", 0, 5)
-    os.utime(tmp_path / "a.h5", ns=(10**18,) * 2)
-    write_shard(tmp_path / "b.h5", [make_traj(i) for i in (0, 4)])  # 0 fell out of the window, 4 did not
-    os.utime(tmp_path / "b.h5", ns=(10**18 + 1,) * 2)
-    sd = ShardDirectory(tmp_path, dedup_window=3)
-    assert len(sd.next_batch(3).columns) == 5
-    assert sd.state_dict()["seen_episode_ids"] == ["ep-0-2", "ep-0-3", "ep-0-4"]
-    sd.close()  # as a stopped trainer would
-    resumed = ShardDirectory(tmp_path, dedup_window=3)
-    resumed.load_state_dict(sd.state_dict())
-    b = resumed.next_batch(3)
-    assert b.columns.episode_id.tolist() == ["ep-0-0"] and b.stats.dropped_duplicate == 1
-
-
-def test_state_dict_resume_skips_consumed_shards(tmp_path):
-    for k, name in enumerate(("a.h5", "b.h5", "c.h5")):
-        write_range(tmp_path / name, 0, 4, seed=k)
-        os.utime(tmp_path / name, ns=(10**18 + k,) * 2)
-    write_shard(tmp_path / "c.h5", [make_traj(0, seed=0), make_traj(1, seed=2)])  # ep-0-0 again: a retry
-    os.utime(tmp_path / "c.h5", ns=(10**18 + 2,) * 2)
-    first = ShardDirectory(tmp_path)
-    assert first.next_batch(3).path.name == "a.h5"
-    state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON checkpoint
-    first.close()  # one consumer at a time: the first hands the folder over
-    resumed = ShardDirectory(tmp_path)
-    resumed.load_state_dict(state)
-    assert [p.name for p in resumed.list_new()] == ["b.h5", "c.h5"]
-    assert resumed.next_batch(3).path.name == "b.h5"
-    c = resumed.next_batch(3)
-    assert c.columns.episode_id.tolist() == ["ep-2-1"] and c.stats.dropped_duplicate == 1
-    assert resumed.next_batch(3) is None and resumed.stats.shards == 3
-    resumed.close()
-    # the original reader, continued, makes the same decisions
-    assert [first.next_batch(3).path.name, first.next_batch(3).path.name] == ["b.h5", "c.h5"]
-    assert first.state_dict() == resumed.state_dict()
-
-
-def test_prefetch_gives_the_same_batches(tmp_path):
-    for k in range(4):
-        write_range(tmp_path / f"s{k}.h5", 0, 6, seed=k)
-        os.utime(tmp_path / f"s{k}.h5", ns=(10**18 + k,) * 2)
-    (tmp_path / "s9.h5.tmp").write_bytes(b"unfinished")
-    runs = []
-    for prefetch in (True, False):
-        sd, seen = ShardDirectory(tmp_path, prefetch=prefetch), []
-        while (b := sd.next_batch(3)) is not None:
-            seen.append((b.path.name, b.columns.episode_id.tolist()))
-        runs.append(seen)
-    assert runs[0] == runs[1] and [name for name, _ in runs[0]] == ["s0.h5", "s1.h5", "s2.h5", "s3.h5"]
+    got = read_folder(tmp_path)
+    assert [t.episode_id for t in got.trajectories] == [f"ep-0-{i}" for i in range(7)]
+    assert got.duplicates == 3 and got.shards == 2
+    for i in (3, 4):  # the first copy (a.h5's) is the one kept
+        assert_same(read_shard(tmp_path / "a.h5")[i], got.trajectories[i])
 
 
 # -------------------------------------------------------------------------------------------- inspect

@@ -141,7 +141,13 @@ def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_eac
         unreadable: list[str] = []
         assert "e2" not in read_episodes(folder, {"e2"}, unreadable, store=second)
         assert unreadable and unreadable[0].startswith(f"s3://{cfg.bucket}/durable/")
+        # quarantined in the index (durably): neither listed nor read again, so its episodes are redone
+        assert "b.h5" not in second.published(folder) and second.shards(folder) == ["a.h5", "c.h5", "d.h5"]
         second.close()
+        third = build_store("s3", cfg, index=index)
+        assert "sha256 differs" in third.index[third.key(folder, "b.h5")]["quarantined"]
+        assert "b.h5" not in third.published(folder)
+        third.close()
     finally:
         worker.close()
     assert not list((tmp_path / "spool").iterdir())  # local copies removed at once

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from megatron_rl.config import undocumented_fields
-from megatron_rl.data.shards import ShardDirectory, read_shard
+from megatron_rl.data.consume import FolderRead, read_folder
+from megatron_rl.data.shards import read_shard
 from megatron_rl.dispatch import (
     DispatchConfig,
     Dispatcher,
@@ -42,13 +43,10 @@ def trivial_worker(**faults) -> WorkerConfig:
     return WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), faults=FaultConfig(**faults))
 
 
-def consume_all(shard_dir: Path) -> tuple[list[str], ShardDirectory]:
+def consume_all(shard_dir: Path) -> tuple[list[str], FolderRead]:
     """Every episode id the trainer-side reader hands out (it dedups by id and quarantines bad shards)."""
-    reader = ShardDirectory(shard_dir, prefetch=False)
-    ids: list[str] = []
-    while (batch := reader.next_batch(0)) is not None:
-        ids += list(batch.columns.episode_id)
-    return ids, reader
+    got = read_folder(shard_dir)
+    return [t.episode_id for t in got.trajectories], got
 
 
 def test_configs_document_every_field():
@@ -127,7 +125,7 @@ def test_200_episodes_come_back_exactly_once(tmp_path):
     assert len(report.shards) == 4                                          # one shard per task attempt
     ids, reader = consume_all(tmp_path / "shards")
     assert sorted(ids) == report.finished
-    assert reader.stats.quarantined == 0 and reader.stats.dropped_duplicate == 0
+    assert not reader.quarantined and reader.duplicates == 0
 
 
 @pytest.mark.slow
@@ -146,7 +144,7 @@ def test_a_second_run_over_the_same_shard_folder_reruns_nothing_published(tmp_pa
     assert third.ok and third.recovered == 6 and [r["episodes"] for r in third.rounds] == [2]
     assert third.duplicates == 0 and third.finished == sorted(e.episode_id for e in more)
     ids, reader = consume_all(tmp_path / "shards")
-    assert sorted(ids) == third.finished and reader.stats.dropped_duplicate == 0
+    assert sorted(ids) == third.finished and reader.duplicates == 0
     assert len(list((tmp_path / "shards").glob("*.h5"))) == 3
 
 
@@ -165,7 +163,7 @@ def test_raising_worker_is_retried_and_traceback_reported(tmp_path):
         assert "injected test fault" in f["stderr_tail"]
     ids, reader = consume_all(tmp_path / "shards")
     assert sorted(ids) == report.finished == sorted(e.episode_id for e in eps)
-    assert reader.stats.dropped_duplicate == 0
+    assert reader.duplicates == 0
 
 
 def _children(pid: int) -> list[int]:
@@ -205,7 +203,7 @@ def test_kill_9_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     assert 0 < report.rounds[1]["episodes"] < 12            # part of the killed task had been published
     ids, reader = consume_all(shards)
     assert sorted(ids) == sorted(e.episode_id for e in eps)
-    assert reader.stats.dropped_duplicate == 0
+    assert reader.duplicates == 0
 
 
 @pytest.mark.slow
@@ -237,7 +235,7 @@ def test_late_duplicate_shard_is_dropped_by_the_reader(tmp_path):
     assert len(counts) == 10 and len(set(counts)) == 5
     ids, reader = consume_all(tmp_path)
     assert sorted(ids) == sorted(e.episode_id for e in eps)
-    assert reader.stats.dropped_duplicate == 5
+    assert reader.duplicates == 5
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.data.shards import STATUSES, ShardDirectory, read_shard
+from megatron_rl.data.consume import read_folder
+from megatron_rl.data.shards import STATUSES, read_shard
 from megatron_rl.dispatch import (
     DispatchConfig,
     Dispatcher,
@@ -94,12 +95,10 @@ def replay(url: str, prompt: list[int], seed: int) -> dict:
 
 
 def consume_all(shard_dir) -> list:
-    reader = ShardDirectory(shard_dir, prefetch=False)
-    cols = []
-    while (batch := reader.next_batch(VERSION)) is not None:
-        cols.append(batch.columns)
-    assert reader.stats.quarantined == 0 and reader.stats.dropped_duplicate == 0
-    return cols
+    """The trainer-side reader's rows (no shard quarantined, no duplicate)."""
+    got = read_folder(shard_dir)
+    assert not got.quarantined and got.duplicates == 0
+    return got.trajectories
 
 
 def check_trajectory(t, ep, url: str) -> None:
@@ -129,8 +128,8 @@ def test_http_worker_publishes_the_servers_tokens_logprobs_and_versions(server, 
     for ep in eps:
         check_trajectory(trajs[ep.episode_id], ep, server.url)
     assert len({tuple(t.tokens[t.prompt_len:]) for t in trajs.values()}) > 1          # sampled, not constant
-    (cols,) = consume_all(tmp_path)
-    assert sorted(cols.episode_id) == sorted(trajs) and set(cols.policy_version_first) == {VERSION}
+    rows = consume_all(tmp_path)
+    assert sorted(t.episode_id for t in rows) == sorted(trajs) and {t.policy_version_first for t in rows} == {VERSION}
 
 
 def test_local_executor_dispatch_through_the_server_exactly_once(server, tmp_path):
@@ -140,12 +139,12 @@ def test_local_executor_dispatch_through_the_server_exactly_once(server, tmp_pat
     report = d.run(eps)
     assert report.ok and report.duplicates == 0 and not report.failures and not report.episode_failures
     assert report.finished == sorted(e.episode_id for e in eps) and len(report.shards) == 2
-    cols = consume_all(tmp_path / "shards")
-    assert sorted(e for c in cols for e in c.episode_id) == report.finished
+    rows = consume_all(tmp_path / "shards")
+    assert sorted(t.episode_id for t in rows) == report.finished
     by_id = {t.episode_id: t for name in report.shards for t in read_shard(tmp_path / "shards" / name)}
     for ep in eps[:3]:
         check_trajectory(by_id[ep.episode_id], ep, server.url)
-    assert all(set(c.token_versions.tolist()) == {VERSION} for c in cols)
+    assert all(set(t.token_versions.tolist()) == {VERSION} for t in rows)
 
 
 def test_server_down_fails_episodes_with_a_reason_and_the_dispatcher_retries(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.shards import ShardDirectory
+from megatron_rl.data.consume import FolderRead, read_folder
 from megatron_rl.dispatch import (
     DispatchConfig,
     Dispatcher,
@@ -47,12 +47,9 @@ def slurm_cfg(tmp_path: Path, **kw) -> DispatchConfig:
                           mem_gb=0.5, poll_s=0.5, **kw)
 
 
-def consume_all(shard_dir: Path) -> tuple[list[str], ShardDirectory]:
-    reader = ShardDirectory(shard_dir, prefetch=False)
-    ids: list[str] = []
-    while (batch := reader.next_batch(0)) is not None:
-        ids += list(batch.columns.episode_id)
-    return ids, reader
+def consume_all(shard_dir: Path) -> tuple[list[str], FolderRead]:
+    got = read_folder(shard_dir)
+    return [t.episode_id for t in got.trajectories], got
 
 
 def wait_for(cond, timeout: float, what: str, every: float = 0.2) -> None:
@@ -89,7 +86,7 @@ def test_200_episodes_as_a_job_array(slurm_cluster, monkeypatch, tmp_path):
     assert all("_" in s.split("-j")[1].split("-q")[0] for s in report.shards)   # array ids: <job>_<index>
     ids, reader = consume_all(tmp_path / "shards")
     assert sorted(ids) == report.finished == sorted(e.episode_id for e in eps)
-    assert reader.stats.dropped_duplicate == 0 and reader.stats.quarantined == 0
+    assert reader.duplicates == 0 and not reader.quarantined
 
 
 def test_scancel_of_one_array_task_loses_and_duplicates_nothing(slurm_cluster, monkeypatch, tmp_path):
@@ -110,7 +107,7 @@ def test_scancel_of_one_array_task_loses_and_duplicates_nothing(slurm_cluster, m
     assert any(f["job_id"] == victim for f in report.failures), (victim, report.failures, report.rounds)
     assert report.rounds[1]["episodes"] < 8                 # only the cancelled task's unfinished episodes
     ids, reader = consume_all(tmp_path / "shards")
-    assert sorted(ids) == sorted(e.episode_id for e in eps) and reader.stats.dropped_duplicate == 0
+    assert sorted(ids) == sorted(e.episode_id for e in eps) and reader.duplicates == 0
 
 
 def test_time_limit_signal_checkpoints_requeues_and_finishes(slurm_cluster, monkeypatch, tmp_path):

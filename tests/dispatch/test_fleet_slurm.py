@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.shards import ShardDirectory, read_shard
+from megatron_rl.data.consume import read_folder
+from megatron_rl.data.shards import read_shard
 from megatron_rl.dispatch.fleet_server import TOKEN_HEADER
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -107,9 +108,7 @@ def test_fleet_survives_kill_9_scancel_and_a_driver_restart(slurm_cluster, tmp_p
     assert len(counts) == STEPS * PER_STEP and set(counts.values()) == {1}, counts  # published exactly once
     seen = []
     for s in range(STEPS):  # what the trainer's reader hands out: each episode once
-        reader = ShardDirectory(out / "shards" / f"step{s:04d}", prefetch=False)
-        while (batch := reader.next_batch(0)) is not None:
-            seen += list(batch.columns.episode_id)
+        seen += [t.episode_id for t in read_folder(out / "shards" / f"step{s:04d}").trajectories]
     assert sorted(seen) == sorted(counts)
     # counters are per driver life: they start again with the second driver
     cut = next(i for i in range(1, len(rows)) if rows[i]["leases"] < rows[i - 1]["leases"])

@@ -75,7 +75,10 @@ def test_unreadable_shards_are_logged_and_counted(tmp_path, caplog):
     skipped: list[str] = []
     got = read_episodes(tmp_path, {"g0-s0", "g0-s1"}, skipped)
     assert sorted(got) == ["g0-s0", "g0-s1"] and len(skipped) == 1 and skipped[0].startswith(str(tmp_path / "b.h5"))
-    assert any("b.h5 unreadable, skipped" in r.getMessage() for r in caplog.records)
+    assert any("quarantined shard" in r.getMessage() and "b.h5" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "b.h5").exists() and (tmp_path / "quarantine" / "b.h5.reason.txt").exists()
+    (tmp_path / "b.h5").write_bytes(b"not an HDF5 file")  # torn again
+    write_shard(tmp_path / "c.h5", trajs[:1])  # and an episode published twice: the first copy is kept
     # the dispatched rollouts count it among their per-step counters (every episode already published: no dispatch)
     tok = ByteTokenizer(384)
     rollouts = DispatchRollouts(None, None, tok, lambda t: [257, 49], RLLoopConfig(group_size=2), 1, EpisodesConfig(),
@@ -84,6 +87,7 @@ def test_unreadable_shards_are_logged_and_counted(tmp_path, caplog):
     out = rollouts._dispatch([Group(0, 0, GOOD, [257, 49])], tmp_path, url="http://unused")
     assert "error" not in out, out
     assert out["counters"]["unreadable_shards"] == 1 and out["counters"]["episodes_missing"] == 0
+    assert out["counters"]["quarantined_shards"] == 1 and out["counters"]["duplicate_episodes"] == 1
 
 
 def _plugin_dist(root, group: str, entries: dict[str, str]) -> None:

@@ -320,3 +320,36 @@ def test_the_namespaced_folders_are_links_in_the_package():
     for name in NAMESPACED:
         link = ROOT / "megatron_rl" / name
         assert link.is_symlink() and link.resolve() == (ROOT / name).resolve(), link
+
+
+# --- generic code names no domain -----------------------------------------------------------------------------
+
+def domain_packages(root: Path = ROOT) -> set[str]:
+    """The domain packages: folders of envs/ whose modules register an environment (`@ENVIRONMENTS.register`)."""
+    return {f"megatron_rl.envs.{p.parent.relative_to(root / 'envs').parts[0]}" for p in (root / "envs").rglob("*.py")
+            if len(p.relative_to(root / "envs").parts) > 1 and "ENVIRONMENTS.register(" in p.read_text()}
+
+
+def domain_imports(graph: dict[str, set[str]], domains: set[str]) -> list[str]:
+    """Imports of a domain package (any module in it) by a module outside megatron_rl.envs and tools (generic
+    layers: a domain's knowledge stays in its package, reached through envs' registries)."""
+    return [f"{m} -> {d}" for m in sorted(graph) if not m.startswith(("megatron_rl.envs", "megatron_rl.tools"))
+            for d in sorted(graph[m]) if any(d == p or d.startswith(p + ".") for p in domains)]
+
+
+def test_the_domain_packages_are_found():
+    assert {"megatron_rl.envs.countdown", "megatron_rl.envs.code", "megatron_rl.envs.harbor"} <= domain_packages()
+
+
+def test_generic_layers_import_no_domain():
+    bad = domain_imports(project_graph(), domain_packages())
+    assert not bad, ("generic code imports a domain package (give the domain a hook in envs -- a registry, the "
+                     "Environment interface, envs.task_source -- and call that):\n  " + "\n  ".join(bad))
+
+
+def test_a_domain_import_by_generic_code_is_found():
+    graph = import_graph({"megatron_rl/run_config.py": "from megatron_rl.envs.countdown.curriculum import C\n",
+                          "envs/countdown/curriculum.py": "", "envs/countdown/__init__.py": "",
+                          "envs/mixture.py": "from megatron_rl.envs.countdown import curriculum\n"})
+    assert domain_imports(graph, {"megatron_rl.envs.countdown"}) == [
+        "megatron_rl.run_config -> megatron_rl.envs.countdown.curriculum"]

@@ -37,17 +37,11 @@ readers. A published shard is never written again, so the lock protects nothing,
 file systems without flock (some Lustre/NFS mounts) and fails readers with EAGAIN when a child process forked
 by another thread (a sandbox spawn) briefly holds the writer's descriptor (seen in CI on the async loop).
 
-One idea a module: schema (names, limits, errors), trajectory, columns, writer, reader, directory.
+One idea a module: schema (names, limits, errors), trajectory, columns, writer, reader. Worker shards are consumed
+(quarantine, dedup) by `data.consume.read_folder` through the run's trajectory store (`data.store`).
 """
 from megatron_rl.data.shards.columns import (  # noqa: F401
     TrajectoryColumns,
-)
-from megatron_rl.data.shards.directory import (  # noqa: F401
-    CONSUMER_LOCK,
-    ShardBatch,
-    ShardDirectory,
-    ShardDirectoryConfig,
-    ShardStats,
 )
 from megatron_rl.data.shards.reader import (  # noqa: F401
     ShardReader,
@@ -95,4 +89,4 @@ from megatron_rl.data.shards.writer import (  # noqa: F401
 __all__ = (
     "SCHEMA", "SCHEMA_VERSION", "STATUSES", "COMPRESSIONS", "Trajectory", "TrajectoryColumns", "TrajectoryError",
     "ShardError", "ShardSchemaError", "ShardWriter", "ShardWriterConfig", "write_shard", "ShardReader",
-    "read_shard", "read_arrays", "ShardDirectory", "ShardDirectoryConfig", "ShardStats", "ShardBatch")
+    "read_shard", "read_arrays")
