@@ -18,17 +18,20 @@ from megatron_rl.compat import cpu, sync_save
 @pytest.fixture()
 def one_rank(tmp_path):
     """A one-rank gloo world in this process (with compat.cpu's torch.cuda stubs on a CPU machine: the save calls
-    torch.cuda.synchronize), torn down after the test."""
+    torch.cuda.synchronize), torn down after the test; one an earlier test of this process left is reused."""
     stubs = cpu.PATCHES["cuda_runtime_stubs"]
     had = stubs.applied or torch.cuda.is_available()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    assert dist.get_world_size() == 1, "this test needs a one-rank world"
     if not had:
         stubs.apply()
     yield
     if not had:
         stubs.revert()
-    dist.destroy_process_group()
+    if started:
+        dist.destroy_process_group()
 
 
 def _state(value: torch.Tensor) -> dict:
