@@ -37,13 +37,13 @@ def _plot(ax, rows: list[dict], keys: list[str], title: str) -> None:
         ax.legend(fontsize=7)
 
 
+def _has_data(rows: list[dict], keys: list[str]) -> bool:
+    return any(isinstance(r.get(k), (int, float)) for r in rows for k in keys)
+
+
 def make_report(run_dir: str | Path) -> list[Path]:
-    """Write <run>/plots/{rewards,lengths,time}.png; returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write <run>/plots/{rewards,lengths,time}.png, each figure only when one of its panels has data (a warm-up-only
+    run has no RL or eval rows: nothing to draw, and matplotlib is not even imported); returns the paths written."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     rl, ev = [r for r in rows if r["kind"] == "rl"], [r for r in rows if r["kind"] == "eval"]
@@ -58,6 +58,13 @@ def make_report(run_dir: str | Path) -> list[Path]:
                          "seconds per step"), (rl, ["trainer_idle_frac", "policy_lag_mean"], "idle / lag")]}
     paths = []
     for name, panels in figures.items():
+        if not any(_has_data(data, keys) for data, keys, _ in panels):
+            continue
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
         for ax, (data, keys, title) in zip(axes, panels):
             _plot(ax, data, keys, title)

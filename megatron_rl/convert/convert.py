@@ -81,12 +81,21 @@ def write_meta(tmp: Path, arch, hf_cfg: dict, side_src: Path | None) -> None:
         copy_side_files(side_src, tmp / SIDE_DIR)
 
 
+def save_sharded(state: dict, path: Path) -> None:
+    """`dist_checkpointing.save` of a sharded state dict into folder `path`, without a spawned manager process
+    (`megatron_rl.compat.sync_save`)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.compat import sync_save
+
+    sync_save.install()
+    dist_checkpointing.save(state, str(path))
+
+
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
                 verify: bool = False, tol: float | None = None, stages: dict | None = None) -> dict:
     """HF folder -> dist_checkpointing checkpoint written at tp x pp x ep (`stages`: an uneven split of the layers
     over the pp ranks, runtime.start); the checkpoint's keys are global, so any layout loads it."""
-    from megatron.core import dist_checkpointing
-
     reader = HFReader(hf_dir)
     arch = for_hf_config(reader.config)
     cfg, extra = arch.model_config(reader.config, dtype)
@@ -102,7 +111,7 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, dt
     report["dtype_casts"] = fill_model(model, reader, arch, rules, runtime.is_rank0(ctx.world))
     reader.close()
     with runtime.atomic_dir(out, ctx.world) as tmp:
-        dist_checkpointing.save(releasing_state_dict(model), str(tmp))
+        save_sharded(releasing_state_dict(model), tmp)
         del model
         if runtime.is_rank0(ctx.world):
             write_meta(tmp, arch, reader.config, Path(hf_dir))
@@ -240,8 +249,6 @@ def _layout(tp: int, pp: int, ep: int, stages: dict | None) -> dict:
 
 def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_config: str | None = None,
             verify: bool = False, tol: float | None = None, stages: dict | None = None) -> dict:
-    from megatron.core import dist_checkpointing
-
     ckpt_p = Path(ckpt)
     hf, side = resolve_hf_config(ckpt_p, hf_config)
     arch = for_hf_config(hf)
@@ -253,7 +260,7 @@ def reshard(ckpt: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, hf_confi
     layout.load_model(model, ckpt_p)
     report = {"arch": arch.name, "layout": _layout(tp, pp, ep, stages), "world_size": ctx.world_size}
     with runtime.atomic_dir(out, ctx.world) as tmp:
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        save_sharded(model.sharded_state_dict(), tmp)
         if runtime.is_rank0(ctx.world):
             write_meta(tmp, arch, hf, None)
             copy_side_files(side, tmp / SIDE_DIR) if side else None

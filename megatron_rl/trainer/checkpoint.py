@@ -6,8 +6,8 @@ reference model when there is one, the PPO critic when there is one (its model, 
 under `critic.`, its scheduler and step in the common part), and in the common part the LR scheduler, the
 step counter and rank 0's torch RNG state. A LoRA policy (`policy.lora`) saves its adapters only (model and
 optimizer): the frozen base, and the KL reference (the base itself), are rebuilt from model.init on resume.
-Callers that save must run under `if __name__ == "__main__":`
-(the save starts a multiprocessing manager and hangs without the guard).
+The save runs with `megatron_rl.compat.sync_save` installed: no spawned multiprocessing manager (which re-imported
+the caller's main module and needed an `if __name__ == "__main__":` guard).
 
 Without TE/Apex the torch Adam path of Megatron's optimizers loads one `step` tensor SHARED by every
 parameter, so each optimizer step then increments it once per parameter and the bias correction goes wrong
@@ -62,6 +62,9 @@ def save_checkpoint(policy, path: str | Path, reference=None, extra: dict | None
     policy's world (`policy.ctx.world`), whose first rank creates the folder."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.compat import sync_save
+
+    sync_save.install()
     path = Path(path)
     world = policy.ctx.world
     if torch.distributed.get_rank(world) == 0:

@@ -64,6 +64,17 @@ def test_report_draws_pngs(tmp_path):
     assert report_main([str(tmp_path / "missing")]) == 2
 
 
+def test_report_of_a_warmup_only_run_draws_no_empty_figure(tmp_path):
+    """A warm-up-only run (rl.steps=0) has no RL or eval rows: no figure of empty panels (matplotlib's import and
+    three drawings were ~2.5 CPU-s of every such launch)."""
+    from megatron_rl.commands.report import make_report
+
+    m = _monitor(tmp_path)
+    for s in range(3):
+        m.log("sft", s, {"loss": 2.0 - s})
+    assert make_report(tmp_path) == [] and list((tmp_path / "plots").iterdir()) == []
+
+
 def test_prometheus_endpoint_serves_latest_metrics_and_alerts(tmp_path):
     import urllib.error
     import urllib.request
