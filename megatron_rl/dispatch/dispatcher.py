@@ -215,9 +215,9 @@ class Dispatcher:
         stragglers = self._wait(self.jobs)
         failed, episodes_failed = 0, 0
         for job in self.jobs:
-            if self.config.executor == "local":
+            if self.config.executor == "local" or str(job.state).startswith("CANCELLED"):
                 # submitit waits up to 15 s for a missing result file in case a shared filesystem lags; the local
-                # executor writes to this machine's disk and the job has ended, so a missing file is final
+                # executor writes to this machine's disk and a cancelled task writes none, so a missing file is final
                 job._results_timeout_s = 0
             try:
                 result = job.result()
