@@ -199,6 +199,10 @@ class Dispatcher:
         stragglers = self._wait(self.jobs)
         failed, episodes_failed = 0, 0
         for job in self.jobs:
+            if self.config.executor == "local" or str(job.state).startswith("CANCELLED"):
+                # submitit waits up to 15 s for a missing result file in case a shared filesystem lags; the local
+                # executor writes to this machine's disk and a cancelled task writes none, so a missing file is final
+                job._results_timeout_s = 0
             try:
                 result = job.result()
             except Exception as e:  # a failed, killed or cancelled task: its unfinished episodes are retried

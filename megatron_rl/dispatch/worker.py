@@ -200,6 +200,28 @@ def run_episode_batch(spec: WorkerSpec, rank: int = 0, episodes: Iterator[Episod
 
 
 # ------------------------------------------------------------------------------------ submitit entry point
+def _end_with_local_controller() -> None:
+    """A task of submitit's local executor ends with its controller (Linux: PR_SET_PDEATHSIG). submitit cancels
+    a local job (a straggler) with SIGINT to the controller, which then kills the tasks it started; a SIGINT that
+    lands while the controller is still starting its task (inside Popen, seconds on a loaded machine) leaves that
+    task running on its own, and it published episodes that the dispatcher's next round had run again. A task
+    whose controller is gone already (its parent is no submitit controller) exits at once."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        parent = b""
+    if b"submitit.local._local" not in parent:
+        log.warning("rollout task: its submitit controller is gone (cancelled while starting it); exiting")
+        logging.shutdown()
+        os._exit(1)
+
+
 class EpisodeBatchTask:
     """The callable the dispatcher submits (one per array task). Checkpointable: on Slurm's time-limit or
     preemption signal it publishes what is finished and requeues itself with only the remaining episodes."""
@@ -211,6 +233,7 @@ class EpisodeBatchTask:
 
     def __call__(self, spec: WorkerSpec) -> BatchResult:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _end_with_local_controller()
         self._spec = spec
         log.info("rollout task: %d episodes, round %d, shards -> %s", len(spec.episodes), spec.round, spec.shard_dir)
 

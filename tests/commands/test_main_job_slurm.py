@@ -13,7 +13,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.multiproc]
 
 
 def test_rl_steps_with_episodes_on_the_cpu_partition(slurm_cluster, tmp_path):
-    cmd = [EXE, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", *SHORT, *DISPATCH, "rl.steps=2",
+    # No warm-up (train.steps=0: RL from the model's initialisation) and no dynamic sampling (one dispatch, one job
+    # array, of the step's 16 episodes; with it, the replacements of equal-reward groups went out in 5-8 more
+    # arrays a step): nothing here asserts a learnt policy or the replacements. The launch from a warm-up into RL
+    # is test_main_job_async_with_a_separate_rollout_server's; dispatched replacements, test_main_job_multiproc's
+    # test_main_job_dispatched_episodes_and_recovery_from_published_shards.
+    cmd = [EXE, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", *SHORT, "train.steps=0",
+           "rl.dynamic_sampling=false", *DISPATCH, "rl.steps=2",
            "episodes.dispatch.executor=slurm", f"episodes.dispatch.partition={slurm_cluster.cpu_partition}",
            "episodes.dispatch.mem_gb=0.5", "episodes.dispatch.time_min=5"]
     proc = subprocess.run(cmd, cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=900)

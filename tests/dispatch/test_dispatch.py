@@ -189,8 +189,10 @@ def test_kill_9_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     t = threading.Thread(target=lambda: out.update(report=d.run(eps)))
     t.start()
     shards = tmp_path / "shards"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(list(shards.glob("*.h5"))) < 2:
+    # a shard of the first task itself (under load the other task's shards came first, and the kill landed before
+    # the first had published anything: round 1 re-ran all its 12 episodes)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (d.jobs and list(shards.glob(f"*-j{d.jobs[0].job_id}-*.h5"))):
         time.sleep(0.1)
     controller = int(d.jobs[0].job_id)                      # the local job id is its controller's pid
     victims = _children(controller)
@@ -206,6 +208,17 @@ def test_kill_9_of_a_worker_loses_and_duplicates_nothing(tmp_path):
     assert reader.duplicates == 0
 
 
+class DeadlineInRoundZero(Dispatcher):
+    """The straggler deadline in round 0 only. A local task counts as running from its controller's start, so
+    its start-up (two Python processes, the worker's imports) counts against the deadline: on a loaded machine
+    (load ~30 on 2 cores) the start-up alone took more than 7 s, and the redispatched tasks of rounds 1 and 2
+    were cancelled as stragglers too, before publishing anything."""
+
+    def _round(self, executor, rnd, *args):
+        self.config.straggler_deadline_s = 7.0 if rnd == 0 else 0.0
+        return super()._round(executor, rnd, *args)
+
+
 @pytest.mark.slow
 def test_straggler_is_cancelled_and_redispatched(tmp_path):
     # 6 episodes x 4 s a task in round 0: far past the 7 s deadline even when the dispatcher first sees a task
@@ -215,12 +228,64 @@ def test_straggler_is_cancelled_and_redispatched(tmp_path):
     worker.episodes_per_shard = 1
     cfg = DispatchConfig(executor="local", folder=str(tmp_path / "sub"), episodes_per_task=6,
                          straggler_deadline_s=7.0, poll_s=0.2)
-    report = Dispatcher(cfg, worker, tmp_path / "shards").run(eps)
+    report = DeadlineInRoundZero(cfg, worker, tmp_path / "shards").run(eps)
     assert report.ok and report.duplicates == 0
     assert report.rounds[0]["stragglers_cancelled"] == 2 and report.rounds[0]["left"] > 0
     assert all(f["straggler"] for f in report.failures)
     ids, _ = consume_all(tmp_path / "shards")
     assert sorted(ids) == sorted(e.episode_id for e in eps)
+
+
+TASK = ("import sys; from megatron_rl.dispatch.spec import WorkerSpec; "
+        "from megatron_rl.dispatch.worker import EpisodeBatchTask; EpisodeBatchTask()(WorkerSpec.load(sys.argv[1]))")
+# a stand-in for submitit's local controller (its command line names submitit.local._local): starts the task
+CONTROLLER = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+              "print(p.pid, flush=True); p.wait()")
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_local_task_ends_with_its_controller(tmp_path, monkeypatch):
+    """submitit cancels a local job (a straggler) with SIGINT to its controller; one that landed while the
+    controller was starting its task left the task running on its own, and it published episodes that the next
+    round ran again (duplicates, seen under load). The task ends with its controller: at once when its parent is
+    no controller, by the kernel (PR_SET_PDEATHSIG) when the controller dies later."""
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
+                                                                   os.environ.get("PYTHONPATH")])))
+    worker = trivial_worker(delay_s=1.0)
+    worker.episodes_per_shard = 1
+    spec = WorkerSpec(episodes=episodes(6), shard_dir=str(tmp_path / "shards"), worker=worker).dump(
+        tmp_path / "spec.json")
+    orphan = subprocess.run([sys.executable, "-c", TASK, str(spec)], capture_output=True, text=True, timeout=120)
+    assert orphan.returncode == 1 and "controller is gone" in orphan.stderr, orphan.stderr[-2000:]
+    assert not list((tmp_path / "shards").glob("*.h5"))
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, TASK, str(spec), "submitit.local._local"],
+                                  stdout=subprocess.PIPE, text=True)
+    task = int(controller.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list((tmp_path / "shards").glob("*.h5")):
+            time.sleep(0.1)
+        controller.kill()
+        controller.wait()
+        assert _gone(task, 10), "the task outlived its controller"
+        published = len(list((tmp_path / "shards").glob("*.h5")))
+        assert 1 <= published < 6
+    finally:
+        controller.kill()
+        if not _gone(task, 0):
+            os.kill(task, signal.SIGKILL)
 
 
 def test_late_duplicate_shard_is_dropped_by_the_reader(tmp_path):

@@ -195,30 +195,58 @@ def _rl_rows(run: Path) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+TL_STEPS = 80
+"""RL steps of the unbroken reference run and of the time-limit test's run: ~47 s of work after the first warm-up
+step on an idle machine (7 s of warm-up, 0.5 s per RL step), past the latest signal of the time-limit test (30 s
+after its limit is set)."""
+TRAIN_TL = (*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={TL_STEPS}", *NO_EXPORT)
+
+
+def train_job(cluster, tmp: Path, name: str, train: tuple[str, ...], limit: tuple[str, ...] = ()) -> str:
+    """Submit `megatron-rl train configs/demo_cpu.yaml` (one rank, the fake GPU) under train_multinode.sbatch."""
+    return sbatch(cluster, ["-o", str(tmp / f"{name}.out"), "--ntasks-per-node=1", "--gres=gpu:1", *limit,
+                            "slurm/train_multinode.sbatch", "configs/demo_cpu.yaml", f"output_dir={tmp / name}",
+                            *train], wait=False)
+
+
+@pytest.fixture(scope="module")
+def unbroken(slurm_cluster, tmp_path_factory):
+    """One unbroken job (TRAIN_TL: TL_STEPS RL steps), the reference of the USR1 and the time-limit tests (one
+    launch of the trainer fewer than a reference each): submitted at the first of them, it runs alongside their
+    jobs. The USR1 test's run has 4 RL steps on the same LR schedule (rl.optim.decay_steps=TL_STEPS) and compares
+    them with this run's first 4. Returns (job id, run folder); cancelled at the module's end if still running."""
+    tmp = tmp_path_factory.mktemp("ref")
+    job = train_job(slurm_cluster, tmp, "unbroken", TRAIN_TL)
+    yield job, tmp / "unbroken" / "demo"
+    slurm_cluster.run(["scancel", job], check=False)
+
+
 def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unbroken_run(slurm_cluster,
-                                                                                         tmp_path):
+                                                                                         unbroken, tmp_path):
     """slurm/train_multinode.sbatch runs `megatron-rl train configs/demo_cpu.yaml` (tiny overrides). USR1 to
     the batch shell (what --signal=B:USR1@... sends before the time limit) mid-RL: the trainer finishes its
     step, checkpoints, exits 3; the job requeues itself, resumes from that checkpoint and finishes. Its RL
-    metrics, step for step, equal an unbroken job's (same script, same settings, run alongside)."""
-    jobs = {}
-    for name in ("unbroken", "broken"):
-        jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
-                                            "--gres=gpu:1", "slurm/train_multinode.sbatch", "configs/demo_cpu.yaml",
-                                            f"output_dir={tmp_path / name}", *TRAIN, *NO_EXPORT], wait=False)
-    broken = tmp_path / "broken" / "demo"
+    metrics, step for step, equal an unbroken job's (same script and settings but the number of RL steps, on
+    the same LR schedule; the `unbroken` fixture's job, run alongside)."""
+    job = train_job(slurm_cluster, tmp_path, "broken", (*TRAIN, f"rl.optim.decay_steps={TL_STEPS}", *NO_EXPORT))
+    broken, (ref_job, ref) = tmp_path / "broken" / "demo", unbroken
     wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
-    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", jobs["broken"]])
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"])  # noqa: E731
-    wait_for(lambda: all(done(j) for j in jobs.values()), 600, "both jobs to finish", every=1)
+    wait_for(lambda: done(job), 600, "the job to finish", every=1)
+    # the reference's step 3 is final once step 4 is logged
+    wait_for(lambda: any(r["step"] >= 4 for r in _rl_rows(ref)) or done(ref_job), 600, "the reference's RL step 4",
+             every=1)
     text = (tmp_path / "broken.out").read_text()
-    assert all(sacct(slurm_cluster, j) == ["COMPLETED"] for j in jobs.values()), text[-4000:]
+    assert sacct(slurm_cluster, job) == ["COMPLETED"], text[-4000:]
+    assert sacct(slurm_cluster, ref_job) in (["RUNNING"], ["COMPLETED"]), \
+        (ref.parent.parent / "unbroken.out").read_text()[-4000:]
     assert "USR1: checkpoint requested (restart 0)" in text and "scontrol requeue" in text, text[-4000:]
     assert "restart 1 on" in text and "resuming from" in text, text[-4000:]
     rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
     resume = [r for r in rows if r["kind"] == "resume"]
     assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < 4, resume  # stopped mid-run
-    a, b = _rl_rows(tmp_path / "unbroken" / "demo"), _rl_rows(broken)
+    a, b = _rl_rows(ref)[:4], _rl_rows(broken)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
     assert sum(not r["update_skipped"] for r in a) >= 2, "the comparison must cover real optimizer updates"
     for ra, rb in zip(a, b):
@@ -261,7 +289,7 @@ def _rows_now(run: Path, kind: str) -> list[dict]:
 
 
 def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the_unbroken_run(slurm_cluster,
-                                                                                            tmp_path):
+                                                                                            unbroken, tmp_path):
     """No scancel: the real `megatron-rl train` under slurm/train_multinode.sbatch with a time limit and
     --signal=B:USR1@170, so slurmctld's own timer sends USR1 (it checks every 30 s and signals when the
     limit is at most 170 + 30 s away). The limit is set once the trainer logs its first warm-up step (its
@@ -271,16 +299,10 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
     is in (warm-up or RL) on the signal and the job requeues itself until the run is done; its warm-up and
     RL metrics, step for step, equal an unbroken job's (same script and settings, run alongside). Once the
     first signal is logged the test raises the limit to 15 minutes, so the resumed run is not signalled."""
-    # 80 RL steps: ~47 s of work after the first warm-up step on an idle machine (7 s of warm-up, 0.5 s per
-    # RL step), past the latest signal (30 s after the limit is set)
-    jobs, steps = {}, 80
-    train = [*(o for o in TRAIN if not o.startswith("rl.steps")), f"rl.steps={steps}", *NO_EXPORT]
+    jobs, steps = {"unbroken": unbroken[0]}, TL_STEPS  # the reference: the `unbroken` fixture's job
     submitted = time.monotonic()
-    for name, limit in (("unbroken", []), ("limited", ["--time=00:15:00", f"--signal=B:USR1@{WARN_S}"])):
-        jobs[name] = sbatch(slurm_cluster, ["-o", str(tmp_path / f"{name}.out"), "--ntasks-per-node=1",
-                                            "--gres=gpu:1", *limit, "slurm/train_multinode.sbatch",
-                                            "configs/demo_cpu.yaml", f"output_dir={tmp_path / name}", *train],
-                            wait=False)
+    jobs["limited"] = train_job(slurm_cluster, tmp_path, "limited", TRAIN_TL,
+                                limit=("--time=00:15:00", f"--signal=B:USR1@{WARN_S}"))
     limited = tmp_path / "limited" / "demo"
     wait_for(lambda: _rows_now(limited, "sft"), 600, "the limited job's first warm-up step", every=0.5)
     slurm_cluster.run(["scontrol", "update", f"JobId={jobs['limited']}",
@@ -306,7 +328,7 @@ def test_slurms_own_time_limit_requeues_the_real_trainer_until_done_equal_to_the
         assert nxt and nxt[1] == m[1], (m[0], nxt and nxt[0])
     resumes = _rows(limited, "resume")
     assert resumes and {r["phase"] for r in resumes} <= {"warmup", "rl"}, resumes
-    unbroken = tmp_path / "unbroken" / "demo"
+    unbroken = unbroken[1]
     sft_a, sft_b = _rows(unbroken, "sft"), _rows(limited, "sft")
     assert [r["step"] for r in sft_a] == [r["step"] for r in sft_b] == list(range(30))
     for ra, rb in zip(sft_a, sft_b):
