@@ -102,3 +102,12 @@ def sandbox():
     yield sb
     sb.close()
 
+
+
+@pytest.fixture(scope="session")
+def demo_warm(tmp_path_factory):
+    """The shortened warm-up of `megatron-rl train configs/demo_cpu.yaml` (tests/demo_warmup.py), built once per
+    test session, also across pytest-xdist workers: (its run folder, the launch's output). Read or copy it."""
+    from tests.demo_warmup import demo_warmup
+
+    return demo_warmup(tmp_path_factory)

@@ -13,15 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.demo_warmup import SHORT
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
-# a 30-step warm-up has not learnt the <answer> format yet: the format bonus (0 in the demo) gives its rollouts
-# reward variance, so the short RL phases really update the policy; one PPO epoch, so the reported KL is the
-# engine-vs-trainer mismatch of the behaviour log-probs; no end-of-run HF export (no test here reads it; the
-# export after `megatron-rl train` is tested in test_post_train_multiproc.py and test_critic_multiproc.py)
-SHORT = ("train.steps=30", "train.eval_every=15", "data.train_tasks=64", "data.heldout_tasks=8", "eval.k=2",
-         "eval.every=0", "rl.prompts_per_step=4", "rl.group_size=4", "monitor.tensorboard=false",
-         "rl.reward_weights.format=0.1", "rl.trainer.epochs=1", "rl.max_oversample=2.0", "export.enabled=false")
 
 
 def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -30,16 +25,13 @@ def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> tuple[Path, str]:
-    """One shortened warm-up (data verified in the sandbox, 30 supervised steps, its checkpoint at the end) shared by
-    the RL tests here: each copies the run folder and its `train` resumes there, at the end of the warm-up, into
-    the RL phase. (The fresh start that goes from the warm-up to RL in one launch is
+def warm(demo_warm) -> tuple[Path, str]:
+    """The session's shared warm-up (tests/demo_warmup.py: data verified in the sandbox, 30 supervised steps, its
+    checkpoint at the end): each RL test here copies the run folder and its `train` resumes there, at the end of
+    the warm-up, into the RL phase. (The fresh start that goes from the warm-up to RL in one launch is
     test_main_job_async_with_a_separate_rollout_server's; resuming the warm-up mid-way, test_restart_multiproc.py.)
     Returns (the run folder, the launch's output)."""
-    out = tmp_path_factory.mktemp("warm")
-    proc = _train(f"output_dir={out}", *SHORT, "rl.steps=0")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out / "demo", proc.stdout
+    return demo_warm
 
 
 def _from_warm(warm: tuple[Path, str], out: Path) -> Path:
@@ -55,17 +47,12 @@ def _rows(run: Path, kind: str) -> list[dict]:
     return [r for r in rows if r["kind"] == kind]
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_main_job_sync(tmp_path, warm):
-    proc = _train(f"output_dir={_from_warm(warm, tmp_path)}", *SHORT, "rl.steps=3")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "resuming the warm-up from" in proc.stdout  # the shared warm-up, at its end: straight to RL
-    run = tmp_path / "demo"
+def _check_sync_run(run: Path, warm_out: str, out: Path) -> None:
+    """The README's main job, synchronous, resumed from the shared warm-up: 3 RL steps and what they leave."""
     sft, rl, ev = _rows(run, "sft"), _rows(run, "rl"), _rows(run, "eval")
     assert [r["step"] for r in sft] == list(range(30)) and sft[-1]["loss"] < sft[0]["loss"] - 1.0
     assert [r["step"] for r in rl] == [0, 1, 2] and [r["step"] for r in ev] == [0, 3]
-    assert "verified in the 'bwrap' sandbox: 72/72 correct, corrupted answers rejected: 72/72" in warm[1]
+    assert "verified in the 'bwrap' sandbox: 72/72 correct, corrupted answers rejected: 72/72" in warm_out
     for r in rl:
         assert r["policy_lag_max"] == 0 and r["mixed_version_samples"] == 0  # synchronous
         assert r["countdown/count"] >= 16 and r["sandbox_error_rate"] == 0.0
@@ -80,10 +67,10 @@ def test_main_job_sync(tmp_path, warm):
     assert all(t.policy_version_first == 1 and (t.token_versions[t.prompt_len:] == 1).all() for t in shard)
     assert len({t.episode_id for t in shard}) == len(shard)
     # `megatron-rl eval` on the final checkpoint measures what the loop's last in-loop evaluation measured
-    ev_proc = subprocess.run([EXE, "eval", str(run / "config.yaml"), "--out", str(tmp_path / "eval.json")], cwd=REPO,
+    ev_proc = subprocess.run([EXE, "eval", str(run / "config.yaml"), "--out", str(out / "eval.json")], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
     assert ev_proc.returncode == 0, ev_proc.stdout[-3000:] + ev_proc.stderr[-5000:]
-    got = json.loads((tmp_path / "eval.json").read_text())
+    got = json.loads((out / "eval.json").read_text())
     assert got["trainer_step"] == 3 and got["checkpoint"].endswith("step-000003")
     assert {k: got["domains"]["countdown"][k] for k in ("success_greedy", "pass@1", "pass@2", "tasks")} == \
         {k: ev[-1][k] for k in ("success_greedy", "pass@1", "pass@2", "tasks")}
@@ -124,22 +111,26 @@ def _run_until(tmp_path: Path, overrides: tuple, stop_after_step: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path, warm):
-    """With a KL penalty against the frozen reference (the warm-up's result): the checkpoint carries the reference,
-    so the resumed run's KL term, losses and metrics equal the unbroken run's (the reference used to be rebuilt
-    from the fresh initialisation on resume)."""
-    overrides = (*SHORT, "rl.steps=4", "rl.checkpoint_every=0", "rl.trainer.loss.kl_coef=0.05",
+def test_main_job_sync_and_sigterm_and_resume_reproduce_the_unbroken_run(tmp_path, warm):
+    """The synchronous main job (3 RL steps from the shared warm-up; `_check_sync_run`), with a KL penalty against
+    the frozen reference (the warm-up's result), is also the unbroken run that a SIGTERM'd and resumed run must
+    reproduce: the checkpoint carries the reference, so the resumed run's KL term, losses and metrics equal the
+    unbroken run's (the reference used to be rebuilt from the fresh initialisation on resume)."""
+    overrides = (*SHORT, "rl.steps=3", "rl.checkpoint_every=0", "rl.trainer.loss.kl_coef=0.05",
                  "rl.trainer.reference=true")
     unbroken = _train(f"output_dir={_from_warm(warm, tmp_path / 'a')}", *overrides)
-    assert unbroken.returncode == 0, unbroken.stderr[-5000:]
-    assert _run_until(_from_warm(warm, tmp_path / "b"), overrides, stop_after_step=1) == 3
+    assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-5000:]
+    assert "resuming the warm-up from" in unbroken.stdout  # the shared warm-up, at its end: straight to RL
+    _check_sync_run(tmp_path / "a" / "demo", warm[1], tmp_path)
+    # SIGTERM once step 0 is logged: the stop lands after step 0 or 1, before the last step (2)
+    assert _run_until(_from_warm(warm, tmp_path / "b"), overrides, stop_after_step=0) == 3
     stopped = _rows(tmp_path / "b" / "demo", "rl")
-    assert len(stopped) < 4 and (tmp_path / "b" / "demo" / "checkpoints" / "latest").exists()
+    assert len(stopped) < 3 and (tmp_path / "b" / "demo" / "checkpoints" / "latest").exists()
     resumed = _train(f"output_dir={tmp_path / 'b'}", *overrides)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "resuming from" in resumed.stdout
     a, b = _rows(tmp_path / "a" / "demo", "rl"), _rows(tmp_path / "b" / "demo", "rl")
-    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["step"] for r in b] == [0, 1, 2]
     assert not any(r["update_skipped"] for r in a), "the comparison must cover real optimizer updates"
     assert all(r["ref_kl"] > 0 for r in a[1:]), [r["ref_kl"] for r in a]  # the KL term is live after step 0
     keys = ("loss", "reward_mean", "grad_norm", "entropy_mean", "trained_samples", "response_len_mean", "ref_kl",
@@ -161,39 +152,49 @@ def test_checkpoint_before_the_first_update_saves_and_resumes_exactly(tmp_path):
     assert rec["refused"] and "holds no KL reference model" in rec["refused"] and "step0" in rec["refused"], rec
 
 
-@pytest.mark.slow
-def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path):
-    proc = subprocess.run([EXE, "eval", "configs/demo_cpu.yaml", f"output_dir={tmp_path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert f"no checkpoint in {tmp_path / 'demo' / 'checkpoints'}; train first or pass --checkpoint DIR" in proc.stderr
+def _cli(capsys, monkeypatch, *argv: str) -> tuple[int, str]:
+    """`megatron-rl ARGV` in this process (the console script's `main`): these commands fail before any work, so a
+    process of their own would only add its start-up (torch and the registry imports, ~3 CPU-s each)."""
+    from megatron_rl.cli import main
+
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_unknown_environment_fails_before_any_work(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", "data.domain=chess", "curriculum.enabled=false", timeout=60)
-    assert proc.returncode == 2
-    assert "data.domain 'chess' is not a registered environment" in proc.stderr
+@pytest.mark.slow  # imports the eval command's modules (megatron.core)
+def test_eval_without_a_checkpoint_says_how_to_get_one(tmp_path, capsys, monkeypatch):
+    rc, err = _cli(capsys, monkeypatch, "eval", "configs/demo_cpu.yaml", f"output_dir={tmp_path}")
+    assert rc == 2
+    assert f"no checkpoint in {tmp_path / 'demo' / 'checkpoints'}; train first or pass --checkpoint DIR" in err
+
+
+@pytest.mark.slow  # imports every registered environment (reasoning_gym's ~100) to name them
+def test_unknown_environment_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    rc, err = _cli(capsys, monkeypatch, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", "data.domain=chess",
+                   "curriculum.enabled=false")
+    assert rc == 2
+    assert "data.domain 'chess' is not a registered environment" in err
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.slow
-def test_impossible_layout_fails_before_any_work(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", "parallel.tp=3", timeout=60)
-    assert proc.returncode == 2
-    assert "model.num_attention_heads=4 is not divisible by parallel.tp=3" in proc.stderr
+def test_impossible_layout_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    rc, err = _cli(capsys, monkeypatch, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", "parallel.tp=3")
+    assert rc == 2
+    assert "model.num_attention_heads=4 is not divisible by parallel.tp=3" in err
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.slow
-def test_rl_generation_too_long_for_the_model_fails(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", "rl.max_new_tokens=60", timeout=60)
-    assert proc.returncode == 2 and "rl.max_new_tokens=60 leaves no room for a prompt" in proc.stderr
+def test_rl_generation_too_long_for_the_model_fails(tmp_path, capsys, monkeypatch):
+    rc, err = _cli(capsys, monkeypatch, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}",
+                   "rl.max_new_tokens=60")
+    assert rc == 2 and "rl.max_new_tokens=60 leaves no room for a prompt" in err
 
 
-def test_unknown_key_names_it(tmp_path):
-    proc = _train(f"output_dir={tmp_path}", "train.stepz=3", timeout=60)
-    assert proc.returncode == 2 and "unknown config key 'train.stepz' (did you mean 'steps'?)" in proc.stderr
+def test_unknown_key_names_it(tmp_path, capsys, monkeypatch):
+    rc, err = _cli(capsys, monkeypatch, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path}", "train.stepz=3")
+    assert rc == 2 and "unknown config key 'train.stepz' (did you mean 'steps'?)" in err
 
 
 DISPATCH = ("episodes.runner=dispatch", "episodes.dispatch.episodes_per_task=8", "episodes.worker_threads=2")

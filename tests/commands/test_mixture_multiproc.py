@@ -1,8 +1,9 @@
-"""`megatron-rl train configs/mixture_cpu.yaml rl.steps=2` with a tiny HF model built here: five domains (one of
+"""`megatron-rl train configs/mixture_cpu.yaml rl.steps=3` with a tiny HF model built here: five domains (one of
 them multi-turn tool use) in the RL loop with the online curriculum across domains (envs.curriculum), per-domain
 metrics in every rl row (with each domain's sampling weight and no-gradient fraction) and a summary line on the
 console, per-domain eval by each environment's own success definition, a per-domain before/after table in
-summary.json and a heat map, and multi-turn trajectories with observation tokens masked out."""
+summary.json and a heat map, multi-turn trajectories with observation tokens masked out, and an exact resume
+after SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from tests.hf_tiny import tiny_llama, tiny_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
 DOMAINS = ("arithmetic", "countdown", "math", "code", "tool_use")
-SHORT = ("rl.steps=2", "rl.max_new_tokens=24", "model.max_seq_length=2560", "rl.trainer.packing.max_tokens=2560",
+SHORT = ("rl.max_new_tokens=24", "model.max_seq_length=2560", "rl.trainer.packing.max_tokens=2560",
          "eval.tasks=2", "eval.k=2", "engine.num_blocks=2048", "engine.max_tokens_per_step=4096",
          "monitor.tensorboard=false", "rl.dynamic_sampling=false", "rl.prompts_per_step=6", "export.enabled=false")
 
@@ -33,19 +34,19 @@ def tiny_hf(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
+def _rl_rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if r["kind"] == "rl"]
+
+
+def _check_mixture_run(run: Path, stdout: str) -> None:
+    """What a mixture run of every domain leaves: per-domain rows, curriculum weights, console summary, the
+    before/after table, the heat map, per-domain eval and multi-turn trajectories with masked observations."""
     from megatron_rl.data.shards import read_shard
 
-    proc = subprocess.run([EXE, "train", "configs/mixture_cpu.yaml", f"output_dir={tmp_path}",
-                           f"model.init=hf:{tiny_hf}", "envs.curriculum.enabled=true", *SHORT], cwd=REPO,
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    run = tmp_path / "mixture_cpu"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["kind"] == "rl"]
-    assert len(rl) == 2
+    assert len(rl) == 3
     for r in rl:  # every domain of the mixture in every row (count 0 when a step drew none of its tasks)
         for d in DOMAINS:
             assert f"{d}/count" in r and f"{d}/reward_mean" in r and f"{d}/turns_mean" in r, (d, sorted(r))
@@ -59,7 +60,7 @@ def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
         assert r["domains/no_gradient_count"] == len(r["domains/no_gradient"])
     if any(rl[0].get(f"{d}/no_gradient_frac", 0.0) > 0 for d in DOMAINS):  # a flat group: the weights move
         assert [rl[0][f"{d}/weight"] for d in DOMAINS] != pytest.approx([2 / 6, 1 / 6, 1 / 6, 1 / 6, 1 / 6])
-    assert "[megatron-rl] domains rl step 1:" in proc.stdout and "no gradient (" in proc.stdout
+    assert "[megatron-rl] domains rl step 1:" in stdout and "no gradient (" in stdout
     table = json.loads((run / "summary.json").read_text())["domain_table"]
     assert [row["domain"] for row in table["domains"]] == sorted(DOMAINS)
     assert all(row["tasks"] == 2 for row in table["domains"])
@@ -75,36 +76,33 @@ def test_mixture_config_trains_every_domain(tmp_path, tiny_hf):
     assert {t.env for t in trajs} <= set(DOMAINS)
 
 
-def _rl_rows(run: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r for r in rows if r["kind"] == "rl"]
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_curriculum_resumes_exactly_after_sigterm(tmp_path, tiny_hf):
-    """SIGTERM after RL step 1, rerun: every step's per-domain draws and curriculum weights equal the unbroken
-    run's (the curriculum's state is in the sampler's part of the driver checkpoint)."""
+def test_mixture_trains_every_domain_and_its_curriculum_resumes_exactly_after_sigterm(tmp_path, tiny_hf):
+    """The mixture config with the online curriculum trains every domain (`_check_mixture_run`); that run is also
+    the unbroken one of a run SIGTERM'd after RL step 0 and rerun: every step's per-domain draws and curriculum
+    weights equal the unbroken run's (the curriculum's state is in the sampler's part of the driver checkpoint)."""
     cmd = [EXE, "train", "configs/mixture_cpu.yaml", f"model.init=hf:{tiny_hf}", "envs.curriculum.enabled=true",
-           "envs.curriculum.decay=0.5", *SHORT, "rl.steps=4", "monitor.progress=false"]
+           "envs.curriculum.decay=0.5", *SHORT, "rl.steps=3", "monitor.progress=false"]
     unbroken = subprocess.run([*cmd, f"output_dir={tmp_path / 'a'}"], cwd=REPO, capture_output=True, text=True,
                               timeout=1500)
-    assert unbroken.returncode == 0, unbroken.stderr[-5000:]
+    assert unbroken.returncode == 0, unbroken.stdout[-3000:] + unbroken.stderr[-5000:]
+    _check_mixture_run(tmp_path / "a" / "mixture_cpu", unbroken.stdout)
     run = tmp_path / "b" / "mixture_cpu"
     proc = subprocess.Popen([*cmd, f"output_dir={tmp_path / 'b'}"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
-        if (run / "metrics.jsonl").exists() and any(r["step"] >= 1 for r in _rl_rows(run)):
+    while time.time() < deadline and proc.poll() is None:  # the stop lands after step 0 or 1, before the last (2)
+        if (run / "metrics.jsonl").exists() and any(r["step"] >= 0 for r in _rl_rows(run)):
             os.kill(proc.pid, signal.SIGTERM)
             break
         time.sleep(0.2)
-    assert proc.wait(timeout=600) == 3 and len(_rl_rows(run)) < 4
+    assert proc.wait(timeout=600) == 3 and len(_rl_rows(run)) < 3
     resumed = subprocess.run([*cmd, f"output_dir={tmp_path / 'b'}"], cwd=REPO, capture_output=True, text=True,
                              timeout=1500)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-5000:]
     a, b = _rl_rows(tmp_path / "a" / "mixture_cpu"), _rl_rows(run)
-    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["step"] for r in b] == [0, 1, 2]
     keys = [f"{d}/{m}" for d in DOMAINS for m in ("count", "weight", "no_gradient_frac", "reward_mean")]
     for ra, rb in zip(a, b):
         assert {k: ra.get(k) for k in keys} == {k: rb.get(k) for k in keys}, ra["step"]

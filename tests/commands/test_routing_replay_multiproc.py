@@ -67,31 +67,39 @@ def test_train_routing_replay_records_stores_and_lowers_the_mismatch(tmp_path):
         assert json.loads((folder / "config.json").read_text())["model_type"] == "mixtral"
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_tp2_sequence_parallel_trainer_routes_like_the_engine_and_replays():
+LAYOUTS = Path(__file__).parents[1] / "mp" / "routing_replay_layouts.py"
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, dict]:
+    """tests/mp/routing_replay_layouts.py's records of the two-rank layouts, one launch for all three."""
     from tests.mp.launch import torchrun
 
-    (r,) = torchrun(Path(__file__).parents[1] / "mp" / "routing_replay_tp.py", 2)
+    return {r["layout"]: r for r in torchrun(LAYOUTS, 2, ["--layouts", "tp2,pp2,cp2"], timeout=600)}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tp2_sequence_parallel_trainer_routes_like_the_engine_and_replays(two_ranks):
+    r = two_ranks["tp2"]
     # each TP rank routes its own half of every micro-batch: together every input token once, per MoE layer
-    assert r["compared"] == 2 * r["inputs"] and r["differ_own"] == 0
+    assert r["world"] == 2 and r["compared"] == 2 * r["inputs"] and r["differ_own"] == 0
     assert r["differ_cmp"] == r["corrupted"] > 0  # the corrupted rows are found where they are, on either rank
     assert r["differ_bad"] >= r["corrupted"] and abs(r["loss_bad"] - r["loss_own"]) > 1e-6
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_pipeline_and_context_parallel_trainers_replay_like_one_process():
+def test_pipeline_and_context_parallel_trainers_replay_like_one_process(two_ranks):
     """pp2: each stage replays its own layer's column; cp2: each rank its chunks of the sequence. Counts and
     losses equal the one-process run's (tests/mp/routing_replay_layouts.py)."""
     from tests.mp.launch import torchrun
 
-    script = Path(__file__).parents[1] / "mp" / "routing_replay_layouts.py"
-    (one,) = torchrun(script, 1, ["--layout", "one"])
+    (one,) = torchrun(LAYOUTS, 1, ["--layouts", "one"])
     assert one["compared"] == 2 * one["inputs"] and one["differ_own"] == 0 and one["differ_cmp"] == one["corrupted"] > 0
     assert abs(one["loss_bad"] - one["loss_own"]) > 1e-4  # the corrupted routes, replayed, change the loss
     for layout in ("pp2", "cp2"):
-        (r,) = torchrun(script, 2, ["--layout", layout])
+        r = two_ranks[layout]
         assert r["routes"] == one["routes"], layout  # the TP-only engine recorded the same experts
         # the trainer's own routing is the engine's, token for token, over both stages / both sequence halves
         assert (r["compared"], r["differ_own"]) == (one["compared"], 0), layout

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+# a SIGTERM lands before the first periodic checkpoint, a kill -9 between two; the unbroken run is the session's
+# shared warm-up (the `demo_warm` fixture), launched with the same overrides
+from tests.demo_warmup import EVERY, STEPS, WARMUP
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).parent / "megatron-rl")
-STEPS, EVERY = 40, 15  # a SIGTERM lands before the first periodic checkpoint, a kill -9 between two
-WARMUP = (f"train.steps={STEPS}", "train.eval_every=20", f"train.checkpoint_every={EVERY}", "data.train_tasks=32",
-          "data.heldout_tasks=8", "rl.steps=0", "monitor.tensorboard=false", "monitor.prometheus_port=-1")
 
 
 def _raw(run: Path) -> list[dict]:
@@ -71,12 +72,10 @@ def _ckpt_step(run: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_warmup_resumes_after_sigterm_and_kill_and_equals_the_unbroken_run(tmp_path):
+def test_warmup_resumes_after_sigterm_and_kill_and_equals_the_unbroken_run(tmp_path, demo_warm):
     from megatron_rl.commands.report import read_metrics
 
-    a = subprocess.run([EXE, "train", "configs/demo_cpu.yaml", f"output_dir={tmp_path / 'a'}", *WARMUP], cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
-    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-5000:]
+    unbroken = demo_warm[0]  # `megatron-rl train configs/demo_cpu.yaml *WARMUP`, never interrupted
     run = tmp_path / "b" / "demo"
     # 1. SIGTERM during the warm-up: a checkpoint right after the last logged step, exit 3, a true message
     rc, out = _launch(tmp_path / "b", signal.SIGTERM, False, lambda: max(_sft_steps(run), default=-1) >= 2)
@@ -108,7 +107,7 @@ def test_warmup_resumes_after_sigterm_and_kill_and_equals_the_unbroken_run(tmp_p
     # as the run now stands (the last row of each step), the warm-up is the unbroken one, step for step
     keys = ("loss", "grad_norm", "lr", "tokens")
     for kind in ("sft", "sft_eval"):
-        ra = [r for r in read_metrics(tmp_path / "a" / "demo") if r["kind"] == kind]
+        ra = [r for r in read_metrics(unbroken) if r["kind"] == kind]
         rb = [r for r in read_metrics(run) if r["kind"] == kind]
         assert [r["step"] for r in rb] == [r["step"] for r in ra]
         assert [{k: r.get(k) for k in keys} for r in rb] == [{k: r.get(k) for k in keys} for r in ra], kind
