@@ -29,11 +29,10 @@ def rank_threads(launch: LaunchConfig | None = None) -> int:
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run` on one node, a free local port, `nproc` ranks each running `argv`."""
-    from megatron_rl.distributed import free_port
-
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *argv]
+    """`python -m torch.distributed.run --standalone`: one node, `nproc` ranks each running `argv`. torchrun's
+    own store binds a free port itself; a port picked here and handed over (`--master_port`) could be taken by
+    another process before torchrun binds it (EADDRINUSE on a loaded machine)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
 
 
 def torchrun_launch(argv: list[str], nproc: int, launch: LaunchConfig | None = None,

@@ -20,6 +20,8 @@ def test_ranks_start_under_torchrun_with_the_runs_thread_count(monkeypatch):
     cmd, env = seen[0]
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=3" in cmd
     assert cmd[-3:] == ["-m", "x.y", "--worker"] and env["OMP_NUM_THREADS"] == "5"
+    # torchrun's store binds its own free port: no port picked here that another process could take first
+    assert "--standalone" in cmd and not any(a.startswith("--master_port") for a in cmd)
 
 
 def test_a_rank_already_under_a_launcher_runs_in_process(monkeypatch):
