@@ -1,6 +1,7 @@
 """Bootstrap under torchrun (gloo, CPU): Megatron-Core's groups match hand-computed memberships.
 
 Megatron orders ranks tp-cp-ep-dp-pp: TP neighbours are adjacent ranks, PP stages are world/pp apart.
+One launch (module fixture `records`): the world-4 layouts, then ranks 0 and 1 in a fresh world of 2.
 """
 from __future__ import annotations
 
@@ -49,13 +50,20 @@ def _check(records: list[dict], world: int) -> set[str]:
     return seen
 
 
-def test_groups_world_2():
-    records = torchrun(SCRIPT, 2)
+@pytest.fixture(scope="module")
+def records() -> dict[int, list[dict]]:
+    """world size -> its records."""
+    got = torchrun(SCRIPT, 4, ["--then", "2"])
+    return {w: [r for r in got if r["world"] == w] for w in (2, 4)}
+
+
+def test_groups_world_2(records):
+    records = records[2]
     assert _check(records, 2) == {"tp2", "pp2", "ep2", "dp2"}
 
 
-def test_groups_world_4():
-    records = torchrun(SCRIPT, 4)
+def test_groups_world_4(records):
+    records = records[4]
     assert _check(records, 4) == {"tp2pp2", "tp2dp2", "ep2dp2", "pp2vpp2", "ep4"}
     coords = {r["rank"]: r["coords"] for r in records if r["layout"] == "tp2pp2"}
     assert [(coords[r]["tp"], coords[r]["pp"]) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]

@@ -43,13 +43,18 @@ def _check(records: list[dict], impl: str, world: int) -> None:
             torch.testing.assert_close(grad_w, want["grad_w"], atol=2e-5, rtol=1e-4)
 
 
-def test_tp2_torch_matches_naive_tp1():
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    """One world-4 launch: torch on both TP groups, then (if installed) triton's interpreter on ranks 0 and 1."""
+    return torchrun(SCRIPT, 4, ["torch", *(["triton"] if HAVE_TRITON else [])], timeout=360,
+                    env={"TRITON_INTERPRET": "1"})
+
+
+def test_tp2_torch_matches_naive_tp1(records):
     """World 4 = two TP=2 groups passed explicitly; the group rank picks the slice (global rank 2 is slice 0)."""
-    records = torchrun(SCRIPT, 4, ["torch"], timeout=240)
     _check(records, "torch", 4)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton); interpreter needs it")
-def test_tp2_triton_interpreter_matches_naive_tp1():
-    records = torchrun(SCRIPT, 2, ["triton"], timeout=240, env={"TRITON_INTERPRET": "1"})
+def test_tp2_triton_interpreter_matches_naive_tp1(records):
     _check(records, "triton", 2)

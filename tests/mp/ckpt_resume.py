@@ -2,6 +2,8 @@
 in a fresh one-rank world, at TP=1 (same next-step loss as the unbroken run).
 
     torchrun --nproc_per_node 4 tests/mp/ckpt_resume.py --dir CKPT
+
+(tests/trainer/test_trainer_multiproc.py runs it inside trainer_parity.py's launch: --also ckpt_resume:CKPT.)
 """
 from __future__ import annotations
 
@@ -47,23 +49,38 @@ def resumed(path: str, parallel: dict, ctx=None) -> dict:
     return {"loss": loss, "weights": full_weights(trainer.policy), "step": trainer.policy.step_count}
 
 
+def world_part(path: str) -> tuple[tuple[dict, dict], list[dict]]:
+    """Every rank, in the launch's world of 4: the unbroken run (saving at `path`) and the resume at the same
+    layout; (state, records of this rank)."""
+    a = unbroken(path)
+    b = resumed(path, LAYOUT)
+    reset()
+    return (a, b), []
+
+
+def one_process_part(state: tuple[dict, dict], ctx, path: str) -> list[dict]:
+    """Rank 0 in a one-rank world (`ctx`): the same-layout record, then the resume at TP=1 (its groups kept)."""
+    a, b = state
+    same = all(torch.equal(x, y) for k in a["weights"] for x, y in zip(a["weights"][k], b["weights"][k]))
+    records = [{"kind": "same_layout", "loss": b["loss"], "unbroken": a["loss"],
+                "bitwise": same and a["loss"] == b["loss"], "step": b["step"]}]
+    c = resumed(path, {}, ctx=ctx)
+    diff = max(float((c["weights"][k][0] - v[0]).abs().max()) for k, v in a["weights"].items())
+    return records + [{"kind": "tp1", "loss": c["loss"], "unbroken": a["loss"], "weight_diff": diff,
+                       "step": c["step"]}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
-    a = unbroken(args.dir)
-    b = resumed(args.dir, LAYOUT)
-    reset()
+    state, _ = world_part(args.dir)
     rank = dist.get_rank()
     dist.destroy_process_group()
     if rank != 0:
         return
-    same = all(torch.equal(x, y) for k in a["weights"] for x, y in zip(a["weights"][k], b["weights"][k]))
-    emit({"kind": "same_layout", "loss": b["loss"], "unbroken": a["loss"], "bitwise": same and a["loss"] == b["loss"],
-          "step": b["step"]})
-    c = resumed(args.dir, {}, ctx=single_rank_world())
-    diff = max(float((c["weights"][k][0] - v[0]).abs().max()) for k, v in a["weights"].items())
-    emit({"kind": "tp1", "loss": c["loss"], "unbroken": a["loss"], "weight_diff": diff, "step": c["step"]})
+    for record in one_process_part(state, single_rank_world(), args.dir):
+        emit(record)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing save starts a multiprocessing manager

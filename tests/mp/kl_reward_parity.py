@@ -6,6 +6,7 @@ The per-token KL log pi_old - log pi_ref is computed on each rank's micro-batche
 CP rank's tokens) and gathered into the global batch's layout before the advantages (whitened over the whole
 batch) are computed: every layout must give the one-process losses and weights. Same model, batches and
 initialisation as tests/mp/trainer_parity.py; rank 0 runs the reference in a fresh one-rank world.
+(trainer_parity.py --kl-layouts runs these layouts in its own launch: run_layouts, emit_compared.)
 """
 from __future__ import annotations
 
@@ -49,27 +50,38 @@ def run(trainer) -> dict:
     return {"metrics": metrics, "weights": full_weights(trainer.policy)}
 
 
-def main() -> None:
+def run_layouts(names: list[str]) -> list[dict]:
+    """Each layout's run in this world, one after another (Megatron's groups torn down after each)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", required=True)
-    args = parser.parse_args()
     results = []
-    for name in args.layouts.split(","):
+    for name in names:
         start = time.perf_counter()
         res = run(build(LAYOUTS[name]))
         results.append({**res, "layout": name, "seconds": round(time.perf_counter() - start, 2)})
         parallel_state.destroy_model_parallel()
         get_cuda_rng_tracker().reset()
+    return results
+
+
+def emit_compared(results: list[dict], ctx) -> None:
+    """Rank 0 in its one-rank world (`ctx`): the one-process reference, then a record per layout (kl_reward: True)."""
+    ref = run(build({}, ctx=ctx))
+    for res in results:
+        emit({**compare(res, ref), "ref_kl": [m.get("ref_kl") for m in res["metrics"]], "kl_reward": True})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True)
+    args = parser.parse_args()
+    results = run_layouts(args.layouts.split(","))
     rank = dist.get_rank()
     dist.destroy_process_group()
     if rank != 0:
         return
-    ref = run(build({}, ctx=single_rank_world()))
-    for res in results:
-        emit({**compare(res, ref), "ref_kl": [m.get("ref_kl") for m in res["metrics"]]})
+    emit_compared(results, single_rank_world())
 
 
 if __name__ == "__main__":

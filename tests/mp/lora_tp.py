@@ -5,6 +5,8 @@ config) of a 2-layer model with adapters on qkv/proj/fc1/fc2; the losses and the
 weights after the steps are emitted by rank 0 next to those of a one-rank world started afterwards.
 
     torchrun --nproc_per_node=2 tests/mp/lora_tp.py
+
+(tests/trainer/test_trainer_multiproc.py runs it inside trainer_parity.py's launch: --also lora_tp.)
 """
 from __future__ import annotations
 
@@ -36,24 +38,37 @@ def run(ctx) -> dict:
             "weights": {k: v[0] for k, v in full_weights(policy).items()}}
 
 
-def main() -> None:
+def world_part(_arg: str | None = None) -> tuple[dict, list[dict]]:
+    """Every rank, in the launch's world of 2: the TP=2 run (its Megatron groups torn down after); (state, records
+    of this rank)."""
     from megatron.core import parallel_state
 
     from megatron_rl.distributed import init_distributed
     from megatron_rl.parallel import ParallelConfig
 
     tp2 = run(init_distributed(ParallelConfig(tp=2)))
-    rank = dist.get_rank()
     parallel_state.destroy_model_parallel()
+    return tp2, []
+
+
+def one_process_part(tp2: dict, ctx, _arg: str | None = None) -> list[dict]:
+    """Rank 0 in a one-rank world (`ctx`): the one-process run and the record comparing both."""
+    one = run(ctx)
+    names = sorted(one["weights"])
+    diff = {n: float((tp2["weights"][n] - one["weights"][n]).abs().max()) for n in names if n in tp2["weights"]}
+    return [{"losses": tp2["losses"], "ref_losses": one["losses"], "ok": tp2["ok"], "names": names,
+             "tp2_names": sorted(tp2["weights"]), "weight_diff": diff,
+             "adapter_max": {n: float(one["weights"][n].abs().max()) for n in names if "lora_" in n}}]
+
+
+def main() -> None:
+    tp2, _ = world_part()
+    rank = dist.get_rank()
     dist.destroy_process_group()
     if rank != 0:
         return
-    one = run(single_rank_world())
-    names = sorted(one["weights"])
-    diff = {n: float((tp2["weights"][n] - one["weights"][n]).abs().max()) for n in names if n in tp2["weights"]}
-    emit({"losses": tp2["losses"], "ref_losses": one["losses"], "ok": tp2["ok"], "names": names,
-          "tp2_names": sorted(tp2["weights"]), "weight_diff": diff,
-          "adapter_max": {n: float(one["weights"][n].abs().max()) for n in names if "lora_" in n}})
+    for record in one_process_part(tp2, single_rank_world()):
+        emit(record)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Every rank builds the policy (weights drawn from each parameter's global name, so TP=1 and TP=2 hold the
 same model), generates greedy and sampled continuations, then rank 0 broadcasts full (unsharded) new
 weights in small buckets, every rank cuts its TP slice, and the greedy run is repeated. Rank 0 emits the
-outputs; tests/rollout/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch.
+outputs; tests/rollout/test_rollout_engine_multiproc.py compares the TP=2 launch with the TP=1 launch. With
+--models gqa,dsv3 one launch does this for each model in turn (the start-up of a launch paid once).
 
-    torchrun --nproc_per_node=2 tests/mp/rollout_tp.py [--dsv3]
+    torchrun --nproc_per_node=2 tests/mp/rollout_tp.py [--models gqa,dsv3]   # default: gqa
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import torch
 PROMPTS = [[257, *range(10 + 7 * i, 10 + 7 * i + n)] for i, n in enumerate([2, 9, 4, 17, 1, 12])]
 
 
-def build(pgs, tp: int):
+def build(pgs, tp: int, dsv3: bool = False):
+    """The policy at TP=`tp`: a small GQA model, or (dsv3) DeepSeek-V3 in miniature."""
     from megatron_rl.compat.testing import init_weights_by_name
     from megatron_rl.models.gpt import ModelConfig, build_gpt
     from megatron_rl.parallel import ParallelConfig
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=384,
                       max_seq_length=128)
-    if "--dsv3" in sys.argv:  # DeepSeek-V3 in miniature: MLA over the latent cache, sigmoid-routed MoE
+    if dsv3:  # DeepSeek-V3 in miniature: MLA over the latent cache, sigmoid-routed MoE
         from dataclasses import replace
 
         from tests.models.test_deepseek_v3 import tiny_dsv3
@@ -65,6 +67,13 @@ def run(engine, tag: str) -> list[dict]:
             for kind, outs in (("greedy", greedy), ("sampled", sampled)) for i, o in enumerate(outs)]
 
 
+def models() -> list[str]:
+    """The models named by --models (gqa, dsv3; comma-separated), in order."""
+    names = sys.argv[sys.argv.index("--models") + 1].split(",") if "--models" in sys.argv else ["gqa"]
+    assert set(names) <= {"gqa", "dsv3"}, names
+    return names
+
+
 def main() -> None:
     import torch.distributed as dist
     from megatron.core import tensor_parallel
@@ -76,19 +85,20 @@ def main() -> None:
 
     world = int(__import__("os").environ["WORLD_SIZE"])
     ctx = init_distributed(ParallelConfig(tp=world))
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
-    model = build(ctx.pgs, world)
-    engine = RolloutEngine(model, EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=16),
-                           ctx.pgs.tp, ctx.pgs.cp)
-    records = run(engine, "before")
     rank = dist.get_rank()
-    named = new_full_weights(model) if rank == 0 else None
-    n = engine.update_weights_from_broadcast(1, src=0, named_tensors=named, bucket_bytes=64 << 10)
-    records += run(engine, "after")
-    if rank == 0:
-        for r in records:
-            emit({**r, "world": world, "loaded": n, "free_blocks": engine.cache.num_free})
-    dist.barrier()
+    for name in models():
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        model = build(ctx.pgs, world, dsv3=name == "dsv3")
+        engine = RolloutEngine(model, EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=16),
+                               ctx.pgs.tp, ctx.pgs.cp)
+        records = run(engine, "before")
+        named = new_full_weights(model) if rank == 0 else None
+        n = engine.update_weights_from_broadcast(1, src=0, named_tensors=named, bucket_bytes=64 << 10)
+        records += run(engine, "after")
+        if rank == 0:
+            for r in records:
+                emit({**r, "model": name, "world": world, "loaded": n, "free_blocks": engine.cache.num_free})
+        dist.barrier()
     destroy_distributed()
 
 

@@ -6,6 +6,7 @@ Same model, batches, losses and weight initialisation as tests/mp/trainer_parity
 old log-probs, TIS, entropy bonus, chunked log-probs); each layout splits every packed sample over the CP
 ranks (padded to a multiple of 2*cp) and runs attention through the local spec's CPDotProductAttention.
 Rank 0 then runs the one-process reference in a fresh one-rank world and emits one record per layout.
+(tests/trainer/test_trainer_multiproc.py runs these layouts through trainer_parity.py --cp-layouts.)
 Besides the parity record, each layout emits the per-rank shares of a micro-batch (how the split went).
 """
 from __future__ import annotations

@@ -8,12 +8,14 @@ Layouts use the fused log-prob path (rl.logprob_impl='fused', the default) unles
 '_logits'. Afterwards rank 0 starts a one-rank world, runs the one-process reference of every model used
 with the layout's log-prob path (the record's loss/metric/weight diffs) and, for fused layouts, also with
 the logits path (the record's cross_* diffs), checks that the loss and gradients of the real model do not
-depend on the packing, and emits one record per layout.
+depend on the packing, and emits one record per layout. --kl-layouts and --cp-layouts add the layouts of
+tests/mp/kl_reward_parity.py and tests/mp/trainer_cp.py to the same launch (one start-up, shared references).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import time
 
@@ -240,8 +242,32 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", default="")
     parser.add_argument("--packing", action="store_true", help="also check packing invariance (rank 0)")
+    parser.add_argument("--kl-layouts", default="", help="also tests/mp/kl_reward_parity.py's layouts (dp2,pp2,cp2) "
+                                                         "in this launch: its records carry kl_reward=True")
+    parser.add_argument("--cp-layouts", default="", help="also tests/mp/trainer_cp.py's layouts in this launch: "
+                                                         "its records carry cp=True and the splits")
+    parser.add_argument("--also", default="", help="comma-separated rank scripts of tests/mp run in this launch "
+                        "after the layouts, NAME or NAME:ARG (lora_tp, ckpt_resume:DIR, uneven_stages:DIR): their "
+                        "world_part(ARG) on every rank, one_process_part(state, ctx, ARG) on rank 0 in the one-rank "
+                        "world; their records carry script=NAME")
     args = parser.parse_args()
     results = [run_layout(n) for n in args.layouts.split(",") if n]
+    kl_names = [n for n in args.kl_layouts.split(",") if n]
+    if kl_names:
+        from tests.mp import kl_reward_parity
+
+        kl_results = kl_reward_parity.run_layouts(kl_names)
+    from tests.mp import trainer_cp
+
+    cp_results = [trainer_cp.run_layout(n) for n in args.cp_layouts.split(",") if n]
+    also = []  # (name, module, arg, state)
+    for spec in [s for s in args.also.split(",") if s]:
+        name, _, arg = spec.partition(":")
+        module = importlib.import_module(f"tests.mp.{name}")
+        state, mine = module.world_part(arg or None)
+        for record in mine:
+            emit({**record, "script": name})
+        also.append((name, module, arg or None, state))
     rank = dist.get_rank()
     dist.destroy_process_group()
     if rank != 0:
@@ -263,6 +289,13 @@ def main() -> None:
         emit(record)
     if args.packing:
         emit(packing_invariance(ctx))
+    for res in cp_results:  # as trainer_cp.py emits them (its reference: the fused one-process run)
+        emit({**compare(res, ref(tuple(res["model"]), "fused")), "splits": res["splits"], "cp": True})
+    if kl_names:
+        kl_reward_parity.emit_compared(kl_results, ctx)
+    for name, module, arg, state in also:  # last: ckpt_resume's TP=1 resume keeps its groups
+        for record in module.one_process_part(state, ctx, arg):
+            emit({**record, "script": name})
 
 
 if __name__ == "__main__":

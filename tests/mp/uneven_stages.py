@@ -8,6 +8,7 @@ the last chunk holds only the MTP layer and the loss). Each runs three GRPO step
 and then computes the log-probs of a fourth batch; the second layout saves a checkpoint after step 1. Rank 0 then
 runs the one-process references in a fresh one-rank world and loads that checkpoint there (an even, one-stage
 layout): the loaded weights must equal the uneven run's at the save, and the next step its step 2.
+(tests/trainer/test_trainer_multiproc.py runs it inside trainer_parity.py's launch: --also uneven_stages:CKPT.)
 """
 from __future__ import annotations
 
@@ -88,17 +89,18 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((x - b[k][0]).abs().max()) for k, v in a.items() for x in v)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    results = {n: run(n, par, args.dir if n == SAVES else None) for n, (par, _, _) in LAYOUTS.items()}
+def world_part(path: str) -> tuple[dict, list[dict]]:
+    """Every rank, in the launch's world of 2: both layouts (the second saving at `path`); (state, records of
+    this rank: rank 1's layers per chunk)."""
+    results = {n: run(n, par, path if n == SAVES else None) for n, (par, _, _) in LAYOUTS.items()}
     rank = dist.get_rank()
-    dist.destroy_process_group()
-    if rank != 0:
-        emit({"rank": rank, "chunks": {n: r["chunks"] for n, r in results.items()}})
-        return
-    ctx = single_rank_world()
+    return results, [] if rank == 0 else [{"rank": rank, "chunks": {n: r["chunks"] for n, r in results.items()}}]
+
+
+def one_process_part(results: dict, ctx, path: str) -> list[dict]:
+    """Rank 0 in a one-rank world (`ctx`): each layout against its one-process run, then the checkpoint loaded
+    into one stage."""
+    records = []
     for name, res in results.items():
         ref = run(name, {}, None, ctx=ctx)
         record = compare(res, ref)
@@ -107,14 +109,28 @@ def main() -> None:
                 "sync_tensors": len(ref["synced"]),
                 "sync_diff": max(float((t - ref["synced"][k]).abs().max()) for k, t in res["synced"].items()
                                  if k in ref["synced"])}
-        emit({**record, **sync, "logprob_diff": lp_diff, "logprobs": len(res["logprobs"]), "chunks": res["chunks"],
-              "rank": 0})
-    back = resumed(args.dir, ctx)
+        records.append({**record, **sync, "logprob_diff": lp_diff, "logprobs": len(res["logprobs"]),
+                        "chunks": res["chunks"], "rank": 0})
+    back = resumed(path, ctx)
     uneven = results[SAVES]
-    emit({"kind": "resume_one_process", "loaded_diff": _max_diff(back["loaded"], uneven["saved"]),
-          "loss": back["loss"], "unbroken": uneven["metrics"][2]["loss"],
-          "weight_diff": _max_diff(back["weights"], uneven["weights"]),
-          "moved": _max_diff(back["loaded"], uneven["weights"])})
+    return records + [{"kind": "resume_one_process", "loaded_diff": _max_diff(back["loaded"], uneven["saved"]),
+                       "loss": back["loss"], "unbroken": uneven["metrics"][2]["loss"],
+                       "weight_diff": _max_diff(back["weights"], uneven["weights"]),
+                       "moved": _max_diff(back["loaded"], uneven["weights"])}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+    results, mine = world_part(args.dir)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    for record in mine:
+        emit(record)
+    if rank == 0:
+        for record in one_process_part(results, single_rank_world(), args.dir):
+            emit(record)
 
 
 if __name__ == "__main__":  # required: dist_checkpointing save starts a multiprocessing manager

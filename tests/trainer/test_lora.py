@@ -1,7 +1,8 @@
 """LoRA RL on the Megatron path (megatron_rl/trainer/lora.py), one process (a gloo world of one shared with other
 tests): step 0 equals the base model, an RL step changes only the adapters, checkpoints hold only adapters and
 resume exactly, the engine gets the merged weights (its log-probs equal the trainer's), the config refuses bad
-values. TP=2 parity: tests/trainer/test_lora_multiproc.py; export and PEFT: tests/convert/test_lora_export.py."""
+values. TP=2 parity: tests/trainer/test_trainer_multiproc.py::test_tp2_lora_steps_match_one_process; export and
+PEFT: tests/convert/test_lora_export.py."""
 from __future__ import annotations
 
 import numpy as np

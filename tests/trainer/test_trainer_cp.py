@@ -3,7 +3,8 @@ CP attention mask (emulating every CP rank in one process against full block-cau
 (per-sample padding to 2*cp, loss_mask 0 on pads, shares that merge back) and the refusals.
 
 The Megatron-Core runs (CP=2, TP=2xCP=2, CP=2xDP=2 vs the one-process run) are in
-tests/trainer/test_trainer_cp_multiproc.py.
+tests/trainer/test_trainer_multiproc.py (test_cp2_matches_one_process,
+test_world4_tp2_cp2_and_cp2_dp2_match_one_process).
 """
 from __future__ import annotations
 
