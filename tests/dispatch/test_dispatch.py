@@ -221,10 +221,11 @@ class DeadlineInRoundZero(Dispatcher):
 
 @pytest.mark.slow
 def test_straggler_is_cancelled_and_redispatched(tmp_path):
-    # 6 episodes x 4 s a task in round 0: far past the 7 s deadline even when the dispatcher first sees a task
-    # running some seconds after it started (with 2 s an episode, both tasks once finished before the cancel)
+    # 6 episodes x 8 s a task in round 0: far past the 7 s deadline even when the dispatcher first sees a task
+    # running many seconds after it started (with 2 s an episode, both tasks once finished before the cancel; with
+    # 4 s, once at load ~10 on 2 cores). The cancel comes at 7 s whatever the delay, so the test is no slower.
     eps = episodes(12)
-    worker = trivial_worker(delay_s=4.0, delay_in_rounds=[0])
+    worker = trivial_worker(delay_s=8.0, delay_in_rounds=[0])
     worker.episodes_per_shard = 1
     cfg = DispatchConfig(executor="local", folder=str(tmp_path / "sub"), episodes_per_task=6,
                          straggler_deadline_s=7.0, poll_s=0.2)
