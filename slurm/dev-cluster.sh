@@ -148,7 +148,8 @@ kill_wait() {
 
 # wait_for DESCRIPTION COMMAND...: poll COMMAND until it succeeds or TIMEOUT passes. With
 # WATCH="NAME:PIDFILE ..." set, give up early (after a 3 s grace for daemonising) when one of those
-# daemons is gone, e.g. slurmctld exited on a bad config.
+# daemons is gone, e.g. slurmctld exited on a bad config (WATCH_BG: the pid we launched; while it lives, a pid
+# file not yet written means slow to start under load, not gone).
 wait_for() {
   local what=$1; shift
   local start=$SECONDS deadline=$((SECONDS + TIMEOUT)) w out
@@ -162,6 +163,8 @@ wait_for() {
     if [ $((SECONDS - start)) -ge 3 ]; then
       for w in ${WATCH:-}; do
         daemon_pid "${w%%:*}" "${w#*:}" >/dev/null && continue
+        # not yet written its pid file, but the process we launched is alive: slow to start (load), not gone
+        [ ! -s "${w#*:}" ] && [ -n "${WATCH_BG:-}" ] && pid_alive "$WATCH_BG" && continue
         log "${w%%:*} ($(basename "${w#*:}" .pid)) exited while waiting for $what"
         show_logs
         exit 1
@@ -262,7 +265,7 @@ start_mysql() {
   launch_bg mariadbd --no-defaults --user=mysql --datadir="$data" --socket="$MYSQL_SOCK" \
     --pid-file="$STATE/mysql/mysqld.pid" --log-error="$STATE/mysql/mysqld.log" --skip-networking \
     --max-connections=50 "${MYSQL_OPTS[@]}"
-  WATCH="mariadbd:$STATE/mysql/mysqld.pid" wait_for "MariaDB socket $MYSQL_SOCK" test -S "$MYSQL_SOCK"
+  WATCH="mariadbd:$STATE/mysql/mysqld.pid" WATCH_BG=$! wait_for "MariaDB socket $MYSQL_SOCK" test -S "$MYSQL_SOCK"
 }
 
 sacctmgr_q() { sacctmgr -n -P "$@"; }

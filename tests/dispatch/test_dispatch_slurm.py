@@ -156,7 +156,15 @@ def sbatch(cluster, args: list[str], env: str = "", wait: bool = True, timeout: 
 
 
 def sacct(cluster, job: str) -> list[str]:
-    return cluster.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"]).stdout.split()
+    """The job's state(s). A poll: a client killed by a signal (once seen: SIGPIPE, slurmdbd dropping the
+    connection under load) is asked again, up to 3 times; any other failure fails at once."""
+    for _ in range(3):
+        res = cluster.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], check=False)
+        if res.returncode >= 0:
+            break
+        time.sleep(1)
+    assert res.returncode == 0, f"sacct -j {job}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    return res.stdout.split()
 
 
 def test_train_multinode_sbatch_runs_probe(slurm_cluster, tmp_path):
