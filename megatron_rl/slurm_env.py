@@ -188,6 +188,13 @@ def launch_source(environ: Mapping[str, str] | None = None) -> str:
     return "single"
 
 
+def submitit_local_task(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a task that submitit's local executor started (SUBMITIT_EXECUTOR=local): its parent is submitit's
+    local controller, not Slurm."""
+    env = os.environ if environ is None else environ
+    return env.get("SUBMITIT_EXECUTOR") == "local"
+
+
 def under_launcher(environ: Mapping[str, str] | None = None) -> bool:
     """True when a launcher (torchrun, srun, mpirun) already started this process as one of the job's ranks, so a
     command runs its rank in-process instead of starting torchrun itself."""

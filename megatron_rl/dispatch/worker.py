@@ -40,7 +40,7 @@ from megatron_rl.dispatch.episode_rows import episode_rows
 from megatron_rl.dispatch.generators import GenerationError, build_generator
 from megatron_rl.dispatch.publisher import ShardPublisher, _shard_stem
 from megatron_rl.dispatch.spec import EpisodeSpec, WorkerSpec
-from megatron_rl.slurm_env import SlurmEnv
+from megatron_rl.slurm_env import SlurmEnv, submitit_local_task
 from megatron_rl.tokenizer import Tokenizer, from_path
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def _end_with_local_controller() -> None:
     lands while the controller is still starting its task (inside Popen, seconds on a loaded machine) leaves that
     task running on its own, and it published episodes that the dispatcher's next round had run again. A task
     whose controller is gone already (its parent is no submitit controller) exits at once."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or not sys.platform.startswith("linux"):
+    if not submitit_local_task() or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
