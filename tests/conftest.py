@@ -26,6 +26,30 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: -totals[_group(item.nodeid)])  # costliest group first; stable within
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """MRL_TEST_CPU_LOG=FILE appends one JSON line per test: wall seconds and CPU seconds (user + sys) of this
+    process and of the children it reaped (torchrun worlds, servers, scripts; not Slurm jobs, whose processes
+    belong to slurmd). CPU is what the 2-core CI runner runs out of (docs/test_time.md), and unlike wall time
+    it hardly moves with the machine's load."""
+    log = os.environ.get("MRL_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    import json
+    import time
+
+    t0, w0 = os.times(), time.monotonic()
+    yield
+    t1, w1 = os.times(), time.monotonic()
+    row = {"test": item.nodeid, "marks": sorted(m for m in ("slow", "multiproc", "slurm") if m in item.keywords),
+           "wall_s": round(w1 - w0, 2),
+           "cpu_self_s": round(t1.user - t0.user + t1.system - t0.system, 2),
+           "cpu_children_s": round(t1.children_user - t0.children_user + t1.children_system - t0.children_system, 2)}
+    with open(log, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_Scheduler(), "megatron-rl-scheduler")
