@@ -1,15 +1,17 @@
-"""The one launcher: start a command's ranks on this machine with torchrun, or run the rank in-process when a
-launcher (torchrun, srun, mpirun) already started this process as one of the job's ranks.
+"""The one launcher: start a command's ranks on this machine, or run the rank in-process when a launcher
+(torchrun, srun, mpirun) already started this process as one of the job's ranks.
 
-Used by `train`, `eval` and `tools/convert`: `torchrun_launch` builds the command and the ranks' environment,
-`rank_threads` decides their thread count (the one place of the thread defaults)."""
+Used by `train`, `eval` and `tools/convert`: `rank_env` builds the ranks' environment, `rank_threads` decides
+their thread count (the one place of the thread defaults), `LocalRanks` starts and watches them."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+import threading
+import time
+from typing import IO, TYPE_CHECKING
 
 from megatron_rl.slurm_env import under_launcher
 
@@ -28,46 +30,122 @@ def rank_threads(launch: LaunchConfig | None = None) -> int:
     return 1 if launch is None else max(1, len(os.sched_getaffinity(0)) // launch.nproc_per_node)
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone`: one node, `nproc` ranks each running `argv`. torchrun's
-    own store binds a free port itself; a port picked here and handed over (`--master_port`) could be taken by
-    another process before torchrun binds it (EADDRINUSE on a loaded machine)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *argv]
+def rank_env(launch: LaunchConfig | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The ranks' environment: this process's with OMP_NUM_THREADS=rank_threads(launch) and `extra`."""
+    return {**os.environ, "OMP_NUM_THREADS": str(rank_threads(launch)), **(extra or {})}
 
 
-def torchrun_launch(argv: list[str], nproc: int, launch: LaunchConfig | None = None,
-                    extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command of `nproc` ranks each running `python argv`, and their environment: this process's
-    with OMP_NUM_THREADS=rank_threads(launch) and `extra`."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(launch)), **(extra or {})}
-    return torchrun_command(nproc, argv), env
-
-
-def run_ranks(argv: list[str], nproc: int, launch: LaunchConfig | None = None) -> int:
+def run_ranks(argv: list[str], nproc: int, launch: LaunchConfig | None = None,
+              extra: dict[str, str] | None = None) -> int:
     """Run `python argv` as this machine's ranks: in-process rank when already under a launcher, else `nproc`
-    ranks under torchrun (`torchrun_launch`). Returns the exit code (3: stopped by a signal)."""
+    local ranks (`LocalRanks`). Returns the exit code (3: stopped by a signal)."""
     if under_launcher():
-        return call([sys.executable, *argv], None)
-    return call(*torchrun_launch(argv, nproc, launch))
+        return LocalRanks(argv, 1, None).run()
+    return LocalRanks(argv, nproc, rank_env(launch, extra)).run()
 
 
-def call(cmd: list[str], env) -> int:
-    """Run the ranks; SIGTERM/SIGUSR1 sent to this process go to the ranks themselves (torchrun's children),
-    which checkpoint and stop after the current step (exit 3). torchrun is not signalled: it would kill the
-    ranks after a short grace period."""
-    import psutil
+class LocalRanks:
+    """What `torchrun --standalone` did, without its agent process (a Python start and a torch import, ~3.5
+    CPU-s per launch): this process hosts the rendezvous store (a TCPStore on a port the kernel picks when it
+    binds: no port handed over that another process could take first), starts `nproc` ranks of
+    `python argv` with torchrun's variables (so `init_process_group` over env:// or tcp:// joins this store
+    exactly as under torchrun), forwards SIGTERM/SIGUSR1 to them (they checkpoint and stop, exit 3), and when a
+    rank fails unasked, stops the others as torchrun does (SIGTERM, SIGKILL after `grace_s`; after a forwarded
+    stop signal, ranks still saving their checkpoint get 10 x `grace_s`).
 
-    proc = subprocess.Popen(cmd, env=env)
-    stopped = []
+    nproc=1 with env=None runs one plain process with this environment (a rank of an outer launcher)."""
 
-    def forward(signum, _frame):
-        stopped.append(signum)
-        ranks = [proc] if cmd[1] != "-m" or cmd[2] != "torch.distributed.run" else \
-            psutil.Process(proc.pid).children(recursive=False)
-        for p in ranks:
-            p.send_signal(signum)
+    def __init__(self, argv: list[str], nproc: int, env: dict[str, str] | None,
+                 stdout: IO | None = None, stderr: IO | None = None, grace_s: float = 30.0):
+        self.argv, self.nproc, self.env, self.grace_s = list(argv), nproc, env, grace_s
+        self.stdout, self.stderr = stdout, stderr
+        self.procs: list[subprocess.Popen] = []
+        self.stopped: list[int] = []  # signals forwarded
+        self.store = None
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
-    rc = proc.wait()
-    return 3 if stopped and rc != 0 else rc
+    def start(self) -> LocalRanks:
+        if self.env is None:  # under an outer launcher: its variables are this process's
+            self.procs = [subprocess.Popen([sys.executable, *self.argv], stdout=self.stdout, stderr=self.stderr)]
+            return self
+        import torch.distributed as dist  # the ranks import torch anyway; torchrun's agent did too
+
+        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        for rank in range(self.nproc):
+            env = {**self.env, **self.torchrun_vars(rank, self.store.port)}
+            self.procs.append(subprocess.Popen([sys.executable, *self.argv], env=env, stdout=self.stdout,
+                                               stderr=self.stderr))
+        return self
+
+    def torchrun_vars(self, rank: int, port: int) -> dict[str, str]:
+        """torchrun's variables for `rank`; TORCHELASTIC_USE_AGENT_STORE makes every rank a client of the
+        store this process hosts (torch.distributed.rendezvous)."""
+        n = str(self.nproc)
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
+                "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0"}
+
+    def signal(self, signum: int) -> None:
+        """Forward `signum` to every live rank (SIGTERM/SIGUSR1: checkpoint and stop after the current step)."""
+        self.stopped.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for every rank; returns 0, 3 (stopped by a forwarded signal), or the exit code of the first rank
+        that failed (128 + N for a rank killed by signal N). `timeout`: kill them all and raise
+        subprocess.TimeoutExpired."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first, kill_at = None, None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed and kill_at is None:  # asked to stop, the others may still be saving: a longer grace
+                first, kill_at = failed[0], now + self.grace_s * (10 if self.stopped else 1)
+                if not self.stopped:
+                    print(f"megatron-rl launch: rank {first[0]} exited with {first[1]}; stopping the other ranks",
+                          file=sys.stderr, flush=True)
+                    self._send(signal.SIGTERM)
+            if kill_at is not None and now > kill_at:
+                self._send(signal.SIGKILL)
+            if deadline is not None and now > deadline:
+                self.kill()
+                raise subprocess.TimeoutExpired(self.argv, timeout)
+            time.sleep(0.1)
+        self.close()
+        if first is None:
+            first = next(((r, c) for r, c in enumerate(codes) if c), (0, 0))
+        rc = first[1] if first[1] >= 0 else 128 - first[1]
+        return 3 if self.stopped and rc != 0 else rc
+
+    def _send(self, signum: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def kill(self) -> None:
+        self._send(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+        self.close()
+
+    def close(self) -> None:
+        self.store = None  # the rendezvous store's server stops with its last reference
+
+    def run(self) -> int:
+        """start + wait, with SIGTERM/SIGUSR1 of this process forwarded to the ranks (the main thread's handlers
+        are restored after). The ranks are signalled, not an agent: one would kill them after a grace period."""
+        main = threading.current_thread() is threading.main_thread()
+        old = {s: signal.signal(s, lambda signum, _f: self.signal(signum)) for s in (signal.SIGTERM, signal.SIGUSR1)} \
+            if main else {}
+        try:
+            self.start()
+            return self.wait()
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)

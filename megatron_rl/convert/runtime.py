@@ -14,7 +14,7 @@ from megatron_rl.convert.arch.base import ConvertError
 from megatron_rl.distributed import group_leader, group_rank, group_size
 
 TMP_TAG_ENV = "MRL_CONVERT_TMP_TAG"
-"""Set by the launcher that spawns torchrun: the suffix of the temporary output folder (its pid)."""
+"""Set by the command that starts the local ranks: the suffix of the temporary output folder (its pid)."""
 
 
 def layout_config(tp: int = 1, pp: int = 1, ep: int = 1, stages: dict | None = None, model=None):
@@ -78,7 +78,7 @@ def barrier(group) -> None:
 
 
 def tmp_path(out: Path, group) -> Path:
-    """`<out>.tmp-<pid>`: the launcher's pid under torchrun (same on all ranks), else this process's (the
+    """`<out>.tmp-<pid>`: the launching command's pid under local ranks (same on all ranks), else this process's (the
     group's first rank's)."""
     tag = os.environ.get(TMP_TAG_ENV)
     if tag is None:

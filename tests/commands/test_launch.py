@@ -1,7 +1,12 @@
-"""The one launcher (megatron_rl/commands/launch.py) that train, eval and tools/convert start their ranks with,
-and its one place of the thread defaults (rank_threads)."""
+"""The one launcher (megatron_rl/commands/launch.py) that train, eval and tools/convert start their ranks with
+(LocalRanks, in place of torchrun), and its one place of the thread defaults (rank_threads)."""
+import json
 import os
-import sys
+import signal
+import subprocess
+import time
+
+import pytest
 
 from megatron_rl.commands import launch as L
 from megatron_rl.run_config import LaunchConfig
@@ -10,30 +15,102 @@ from megatron_rl.run_config import LaunchConfig
 def _capture(monkeypatch, under: bool):
     seen = []
     monkeypatch.setattr(L, "under_launcher", lambda: under)
-    monkeypatch.setattr(L, "call", lambda cmd, env: seen.append((cmd, env)) or 0)
+    monkeypatch.setattr(L.LocalRanks, "run", lambda self: seen.append(self) or 0)
     return seen
 
 
-def test_ranks_start_under_torchrun_with_the_runs_thread_count(monkeypatch):
+def test_ranks_start_locally_with_the_runs_thread_count(monkeypatch):
     seen = _capture(monkeypatch, under=False)
     assert L.run_ranks(["-m", "x.y", "--worker"], nproc=3, launch=LaunchConfig(threads_per_rank=5)) == 0
-    cmd, env = seen[0]
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--nproc_per_node=3" in cmd
-    assert cmd[-3:] == ["-m", "x.y", "--worker"] and env["OMP_NUM_THREADS"] == "5"
-    # torchrun's store binds its own free port: no port picked here that another process could take first
-    assert "--standalone" in cmd and not any(a.startswith("--master_port") for a in cmd)
+    (ranks,) = seen
+    assert ranks.nproc == 3 and ranks.argv == ["-m", "x.y", "--worker"] and ranks.env["OMP_NUM_THREADS"] == "5"
 
 
-def test_a_rank_already_under_a_launcher_runs_in_process(monkeypatch):
+def test_a_rank_already_under_a_launcher_runs_as_one_plain_process(monkeypatch):
     seen = _capture(monkeypatch, under=True)
     L.run_ranks(["-m", "x.y"], nproc=3)
-    assert seen == [([sys.executable, "-m", "x.y"], None)]
+    assert [(r.argv, r.nproc, r.env) for r in seen] == [(["-m", "x.y"], 1, None)]
 
 
-def test_torchrun_launch_adds_the_extra_variables(monkeypatch):
+def test_rank_env_adds_the_extra_variables(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "9")
-    cmd, env = L.torchrun_launch(["-m", "x.y"], 2, extra={"TAG": "1"})
-    assert "--nproc_per_node=2" in cmd and env["OMP_NUM_THREADS"] == "9" and env["TAG"] == "1"
+    env = L.rank_env(extra={"TAG": "1"})
+    assert env["OMP_NUM_THREADS"] == "9" and env["TAG"] == "1"
+
+
+RANK = """
+import json, os, signal, sys, time
+out = sys.argv[1]
+def stop(*_):
+    open(f"{out}/stopped{os.environ['RANK']}", "w").close()
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+with open(f"{out}/env{os.environ['RANK']}.json", "w") as f:
+    json.dump({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                              "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")}, f)
+behaviour = sys.argv[2].split(",")[int(os.environ["RANK"])]
+if behaviour.startswith("exit"):
+    sys.exit(int(behaviour[4:]))
+if behaviour == "kill9":
+    os.kill(os.getpid(), signal.SIGKILL)
+if behaviour == "hang":  # deaf to SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(60)
+"""
+
+
+def _ranks(tmp_path, behaviours: str, **kw) -> L.LocalRanks:
+    """Ranks of a small script (no torch): each writes its variables, then exits, kills itself or sleeps."""
+    n = len(behaviours.split(","))
+    return L.LocalRanks(["-c", RANK, str(tmp_path), behaviours], n, L.rank_env(extra={"OMP_NUM_THREADS": "2"}),
+                        **kw).start()
+
+
+def test_ranks_get_torchruns_variables_pointing_at_the_store_this_process_hosts(tmp_path):
+    ranks = _ranks(tmp_path, "exit0,exit0,exit0")
+    port = ranks.store.port
+    assert ranks.wait(timeout=60) == 0
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "3") for r in range(3)]
+    # every rank a client of the store bound here on a port the kernel picked: no port handed over that another
+    # process could take before it was bound (torchrun's --master_port race)
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_USE_AGENT_STORE"]) for e in envs} == \
+        {("127.0.0.1", str(port), "True")} and port > 0
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"2"}
+
+
+def test_a_failed_rank_stops_the_others_and_its_exit_code_is_returned(tmp_path):
+    ranks = _ranks(tmp_path, "sleep,exit5,sleep")
+    assert ranks.wait(timeout=60) == 5
+    assert sorted(p.name for p in tmp_path.glob("stopped*")) == ["stopped0", "stopped2"]  # SIGTERMed, not left
+
+
+def test_a_rank_killed_by_a_signal_is_128_plus_it_and_a_hung_peer_is_killed_after_the_grace(tmp_path):
+    ranks = _ranks(tmp_path, "kill9,hang", grace_s=1.0)
+    _wait_for(lambda: len(list(tmp_path.glob("env*.json"))) == 2)
+    assert ranks.wait(timeout=60) == 128 + 9
+    assert ranks.procs[1].returncode == -signal.SIGKILL  # ignored the SIGTERM, killed after the grace
+
+
+def test_a_forwarded_stop_signal_returns_3(tmp_path):
+    ranks = _ranks(tmp_path, "sleep,sleep")
+    _wait_for(lambda: len(list(tmp_path.glob("env*.json"))) == 2)  # handlers installed before the env file
+    ranks.signal(signal.SIGTERM)
+    assert ranks.wait(timeout=60) == 3 and len(list(tmp_path.glob("stopped*"))) == 2
+
+
+def test_a_timeout_kills_every_rank(tmp_path):
+    ranks = _ranks(tmp_path, "sleep,sleep")
+    with pytest.raises(subprocess.TimeoutExpired):
+        ranks.wait(timeout=0.5)
+    assert all(p.poll() is not None for p in ranks.procs)
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def test_thread_defaults_train_shares_the_cores_eval_and_convert_take_one(monkeypatch):

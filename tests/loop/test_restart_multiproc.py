@@ -38,7 +38,7 @@ def _sft_steps(run: Path) -> list[int]:
 
 
 def _kill_tree(pid: int) -> None:
-    """kill -9 of the driver, torchrun and every rank (torchrun starts the ranks in sessions of their own)."""
+    """kill -9 of the driver and every rank (and whatever they started)."""
     import psutil
 
     root = psutil.Process(pid)

@@ -1,7 +1,7 @@
 """`megatron-rl convert`: HF <-> Megatron-Core dist_checkpointing, and resharding.
 
 hf-to-mcore and reshard run at the target layout: with --tp/--pp/--ep above 1 and no launcher around
-(torchrun, srun, mpirun), this command starts `torchrun` on this machine with tp*pp*ep ranks (CPU: gloo).
+(torchrun, srun, mpirun), this command starts tp*pp*ep ranks on this machine (CPU: gloo; `LocalRanks`).
 The checkpoint itself is layout-independent (dist_checkpointing reshards on load).
 """
 from __future__ import annotations
@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,14 +61,14 @@ def launched() -> bool:
     return under_launcher()
 
 
-def spawn_torchrun(args, argv: list[str]) -> int:
-    """Re-run this command under torchrun with tp*pp*ep ranks; clean the temporary folder on failure."""
-    from megatron_rl.commands.launch import torchrun_launch
+def spawn_ranks(args, argv: list[str]) -> int:
+    """Re-run this command as tp*pp*ep local ranks; clean the temporary folder on failure."""
+    from megatron_rl.commands.launch import LocalRanks, rank_env
     from megatron_rl.convert.runtime import TMP_TAG_ENV
 
     n = args.tp * args.pp * args.ep
-    cmd, env = torchrun_launch(["-m", "megatron_rl.tools.convert.cli", *argv], n, extra={TMP_TAG_ENV: str(os.getpid())})
-    rc = subprocess.run(cmd, env=env).returncode
+    env = rank_env(extra={TMP_TAG_ENV: str(os.getpid())})
+    rc = LocalRanks(["-m", "megatron_rl.tools.convert.cli", *argv], n, env).run()
     out = Path(args.out).absolute()
     shutil.rmtree(out.with_name(f"{out.name}.tmp-{os.getpid()}"), ignore_errors=True)
     if rc:
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if getattr(args, "tp", 1) * getattr(args, "pp", 1) * getattr(args, "ep", 1) > 1 and not launched():
-        return spawn_torchrun(args, argv)
+        return spawn_ranks(args, argv)
     try:
         report = run(args)
     except ConvertError as e:
