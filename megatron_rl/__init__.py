@@ -12,6 +12,10 @@ from megatron_rl.compat import deferred_compile as _deferred_compile  # noqa: E4
 
 _deferred_compile.install()  # Megatron's import without TorchDynamo (its torch.compile decorations wait for a call)
 
+from megatron_rl.compat import tensorboard_s3 as _tensorboard_s3  # noqa: E402
+
+_tensorboard_s3.install()  # TensorBoard's import (by Megatron) without boto3: its unused s3:// file system off
+
 from megatron_rl.compat import quiet as _quiet  # noqa: E402
 
 _quiet.install()  # Megatron's known-harmless CPU warnings (no TE/Apex) filtered, each named with its reason
