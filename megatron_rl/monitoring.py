@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
+import secrets
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from megatron_rl import http_auth, prometheus_text
 
 
 @dataclass
@@ -57,7 +59,8 @@ class MonitorConfig:
     """Log to this W&B project when set (needs the wandb package; never required)."""
     prometheus_port: int = -1
     """Serve the latest metrics at http://<host>:<port>/metrics (rank 0): -1 off, 0 any free port (written to
-    <run>/prometheus_port)."""
+    <run>/prometheus_port). A scrape needs `Authorization: Bearer <token>`, the token in <run>/prometheus_token
+    (mode 600; Prometheus: `authorization: {credentials_file: <run>/prometheus_token}`)."""
     prometheus_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds (0.0.0.0 to be scraped from other nodes)."""
     progress: bool = True
@@ -112,9 +115,11 @@ class Monitor:
             self.wandb = wandb.init(project=self.cfg.wandb_project, name=self.run_dir.name, dir=str(self.run_dir))
         if self.cfg.prometheus_port >= 0:
             self.prometheus = PrometheusExporter(self.cfg.prometheus_host, self.cfg.prometheus_port)
+            http_auth.write_token_file(self.run_dir / "prometheus_token", self.prometheus.token)
             (self.run_dir / "prometheus_port").write_text(f"{self.prometheus.port}\n")
             print(f"[megatron-rl] Prometheus metrics at http://{self.cfg.prometheus_host}:{self.prometheus.port}/metrics"
-                  " while the run lasts", flush=True)
+                  f" while the run lasts (Authorization: Bearer, token in {self.run_dir / 'prometheus_token'})",
+                  flush=True)
 
     def set_domains(self, names) -> None:
         """The mixture's domains: their '<domain>/...' metrics are summarised (`domain_summary`)."""
@@ -250,22 +255,26 @@ def _is_number(v) -> bool:
 
 
 class PrometheusExporter:
-    """`GET /metrics` in Prometheus text format: the latest value of every numeric metric of each kind as a gauge
-    `megatron_rl_<kind>_<name>` (names sanitised), the kind's last step, and `megatron_rl_alerts_total{rule}`."""
+    """`GET /metrics` in Prometheus text format (`prometheus_text`): the latest value of every numeric metric of
+    each kind as a gauge `megatron_rl_<kind>_<name>` (names sanitised), the kind's last step, and the counter
+    `megatron_rl_alerts_total{rule}`. Every request needs `Authorization: Bearer <token>` (`token`: given, else
+    random; the Monitor writes it to <run>/prometheus_token)."""
 
-    def __init__(self, host: str, port: int):
-        self.values: dict[str, float] = {}
+    def __init__(self, host: str, port: int, token: str | None = None):
+        self.values: dict[tuple[str, str], float] = {}  # (metric name, alert rule or '') -> value
         self.lock = threading.Lock()
+        self.token = token or secrets.token_urlsafe(24)
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
+                if not http_auth.authorised(self, exporter.token, TOKEN_SOURCE):
                     return
+                if self.path.split("?")[0] != "/metrics":
+                    return http_auth.reply_json(self, 404, http_auth.error_body(404, "only /metrics is served"))
                 body = exporter.text().encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Type", prometheus_text.CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -281,35 +290,34 @@ class PrometheusExporter:
 
     def update(self, kind: str, step: int, scalars: dict[str, float]) -> None:
         with self.lock:
-            self.values[metric_name(kind, "step")] = float(step)
+            self.values[metric_name(kind, "step"), ""] = float(step)
             for k, v in scalars.items():  # k is "<kind>/<name>"
-                self.values[metric_name(kind, k.split("/", 1)[1])] = v
+                self.values[metric_name(kind, k.split("/", 1)[1]), ""] = v
 
     def alert(self, rule: str) -> None:
-        key = f'megatron_rl_alerts_total{{rule="{rule}"}}'
+        key = ("megatron_rl_alerts_total", rule)
         with self.lock:
             self.values[key] = self.values.get(key, 0.0) + 1
 
     def text(self) -> str:
         with self.lock:
             items = sorted(self.values.items())
-        lines, typed = [], set()
-        for k, v in items:
-            base = k.split("{")[0]
-            if base not in typed:
-                lines.append(f"# TYPE {base} {'counter' if base.endswith('_total') else 'gauge'}")
-                typed.add(base)
-            lines.append(f"{k} {v if math.isfinite(v) else 'NaN'}")
-        return "\n".join(lines) + "\n"
+        return prometheus_text.render(prometheus_text.Sample(name, v, {"rule": rule} if rule else {},
+                                                             "counter" if rule else "gauge")
+                                      for (name, rule), v in items)
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
 
 
+TOKEN_SOURCE = "the Monitor's token, in <run>/prometheus_token (mode 600)"
+"""Where a scraper finds the Prometheus endpoint's token (named in a 401's message)."""
+
+
 def metric_name(kind: str, name: str) -> str:
     """A valid Prometheus metric name for a metric of `kind` (anything outside [a-zA-Z0-9_] becomes _)."""
-    return re.sub(r"[^a-zA-Z0-9_]", "_", f"megatron_rl_{kind}_{name}")
+    return prometheus_text.metric_name(f"megatron_rl_{kind}_{name}".replace(":", "_"))
 
 
 class Progress:

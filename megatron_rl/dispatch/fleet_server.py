@@ -6,26 +6,29 @@
     POST /done       {worker, lease, published: [id], failed: {id: reason}} -> {accepted: bool}
     GET  /status                                            -> workers, counters
 
-Every request carries the fleet token (header X-Fleet-Token; the token is in the fleet folder, mode 600). A
+Every request carries the fleet token (`Authorization: Bearer <token>`, the scheme of every server:
+`megatron_rl.http_auth`; else 401; the token is in the fleet folder's queue.json, mode 600). Errors are
+`{"error": {"message", "code"}}`. A
 /lease waits up to `wait_s` for work, so a warm worker gets a new batch's episodes within milliseconds of
 `put` (no polling loop on either side). The registry of workers (last heard, job id, leases) lives here;
 `Fleet` decides who is lost and who is surplus.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from megatron_rl import http_auth
 from megatron_rl.config import to_dict
 from megatron_rl.dispatch.lease_queue import LeaseQueue
 
 log = logging.getLogger(__name__)
 
-TOKEN_HEADER = "X-Fleet-Token"
+TOKEN_SOURCE = "the fleet token: 'token' in <fleet>/queue.json (mode 600)"
+"""Where a worker finds the token (named in a 401's message)."""
 
 
 class FleetState:
@@ -143,38 +146,32 @@ def serve(state: FleetState, token: str, host: str) -> ThreadingHTTPServer:
             pass
 
         def _reply(self, code: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            http_auth.reply_json(self, code, obj)
 
-        def _authorised(self) -> bool:
-            got = self.headers.get(TOKEN_HEADER, "").encode(errors="replace")
-            if hmac.compare_digest(got, token.encode()):  # bytes: a non-ASCII header is a mismatch, not a crash
-                return True
-            self._reply(403, {"error": f"missing or wrong {TOKEN_HEADER} (the token is in the fleet folder)"})
-            return False
+        def _error(self, code: int, message: str) -> None:
+            self._reply(code, http_auth.error_body(code, message))
 
         def do_GET(self):
-            if self._authorised():
-                self._reply(200, state.status()) if self.path == "/status" else self._reply(404, {"error": self.path})
+            if not http_auth.authorised(self, token, TOKEN_SOURCE):
+                return
+            if self.path != "/status":
+                return self._error(404, f"no endpoint {self.path[:100]}")
+            self._reply(200, state.status())
 
         def do_POST(self):
-            if not self._authorised():
+            if not http_auth.authorised(self, token, TOKEN_SOURCE):
                 return
             routes = {"/lease": state.lease, "/heartbeat": state.heartbeat, "/commit": state.commit,
                       "/done": state.done}
             if self.path not in routes:
-                return self._reply(404, {"error": f"no endpoint {self.path}"})
+                return self._error(404, f"no endpoint {self.path[:100]}")
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if not isinstance(body, dict) or not isinstance(body.get("worker"), str):
                     raise ValueError("'worker' (a string) is required")
                 self._reply(200, routes[self.path](body))
             except (ValueError, KeyError, TypeError) as e:
-                self._reply(400, {"error": f"{type(e).__name__}: {e}"})
+                self._error(400, f"{type(e).__name__}: {e}")
 
     httpd = ThreadingHTTPServer((host, 0), Handler)
     httpd.daemon_threads = True

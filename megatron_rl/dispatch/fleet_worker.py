@@ -23,8 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from megatron_rl import http_auth
 from megatron_rl.config import from_dict
-from megatron_rl.dispatch.fleet_server import TOKEN_HEADER
 from megatron_rl.dispatch.spec import EpisodeSpec, WorkerConfig, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class FleetWorker:
             q = self.queue
             me = {"worker": self.id, "job": self.job, "host": socket.gethostname(), "pid": os.getpid()}
             req = urllib.request.Request(q["url"] + path, data=json.dumps({**me, **body}).encode(),
-                                         headers={"Content-Type": "application/json", TOKEN_HEADER: q["token"]})
+                                         headers={"Content-Type": "application/json", **http_auth.bearer(q["token"])})
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
                     return json.loads(r.read())

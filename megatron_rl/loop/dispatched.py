@@ -70,7 +70,7 @@ class DispatchRollouts(Rollouts):
         or the one the colocated engine serves with; rank 0 writes it to `token_file` for the workers."""
         self.token_file = Path(run_dir) / "rollout_token"
         if self.rank0:
-            from megatron_rl.rollout.client import write_token_file
+            from megatron_rl.http_auth import write_token_file
 
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             write_token_file(self.token_file, self.token)

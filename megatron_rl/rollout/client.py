@@ -9,7 +9,7 @@ Connection errors, timeouts and 5xx/429 answers are retried (`retries` times, ex
 Standard library only (urllib), so workers in sandboxes need no extra packages.
 
 Every endpoint but /health needs the job's token (`Authorization: Bearer`): given, or read from `token_file`
-(mode 600, written by the driver with `write_token_file`; re-read once when the server answers 401, so a
+(mode 600, written by the driver with `http_auth.write_token_file`; re-read once when the server answers 401, so a
 restarted driver's new token is picked up), else $MEGATRON_RL_ROLLOUT_TOKEN.
 """
 from __future__ import annotations
@@ -20,7 +20,9 @@ import time
 import urllib.error
 import urllib.request
 
-TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"  # = megatron_rl.rollout.server.TOKEN_ENV (not imported: stdlib only)
+from megatron_rl import http_auth
+
+TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"  # = megatron_rl.rollout.server.TOKEN_ENV (not imported: aiohttp)
 
 
 class RolloutError(RuntimeError):
@@ -48,7 +50,7 @@ class RolloutClient:
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+            headers.update(http_auth.bearer(self.token))
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -108,21 +110,6 @@ class RolloutClient:
 
     def update_weights(self, version: int, path: str, policy: str = "continue") -> dict:
         return self._json("POST", "/update_weights", {"version": version, "path": path, "policy": policy})
-
-
-def write_token_file(path, token: str) -> None:
-    """Write the job's token to `path`, readable by its owner only (mode 600), atomically."""
-    path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    if os.path.lexists(tmp):  # a leftover (or someone's planted file or link): never write through it
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, token.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def read_token_file(path) -> str:

@@ -7,8 +7,9 @@
 Authentication (the recorded trajectories are training data): the chat route needs the job's token or the
 episode's own token (`episode_token(job_token, episode)`: what an agent playing that one episode is given, in
 $MEGATRON_RL_GATEWAY_TOKEN; it cannot reach another episode with it); reading and deleting a trajectory need the
-job's token. Anything else gets 401. The per-episode Unix socket of `envs.agents.session` (one socket, one
-episode, bound into that episode's sandbox only) is a separate server and needs none.
+job's token. Anything else gets 401 (`megatron_rl.http_auth`, the scheme of every server). The per-episode Unix
+socket of `envs.agents.session` (one socket, one episode, bound into that episode's sandbox only) is a separate
+server and needs none.
 
 An agent program (running in a sandbox, reaching the gateway through a Unix socket bound into it) uses an
 OpenAI client with `base_url = http://gateway/episodes/<episode>/v1`. For every call the gateway records the
@@ -29,12 +30,14 @@ import hmac
 from aiohttp import web
 
 from megatron_rl.envs.agents.recorder import Recorder, chat_response
-from megatron_rl.rollout.http_api import BadRequest, has_token, sampling_from, unauthorised
+from megatron_rl.rollout.http_api import TOKEN_SOURCE, BadRequest, has_token, sampling_from, unauthorised
 from megatron_rl.rollout.http_api import error_response as _error
 from megatron_rl.rollout.http_api import json_body as _json_body
 
 EPISODE_TOKEN_ENV = "MEGATRON_RL_GATEWAY_TOKEN"
 """Environment variable an agent reads its episode token from (envs/agents/shell_agent.py)."""
+CHAT_SOURCE = f"{TOKEN_SOURCE}; or the episode's own token, ${EPISODE_TOKEN_ENV} of its agent"
+"""Where a caller of the chat route finds a token (named in a 401's message)."""
 
 
 def episode_token(job_token: str, episode: str) -> str:
@@ -51,7 +54,7 @@ def _authorised(request: web.Request, episode_ok: bool) -> bool:
 # ------------------------------------------------------------------------------------ routes
 async def chat(request: web.Request) -> web.Response:
     if not _authorised(request, episode_ok=True):
-        return unauthorised(request)
+        return unauthorised(request, CHAT_SOURCE)
     st, rec, episode = request.app["state"], request.app["gateway"], request.match_info["episode"]
     try:
         body = await _json_body(request)

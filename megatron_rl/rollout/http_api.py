@@ -1,17 +1,20 @@
 """Request parsing and error replies shared by the rollout server (`server.py`) and the episode gateway
-(`gateway.py`): a module of its own, so that neither imports the other's helpers."""
+(`gateway.py`): a module of its own, so that neither imports the other's helpers. The token check and the error
+body are the project's one scheme (`megatron_rl.http_auth`), wrapped for aiohttp."""
 from __future__ import annotations
 
-import hmac
 import json
 
 from aiohttp import web
 
+from megatron_rl import http_auth
 from megatron_rl.config import ConfigError
 from megatron_rl.rollout.sampling import SamplingParams
 
 TOKEN_ENV = "MEGATRON_RL_ROLLOUT_TOKEN"
 """Environment variable holding the job's token (the rollout server, its gateway and their clients)."""
+TOKEN_SOURCE = f"the job's token: ${TOKEN_ENV}, or the mode-600 <run>/rollout_token the driver writes"
+"""Where a client finds the token (named in a 401's message)."""
 
 
 class BadRequest(ValueError):
@@ -59,7 +62,7 @@ def sampling_from(body: dict, tokenizer) -> SamplingParams:
 
 def error_response(status: int, message: str) -> web.Response:
     """The JSON error reply every endpoint gives: {error: {message, code}}."""
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return web.json_response(http_auth.error_body(status, message), status=status)
 
 
 async def json_body(request: web.Request) -> dict:
@@ -75,12 +78,13 @@ async def json_body(request: web.Request) -> dict:
 
 def has_token(request: web.Request, token: str) -> bool:
     """Whether the request carries `Authorization: Bearer <token>` (constant-time comparison)."""
-    got = request.headers.get("Authorization", "")
-    return hmac.compare_digest(got.encode(errors="replace"), ("Bearer " + token).encode())
+    return http_auth.bearer_ok(request.headers.get(http_auth.HEADER), token)
 
 
-def unauthorised(request: web.Request) -> web.Response:
-    return error_response(401, f"{request.path[:100]} needs the job's token (Authorization: Bearer ...; {TOKEN_ENV})")
+def unauthorised(request: web.Request, source: str = TOKEN_SOURCE) -> web.Response:
+    """The 401 of every server (http_auth.refusal); `source`: where the token comes from."""
+    status, headers, body = http_auth.refusal(request.path, source)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def requires_token(handler):

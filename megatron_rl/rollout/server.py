@@ -13,7 +13,7 @@ generation runs the policy and fills the engine (a stranger could read the model
 /update_weights replaces it, the gateway's routes (gateway.py) write and read training data. The token is
 `create_app(token=...)`, else the environment variable MEGATRON_RL_ROLLOUT_TOKEN (how the driver passes it to a
 server process), else a random one generated at start (then nobody outside the process can use the server).
-Workers get it from a mode-600 file the driver writes (`client.write_token_file`; GeneratorConfig.token_file).
+Workers get it from a mode-600 file the driver writes (`http_auth.write_token_file`; GeneratorConfig.token_file).
 Bind to the job's node address (`dispatch.net.node_address`), never 0.0.0.0: a server asked for a loopback name
 listens on loopback only.
 
@@ -49,10 +49,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from megatron_rl import prometheus_text
 from megatron_rl.config import ConfigError, from_dict
 from megatron_rl.rollout.compression import CompressionConfig
 from megatron_rl.rollout.engine import RequestOutput, RolloutEngine
-from megatron_rl.rollout.http_api import TOKEN_ENV, BadRequest, has_token, requires_token, sampling_from, unauthorised  # noqa: F401
+from megatron_rl.rollout.http_api import TOKEN_ENV, BadRequest, requires_token, sampling_from
 from megatron_rl.rollout.http_api import error_response as _error
 from megatron_rl.rollout.http_api import json_body as _json_body
 from megatron_rl.rollout.http_api import token_list as _token_list
@@ -60,8 +61,6 @@ from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
-
-"""Environment variable holding the job's token for mutating endpoints (never put it on a command line)."""
 
 
 class EngineLoop:
@@ -277,12 +276,14 @@ def metrics_text(loop: EngineLoop) -> str:
             "prompt_tokens_total": s["prompt_tokens"], "generation_tokens_per_second": s["generated_tokens"] / elapsed,
             "preemptions_total": s["preemptions"], "aborted_requests_total": loop.aborted,
             "policy_version": s["policy_version"]}
-    return "".join(f"# TYPE rollout_{k} {'counter' if k.endswith('_total') and 'blocks' not in k else 'gauge'}\n"
-                   f"rollout_{k} {v}\n" for k, v in rows.items())
+    gauges = {"kv_cache_blocks_total"}  # the pool's size, not a count of events
+    return prometheus_text.render(prometheus_text.Sample(f"rollout_{k}", v, kind="gauge" if k in gauges else None)
+                                  for k, v in rows.items())
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=metrics_text(request.app["state"].loop), content_type="text/plain")
+    return web.Response(body=metrics_text(request.app["state"].loop).encode(),
+                        headers={"Content-Type": prometheus_text.CONTENT_TYPE})
 
 
 async def update_weights(request: web.Request) -> web.Response:

@@ -54,7 +54,7 @@ def start_server() -> ServerThread:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from megatron_rl.rollout.client import write_token_file
+    from megatron_rl.http_auth import write_token_file
 
     srv = start_server()
     srv.token_file = tmp_path_factory.mktemp("token") / "rollout_token"

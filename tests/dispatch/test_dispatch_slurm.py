@@ -422,7 +422,7 @@ def test_eval_array_sbatch(slurm_cluster, tmp_path):
 def test_cpu_partition_workers_generate_through_a_rollout_server_on_localhost(slurm_cluster, monkeypatch, tmp_path):
     """Array tasks on the cpu partition ask a real rollout server (this process, 127.0.0.1) for their tokens."""
     from megatron_rl.data.shards import read_shard
-    from megatron_rl.rollout.client import write_token_file
+    from megatron_rl.http_auth import write_token_file
     from tests.dispatch.test_dispatch_http import _TOKENS, SAMPLING, VERSION, check_trajectory, start_server
 
     slurm_cluster.patch_env(monkeypatch)

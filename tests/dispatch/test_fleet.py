@@ -366,12 +366,13 @@ def _exit_within(proc: subprocess.Popen, timeout: float) -> int | None:
 
 
 def test_the_queue_endpoint_refuses_requests_without_the_fleet_token_and_odd_bodies():
-    """Every route needs X-Fleet-Token (a missing, wrong or non-ASCII one gets 403, never a crashed handler);
-    a JSON body that is not an object gets 400."""
+    """Every route needs the fleet token as `Authorization: Bearer` (a missing, wrong or non-ASCII one, or the
+    token in the old X-Fleet-Token header, gets 401, never a crashed handler); a JSON body that is not an object
+    gets 400."""
     import http.client
     import json
 
-    from megatron_rl.dispatch.fleet_server import TOKEN_HEADER, FleetState, serve
+    from megatron_rl.dispatch.fleet_server import FleetState, serve
     from megatron_rl.dispatch.lease_queue import LeaseQueue
 
     httpd = serve(FleetState(LeaseQueue(60.0)), "s3cret", "127.0.0.1")
@@ -387,13 +388,14 @@ def test_the_queue_endpoint_refuses_requests_without_the_fleet_token_and_odd_bod
         return resp.status, json.loads(resp.read())
 
     try:
-        for headers in ({}, {TOKEN_HEADER: "wrong"}, {TOKEN_HEADER: "s3cr\u00e9t".encode().decode("latin-1")}):
-            assert call("GET", "/status", None, headers)[0] == 403
-            assert call("POST", "/lease", b'{"worker": "w"}', headers)[0] == 403
-        ok = {TOKEN_HEADER: "s3cret"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Fleet-Token": "s3cret"},
+                        {"Authorization": "Bearer s3cr\u00e9t".encode().decode("latin-1")}):
+            assert call("GET", "/status", None, headers)[0] == 401
+            assert call("POST", "/lease", b'{"worker": "w"}', headers)[0] == 401
+        ok = {"Authorization": "Bearer s3cret"}
         assert call("GET", "/status", None, ok)[0] == 200
         status, out = call("POST", "/heartbeat", b"[1, 2]", ok)
-        assert status == 400 and "worker" in out["error"]
+        assert status == 400 and "worker" in out["error"]["message"] and out["error"]["code"] == 400
     finally:
         httpd.shutdown()
         httpd.server_close()

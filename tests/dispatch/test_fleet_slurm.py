@@ -16,7 +16,7 @@ import pytest
 
 from megatron_rl.data.consume import read_folder
 from megatron_rl.data.shards import read_shard
-from megatron_rl.dispatch.fleet_server import TOKEN_HEADER
+from megatron_rl.http_auth import bearer
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -42,7 +42,7 @@ def driver(slurm_cluster, out: Path) -> subprocess.Popen:
 
 def status(out: Path) -> dict:
     q = json.loads((out / "fleet" / "queue.json").read_text())
-    req = urllib.request.Request(q["url"] + "/status", headers={TOKEN_HEADER: q["token"]})
+    req = urllib.request.Request(q["url"] + "/status", headers=bearer(q["token"]))
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 

@@ -83,15 +83,23 @@ def test_prometheus_endpoint_serves_latest_metrics_and_alerts(tmp_path):
     m = Monitor(cfg, tmp_path)
     try:
         port = int((tmp_path / "prometheus_port").read_text())
+        token_file = tmp_path / "prometheus_token"
+        assert token_file.stat().st_mode & 0o777 == 0o600  # a scraper's credentials_file
+        auth = {"Authorization": f"Bearer {token_file.read_text()}"}
         m.log("rl", 0, {"reward_mean": 0.25, "countdown/count": 16, "note": "text is not a metric"})
         m.log("rl", 1, {"reward_mean": 0.5, "countdown/count": 16})
         m.check(1, {"loss": float("nan")})
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        m.check(2, {"loss": float("inf")})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=auth)
+        text = urllib.request.urlopen(req, timeout=10).read().decode()
         assert "megatron_rl_rl_reward_mean 0.5\n" in text and "megatron_rl_rl_step 1.0\n" in text
         assert "megatron_rl_rl_countdown_count 16.0\n" in text and "note" not in text
-        assert '# TYPE megatron_rl_alerts_total counter\nmegatron_rl_alerts_total{rule="nan"} 1.0\n' in text
+        assert '# TYPE megatron_rl_alerts_total counter\nmegatron_rl_alerts_total{rule="nan"} 2.0\n' in text
+        assert text.count("# TYPE megatron_rl_rl_reward_mean gauge\n") == 1
         with pytest.raises(urllib.error.HTTPError, match="404"):
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/other", headers=auth), timeout=10)
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # no token
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
     finally:
         m.close()
 

@@ -262,7 +262,8 @@ def test_the_token_file_is_private_and_never_written_through_a_planted_link(tmp_
     import os
     import stat
 
-    from megatron_rl.rollout.client import read_token_file, write_token_file
+    from megatron_rl.http_auth import write_token_file
+    from megatron_rl.rollout.client import read_token_file
 
     target = tmp_path / "elsewhere"
     target.write_text("untouched")

@@ -45,7 +45,9 @@ GROUND = {
     "megatron_rl.model_init": "what model.init names (kind, folder): path checks only, imports config only",
     "megatron_rl.distributed": "process-group set-up: imports parallel, slurm_env and compat only",
     "megatron_rl.compat": "Megatron-Core on machines it was not written for: imports torch and Megatron only",
-    "megatron_rl.monitoring": "metrics sinks and /metrics: stdlib only",
+    "megatron_rl.monitoring": "metrics sinks and /metrics: stdlib, http_auth and prometheus_text only",
+    "megatron_rl.http_auth": "the bearer-token check and JSON error of every HTTP server: stdlib only",
+    "megatron_rl.prometheus_text": "the Prometheus text renderer of every /metrics: stdlib only",
     "megatron_rl.eval_report": "pass@k arithmetic over result rows: stdlib only",
 }
 
