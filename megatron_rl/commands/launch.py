@@ -2,7 +2,8 @@
 (torchrun, srun, mpirun) already started this process as one of the job's ranks.
 
 Used by `train`, `eval` and `tools/convert`: `rank_env` builds the ranks' environment, `rank_threads` decides
-their thread count (the one place of the thread defaults), `LocalRanks` starts and watches them."""
+their thread count (the one place of the thread defaults), `LocalRanks` starts and watches them; `run_here` runs
+a single rank in the calling process (`megatron-rl train` with one rank)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 from megatron_rl.slurm_env import under_launcher
@@ -67,24 +70,12 @@ class LocalRanks:
         if self.env is None:  # under an outer launcher: its variables are this process's
             self.procs = [subprocess.Popen([sys.executable, *self.argv], stdout=self.stdout, stderr=self.stderr)]
             return self
-        import torch.distributed as dist  # the ranks import torch anyway; torchrun's agent did too
-
-        self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        self.store = rendezvous_store()
         for rank in range(self.nproc):
-            env = {**self.env, **self.torchrun_vars(rank, self.store.port)}
+            env = {**self.env, **torchrun_vars(rank, self.nproc, self.store.port)}
             self.procs.append(subprocess.Popen([sys.executable, *self.argv], env=env, stdout=self.stdout,
                                                stderr=self.stderr))
         return self
-
-    def torchrun_vars(self, rank: int, port: int) -> dict[str, str]:
-        """torchrun's variables for `rank`; TORCHELASTIC_USE_AGENT_STORE makes every rank a client of the
-        store this process hosts (torch.distributed.rendezvous)."""
-        n = str(self.nproc)
-        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
-                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n,
-                "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-                "TORCHELASTIC_MAX_RESTARTS": "0"}
 
     def signal(self, signum: int) -> None:
         """Forward `signum` to every live rank (SIGTERM/SIGUSR1: checkpoint and stop after the current step)."""
@@ -149,3 +140,52 @@ class LocalRanks:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
+
+
+def rendezvous_store():
+    """The job's rendezvous store, served by this process on a port the kernel picks as it binds (the ranks
+    import torch anyway; so did torchrun's agent)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+
+
+def torchrun_vars(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """torchrun's variables for `rank` of `nproc` local ranks; TORCHELASTIC_USE_AGENT_STORE makes every rank a
+    client of the store on `port` that the launching process hosts (torch.distributed.rendezvous)."""
+    n = str(nproc)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": n, "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+
+
+def run_here(rank_fn: Callable[[], int], launch: LaunchConfig | None = None) -> int:
+    """One rank in this process: what `LocalRanks` with one rank would run, without a second interpreter that
+    imports torch and Megatron again (~3.5 CPU-s a launch). For the duration of `rank_fn()` the process has the
+    rank's environment (torchrun's variables pointing at a store served here, OMP_NUM_THREADS and torch's thread
+    count from `rank_threads(launch)`); signal handlers, environment and thread count are restored after. An
+    exception is printed and gives exit 1, as a failed rank process would."""
+    import torch
+
+    store = rendezvous_store()
+    env = {"OMP_NUM_THREADS": str(rank_threads(launch)), **torchrun_vars(0, 1, store.port)}
+    saved_env, threads = {k: os.environ.get(k) for k in env}, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        return rank_fn()
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        del store

@@ -3,8 +3,8 @@
   1. tasks (the configured domain's suite, or its generated tasks: `curriculum:`, envs.task_source); every reference
      solution is checked by the environment's own reward in the sandbox (bubblewrap by default); verified ones
      become warm-up trajectories (prompt tokens loss-masked) in atomic HDF5 shards;
-  2. torchrun starts the ranks (gloo on CPU); Megatron-Core builds the policy at the configured layout and
-     trains it supervised on those shards (the warm-up);
+  2. the ranks start (gloo on CPU; a single rank runs in this process); Megatron-Core builds the policy at the
+     configured layout and trains it supervised on those shards (the warm-up);
   3. the RL loop (`megatron_rl/driver.py`): the rollout engine in-process on the same ranks generates groups,
      rank 0 scores them in the sandbox, GRPO updates the policy, weights are copied into the engine; sync or
      async (rl.max_staleness), dynamic sampling, held-out evaluation (pass@k), checkpoints, alerts;
@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 from megatron_rl import config as C
-from megatron_rl.commands.launch import run_ranks
+from megatron_rl.commands.launch import run_here, run_ranks
 from megatron_rl.run_config import RunConfig
+from megatron_rl.slurm_env import under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 2
-    return drive(cfg, run_dir)
+    return drive(cfg, run_dir, here=True)
 
 
 def check_store(cfg: RunConfig) -> None:
@@ -84,7 +85,9 @@ def run(cfg: RunConfig) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def drive(cfg: RunConfig, run_dir: Path) -> int:
+def drive(cfg: RunConfig, run_dir: Path, here: bool = False) -> int:
+    """The run from the launching process: prepare, start the ranks, export, summarise. `here`: a single-rank run
+    is run in this process (the command line); the Python API keeps its caller's process clean."""
     t0, cpu0 = time.time(), cpu_seconds()  # a baseline: what ran before (scripts/run.sh's set-up) is not counted
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
@@ -97,7 +100,7 @@ def drive(cfg: RunConfig, run_dir: Path) -> int:
          f"{cfg.launch.nproc_per_node} ranks; RL: {cfg.rl.steps} GRPO steps of {cfg.rl.prompts_per_step} prompts x "
          f"{cfg.rl.group_size} samples, max_staleness={cfg.rl.max_staleness})")
     before = _resume_or_start(cfg, run_dir)
-    rc = launch_workers(cfg, run_dir)
+    rc = launch_workers(cfg, run_dir, here)
     if rc == 3:
         _say(_stopped_message(run_dir, before))
         return rc
@@ -230,11 +233,15 @@ def _prepare(cfg: RunConfig, run_dir: Path) -> None:
          f"{data['checked']}; shards in {data['shard_dir']}")
 
 
-def launch_workers(cfg: RunConfig, run_dir: Path) -> int:
-    """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): in-process
-    when already under a launcher (torchrun, srun), else torchrun here."""
-    module = ["-m", "megatron_rl.commands.train", str(run_dir / "config.yaml"), "--worker"]
-    return run_ranks(module, cfg.launch.nproc_per_node, cfg.launch)
+def launch_workers(cfg: RunConfig, run_dir: Path, here: bool = False) -> int:
+    """Start the ranks (they read <run>/config.yaml, the config this process resolved and wrote): one process
+    when already under a launcher (torchrun, srun), else launch.nproc_per_node local ranks; with `here` and one
+    rank, that rank runs in this process (no second interpreter importing torch and Megatron)."""
+    config = run_dir / "config.yaml"
+    if here and cfg.launch.nproc_per_node == 1 and not under_launcher():
+        return run_here(lambda: rank_main(C.load(RunConfig, str(config), []), run_dir), cfg.launch)
+    return run_ranks(["-m", "megatron_rl.commands.train", str(config), "--worker"], cfg.launch.nproc_per_node,
+                     cfg.launch)
 
 
 def summary(cfg: RunConfig, run_dir: Path, seconds: float, cpu: float, export_dir: Path | None = None) -> None:

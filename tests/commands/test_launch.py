@@ -122,3 +122,48 @@ def test_thread_defaults_train_shares_the_cores_eval_and_convert_take_one(monkey
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert L.rank_threads() == 4 == L.rank_threads(LaunchConfig(nproc_per_node=1))
     assert L.rank_threads(LaunchConfig(threads_per_rank=3)) == 3
+
+
+def test_run_here_gives_the_call_a_ranks_environment_and_restores_the_process_after(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before_threads, before_handler = torch.get_num_threads(), signal.getsignal(signal.SIGTERM)
+    seen = {}
+
+    def rank():
+        seen.update({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "OMP_NUM_THREADS",
+                                                    "TORCHELASTIC_USE_AGENT_STORE")})
+        seen["threads"] = torch.get_num_threads()
+        signal.signal(signal.SIGTERM, lambda *_: None)  # what the driver's StopFlag does
+        return 3
+
+    assert L.run_here(rank, LaunchConfig(threads_per_rank=2)) == 3
+    assert seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1" and int(seen["MASTER_PORT"]) > 0
+    assert seen["OMP_NUM_THREADS"] == "2" == str(seen["threads"]) and seen["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert "RANK" not in os.environ and os.environ["OMP_NUM_THREADS"] == "1"
+    assert torch.get_num_threads() == before_threads and signal.getsignal(signal.SIGTERM) == before_handler
+
+
+def test_run_here_a_failing_rank_is_exit_1_with_its_traceback(capsys):
+    def rank():
+        raise ValueError("bad layout")
+
+    assert L.run_here(rank) == 1
+    assert "ValueError: bad layout" in capsys.readouterr().err
+
+
+def test_the_train_command_runs_a_single_rank_here_and_the_python_api_in_a_process_of_its_own(monkeypatch, tmp_path):
+    from megatron_rl.commands import train as T
+    from megatron_rl.run_config import RunConfig
+
+    calls = []
+    monkeypatch.setattr(T, "run_here", lambda fn, launch: calls.append("here") or 0)
+    monkeypatch.setattr(T, "run_ranks", lambda argv, n, launch: calls.append(f"ranks{n}") or 0)
+    monkeypatch.setattr(T, "under_launcher", lambda: False)
+    one, two = RunConfig(), RunConfig()
+    one.launch.nproc_per_node, two.launch.nproc_per_node = 1, 2
+    for cfg, here in ((one, True), (one, False), (two, True)):
+        T.launch_workers(cfg, tmp_path, here)
+    assert calls == ["here", "ranks1", "ranks2"]
