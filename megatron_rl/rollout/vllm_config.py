@@ -38,6 +38,10 @@ class VLLMConfig:
     weight-transfer API (init_weight_transfer_engine, start/update/finish_weight_update), the tensors broadcast
     from the trainer's memory over an NCCL group (GPUs only: refused without CUDA); gloo: the same route over a
     CPU (gloo) group (CPU runs; what the CPU tests drive)."""
+    cuda_visible_devices: str = ""
+    """CUDA_VISIBLE_DEVICES of the vLLM process ('' = this process's, vLLM then takes its first GPU). With
+    weight_transfer=nccl name a GPU other than the trainer rank's: NCCL refuses two ranks of one group on one GPU
+    (a vLLM sharing the trainer's GPU syncs by file)."""
     shm_dir: str = "/dev/shm"
     """Where the per-update weight folders are written (tmpfs); one folder per engine, removed at close."""
     start_timeout_s: float = 900.0
@@ -92,13 +96,20 @@ def check_environment(cfg: VLLMConfig) -> str:
 
 
 def check_transfer_device(cfg: VLLMConfig) -> None:
-    """engine.vllm.weight_transfer=nccl needs CUDA in this process: ConfigError naming the setting and the fix."""
+    """engine.vllm.weight_transfer=nccl needs CUDA in this process and vLLM on another GPU (its own
+    cuda_visible_devices): ConfigError naming the setting and the fix."""
     import torch
 
-    if cfg.weight_transfer == "nccl" and not torch.cuda.is_available():
+    if cfg.weight_transfer != "nccl":
+        return
+    if not torch.cuda.is_available():
         raise ConfigError("engine.vllm.weight_transfer=nccl needs CUDA GPUs (an NCCL group between the trainer and "
                           "vLLM) and none is visible here; use engine.vllm.weight_transfer=file (safetensors on "
                           "tmpfs, any device) or gloo (the same vLLM weight-transfer route over a CPU group)")
+    if not cfg.cuda_visible_devices.strip():
+        raise ConfigError("engine.vllm.weight_transfer=nccl needs vLLM on a GPU other than the trainer rank's (NCCL "
+                          "refuses two ranks of one group on one GPU): set engine.vllm.cuda_visible_devices to that "
+                          "GPU, or use engine.vllm.weight_transfer=file for a vLLM sharing the trainer's GPU")
 
 
 def dtype_name(engine_dtype: str, params_dtype: str) -> str:

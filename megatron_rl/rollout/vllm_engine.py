@@ -21,12 +21,15 @@ into a folder on tmpfs (`engine.vllm.shm_dir`, default /dev/shm; one folder per 
 loaded with `collective_rpc("reload_weights")`; every HF tensor of the model folder must be written (else
 RuntimeError naming the missing). After a reload vLLM's prefix cache is emptied and requests in flight are
 preempted, so their K/V is recomputed under the new weights (the native engine's kv_on_update='recompute');
-tokens sampled after it carry the new version.
+tokens sampled after it carry the new version. `engine.vllm.weight_transfer: nccl` (GPUs) or `gloo` (CPU) sends the
+same HF tensors from memory instead, through vLLM's weight-transfer API (`rollout/vllm_transfer.py`; the process
+joins the trainer's group at every start), with the same checks, versions, prefix-cache reset and policies.
 
 A dead vLLM process (killed, out of memory) is seen at once (end of the pipe), a hung one after
 `engine.vllm.step_timeout_s` without a reply (then killed); either is restarted (`engine.vllm.max_restarts`
 times per engine): the new process loads the last synced weights (their folder is kept on tmpfs while restarts
-are on) and every sample in flight continues from the tokens it had (prompt + its tokens so far as the new
+are on; with nccl / gloo a CPU copy of the last synced tensors, sent again over the new process's new group)
+and every sample in flight continues from the tokens it had (prompt + its tokens so far as the new
 prompt, the rest of its token budget, a new seed), so no episode is lost and the tokens already sampled keep
 their log-probs and versions. One death more than that: RuntimeError naming the process, its exit status, the
 setting and the tail of its log, never a hang. Start-up errors are clear errors naming the setting to fix: a
@@ -123,6 +126,8 @@ class VLLMEngine:
                "VLLM_CPU_KVCACHE_SPACE": str(self.vcfg.kv_cache_gb), "VLLM_DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # the project's packages must not shadow the vLLM environment's
+        if self.vcfg.cuda_visible_devices.strip():
+            env["CUDA_VISIBLE_DEVICES"] = self.vcfg.cuda_visible_devices.strip()
         if self.vcfg.cpu_threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.vcfg.cpu_threads_bind
         to_w, from_p = os.pipe()
@@ -436,7 +441,8 @@ class VLLMEngine:
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        policy: str | None = None, complete: bool = True) -> int:
         """Convert the trainer's tensors (Megatron names) to HF names, write them as safetensors on tmpfs and
-        reload them into vLLM (between steps); returns the tensors written. Every HF tensor of the model
+        reload them into vLLM (between steps; weight_transfer nccl / gloo: broadcast them, `_update_transfer`);
+        returns the tensors written. Every HF tensor of the model
         folder must be written (RuntimeError naming the missing ones)."""
         policy = policy or self.cfg.update_policy
         if policy not in ("continue", "abort"):

@@ -5,7 +5,8 @@ of the nccl route (same code but the group's backend): the metadata sent equals 
 tokens after an update equal transformers' on the new weights and the file route's on the same engine; versions,
 a missing tensor, the abort policy; a killed process restarted that joins a new group and receives the last synced
 tensors. nccl itself (CUDA) is refused here before any work, naming the setting; scripts/gpu_check_vllm.sh runs
-this module with weight_transfer=nccl on GPUs (MRL_VLLM_WEIGHT_TRANSFER). One vLLM engine for the module."""
+this module with weight_transfer=nccl on GPUs (MRL_VLLM_WEIGHT_TRANSFER). One vLLM engine for the module (and one
+restart of it): ~90 CPU-s in all, hence `slow` but for the refusals."""
 import os
 import signal
 from pathlib import Path
@@ -22,6 +23,8 @@ from tests.rollout.test_vllm_backend import PROMPTS, SHAPE, VLLM_PY, _hf_greedy,
 
 ROUTE = os.environ.get("MRL_VLLM_WEIGHT_TRANSFER", "gloo")
 """The route the engine tests drive: gloo on CPU; scripts/gpu_check_vllm.sh sets nccl on a GPU machine."""
+VLLM_GPU = os.environ.get("MRL_VLLM_GPU", "")
+"""engine.vllm.cuda_visible_devices of the module's engine (nccl: a GPU other than this process's)."""
 needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="no vLLM environment: run `bash scripts/setup_vllm.sh` "
                                 "(scripts/test.sh does) to build .venv-vllm")
 
@@ -37,7 +40,8 @@ def hf_dir(tmp_path_factory):
 def engine(hf_dir, tmp_path_factory):
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(VLLMConfig(python=str(VLLM_PY), weight_transfer=ROUTE), EngineConfig(max_running=16),
+    vcfg = VLLMConfig(python=str(VLLM_PY), weight_transfer=ROUTE, cuda_visible_devices=VLLM_GPU)
+    eng = VLLMEngine(vcfg, EngineConfig(max_running=16),
                      f"hf:{hf_dir}", 1024, "float32", log_dir=tmp_path_factory.mktemp("vllm_log"))
     yield eng
     eng.close()
@@ -54,6 +58,7 @@ def _perturbed(model, seed):
     return {n: p.detach() * (1 + 0.5 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_transfer_metadata_equals_what_the_file_route_writes(hf_dir, tmp_path):
     """The names, dtypes and shapes of update_weights (and the tensors broadcast) are the file route's safetensors,
     tensor for tensor (the converter's tables; a tied output layer in neither)."""
@@ -96,7 +101,19 @@ def test_nccl_without_cuda_is_refused_before_any_work(hf_dir):
         VLLMConfig(weight_transfer="ipc").validate()
 
 
+def test_nccl_with_vllm_on_the_trainers_gpu_is_refused(monkeypatch):
+    """With CUDA (faked here: the only mock, for the GPU this machine lacks) nccl still needs vLLM on another GPU."""
+    from megatron_rl.rollout.vllm_config import check_transfer_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"GPU other than the trainer rank's.*engine.vllm.cuda_visible_devices.*"
+                                          r"weight_transfer=file"):
+        check_transfer_device(VLLMConfig(weight_transfer="nccl"))
+    check_transfer_device(VLLMConfig(weight_transfer="nccl", cuda_visible_devices="1"))
+
+
 @needs_vllm
+@pytest.mark.slow
 def test_update_by_weight_transfer_equals_transformers_and_the_file_route(engine, hf_dir, tmp_path):
     """Trainer weights perturbed -> update_weights by the weight-transfer route: greedy tokens are transformers'
     on the new weights, nothing is written to tmpfs, a request across the update records both versions; a sync
@@ -140,6 +157,7 @@ def test_update_by_weight_transfer_equals_transformers_and_the_file_route(engine
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_abort_policy_by_weight_transfer_ends_requests_in_flight(engine, hf_dir):
     rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=50, n=2, seed=1))
     engine.step()
@@ -150,6 +168,7 @@ def test_abort_policy_by_weight_transfer_ends_requests_in_flight(engine, hf_dir)
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_restarted_process_joins_a_new_group_and_receives_the_last_synced_weights(engine, hf_dir):
     """Last in the module (it restarts the module's engine): a SIGKILLed vLLM process is seen at the next step,
     restarted; the new process joins a new transfer group at its start and gets the last synced tensors (the
