@@ -25,9 +25,6 @@ from datetime import timedelta
 
 import torch
 
-ENGINE_NAME = "megatron_rl_torch_dist"
-"""The name `vllm_worker.py` registers its weight-transfer engine under (WeightTransferConfig.backend)."""
-
 
 class _Collect(dict):
     """An `emit_hf` writer that keeps the tensors in memory (name -> tensor)."""

@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass
 
 WEIGHT_TRANSFER_ENGINE = "megatron_rl_torch_dist"
-"""The name this worker registers its weight-transfer engine under (rollout/vllm_transfer.ENGINE_NAME)."""
+"""The name this worker registers its weight-transfer engine under (vLLM's WeightTransferConfig.backend)."""
 
 
 def _engine(conf: dict):
