@@ -22,9 +22,16 @@ What it checks, one JSON line on stdout (exit 0: every check passed, 1: a check 
   (the GPU mismatch figure); `restored_equals_baseline`: the original weights sent back by NCCL restore the
   original greedy tokens.
 - timing: `nccl_s` (two rounds: first includes the communicator's warm-up) vs `file_s` (write + reload).
-What remains for `VLLMEngine._update_nccl` after this passes: the trainer side lives in the project's venv,
-which has no vLLM; either a sender helper in the vLLM environment fed by CUDA IPC handles of the trainer's
-tensors, or vLLM's rendezvous (TCPStore + ncclUniqueId, `nccl_common.trainer_init`) reimplemented on torch.
+How this relates to the engine's route (`engine.vllm.weight_transfer: nccl`, `VLLMEngine._update_transfer`):
+the engine drives the same worker RPCs (init_weight_transfer_engine, start_weight_update, update_weights with the
+same names / dtype names / shapes, finish_weight_update) but the project's venv has no vLLM, hence no
+`PyNcclCommunicator`: its worker (`rollout/vllm_worker.py`) registers vLLM's NCCL engine with a torch
+process group instead (`stateless_init_torch_distributed_process_group`, ProcessGroupNCCL on GPUs, gloo on CPU)
+and the trainer joins it with torch alone (`rollout/vllm_transfer.py`), unpacked, one tensor at a time. That route
+is checked by `tests/rollout/test_vllm_weight_transfer.py` (gloo on CPU, run here; nccl with
+MRL_VLLM_WEIGHT_TRANSFER=nccl MRL_VLLM_GPU=1, run by scripts/gpu_check_vllm.sh). This script stays as the
+reference: vLLM's own (packed) NCCL engine on the same model, its greedy tokens and its seconds, which the engine
+route's should match (tokens) and approach (seconds).
 """
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ class RunConfig:
         starts)."""
         if self.engine.backend != "vllm":
             return
-        from megatron_rl.rollout.vllm_config import check_environment
+        from megatron_rl.rollout.vllm_config import check_environment, check_transfer_device
 
         if not self.model.init.startswith("hf:"):
             raise ConfigError(f"engine.backend=vllm starts vLLM from an HF model folder: set model.init=hf:DIR "
@@ -274,8 +274,7 @@ class RunConfig:
             raise ConfigError(f"rl.trainer.routing_replay={self.rl.trainer.routing_replay} needs the experts each "
                               f"token was routed to, which engine.backend=vllm does not return; set "
                               f"rl.trainer.routing_replay=off or engine.backend=native")
-        if self.engine.vllm.weight_transfer == "nccl" and not __import__("torch").cuda.is_available():
-            raise ConfigError("engine.vllm.weight_transfer=nccl needs CUDA GPUs; use engine.vllm.weight_transfer=file")
+        check_transfer_device(self.engine.vllm)  # nccl without CUDA: names the setting and the fix
         check_environment(self.engine.vllm)  # names engine.vllm.python and the fix (scripts/setup_vllm.sh)
 
     def validate(self) -> None:

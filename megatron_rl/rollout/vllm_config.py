@@ -34,8 +34,14 @@ class VLLMConfig:
     """On a GPU: the share of its memory vLLM takes for weights and KV cache (0 = vLLM's default, 0.9: set it
     lower, e.g. 0.3, on a GPU shared with the trainer). Ignored on CPU (kv_cache_gb)."""
     weight_transfer: str = "file"
-    """file: safetensors on tmpfs + reload_weights (any device); nccl: vLLM's NCCL weight-transfer API (GPU
-    only; refused without CUDA)."""
+    """How each weight sync reaches vLLM. file: safetensors on tmpfs + reload_weights (any device); nccl: vLLM's
+    weight-transfer API (init_weight_transfer_engine, start/update/finish_weight_update), the tensors broadcast
+    from the trainer's memory over an NCCL group (GPUs only: refused without CUDA); gloo: the same route over a
+    CPU (gloo) group (CPU runs; what the CPU tests drive)."""
+    cuda_visible_devices: str = ""
+    """CUDA_VISIBLE_DEVICES of the vLLM process ('' = this process's, vLLM then takes its first GPU). With
+    weight_transfer=nccl name a GPU other than the trainer rank's: NCCL refuses two ranks of one group on one GPU
+    (a vLLM sharing the trainer's GPU syncs by file)."""
     shm_dir: str = "/dev/shm"
     """Where the per-update weight folders are written (tmpfs); one folder per engine, removed at close."""
     start_timeout_s: float = 900.0
@@ -51,8 +57,8 @@ class VLLMConfig:
     def validate(self) -> None:
         if not self.python.strip():
             raise ConfigError(f"engine.vllm.python is empty; name the vLLM environment's python (made by {SETUP})")
-        if self.weight_transfer not in ("file", "nccl"):
-            raise ConfigError(f"engine.vllm.weight_transfer={self.weight_transfer!r} is not one of file, nccl")
+        if self.weight_transfer not in ("file", "nccl", "gloo"):
+            raise ConfigError(f"engine.vllm.weight_transfer={self.weight_transfer!r} is not one of file, nccl, gloo")
         for name in ("kv_cache_gb", "start_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine.vllm.{name} must be > 0, got {getattr(self, name)}")
@@ -87,6 +93,23 @@ def check_environment(cfg: VLLMConfig) -> str:
         raise ConfigError(f"engine.vllm.python={cfg.python!r} has vllm {version}, the backend needs "
                           f"{cfg.version} (engine.vllm.version); {fix}")
     return version
+
+
+def check_transfer_device(cfg: VLLMConfig) -> None:
+    """engine.vllm.weight_transfer=nccl needs CUDA in this process and vLLM on another GPU (its own
+    cuda_visible_devices): ConfigError naming the setting and the fix."""
+    import torch
+
+    if cfg.weight_transfer != "nccl":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("engine.vllm.weight_transfer=nccl needs CUDA GPUs (an NCCL group between the trainer and "
+                          "vLLM) and none is visible here; use engine.vllm.weight_transfer=file (safetensors on "
+                          "tmpfs, any device) or gloo (the same vLLM weight-transfer route over a CPU group)")
+    if not cfg.cuda_visible_devices.strip():
+        raise ConfigError("engine.vllm.weight_transfer=nccl needs vLLM on a GPU other than the trainer rank's (NCCL "
+                          "refuses two ranks of one group on one GPU): set engine.vllm.cuda_visible_devices to that "
+                          "GPU, or use engine.vllm.weight_transfer=file for a vLLM sharing the trainer's GPU")
 
 
 def dtype_name(engine_dtype: str, params_dtype: str) -> str:

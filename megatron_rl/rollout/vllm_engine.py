@@ -21,12 +21,15 @@ into a folder on tmpfs (`engine.vllm.shm_dir`, default /dev/shm; one folder per 
 loaded with `collective_rpc("reload_weights")`; every HF tensor of the model folder must be written (else
 RuntimeError naming the missing). After a reload vLLM's prefix cache is emptied and requests in flight are
 preempted, so their K/V is recomputed under the new weights (the native engine's kv_on_update='recompute');
-tokens sampled after it carry the new version.
+tokens sampled after it carry the new version. `engine.vllm.weight_transfer: nccl` (GPUs) or `gloo` (CPU) sends the
+same HF tensors from memory instead, through vLLM's weight-transfer API (`rollout/vllm_transfer.py`; the process
+joins the trainer's group at every start), with the same checks, versions, prefix-cache reset and policies.
 
 A dead vLLM process (killed, out of memory) is seen at once (end of the pipe), a hung one after
 `engine.vllm.step_timeout_s` without a reply (then killed); either is restarted (`engine.vllm.max_restarts`
 times per engine): the new process loads the last synced weights (their folder is kept on tmpfs while restarts
-are on) and every sample in flight continues from the tokens it had (prompt + its tokens so far as the new
+are on; with nccl / gloo a CPU copy of the last synced tensors, sent again over the new process's new group)
+and every sample in flight continues from the tokens it had (prompt + its tokens so far as the new
 prompt, the rest of its token budget, a new seed), so no episode is lost and the tokens already sampled keep
 their log-probs and versions. One death more than that: RuntimeError naming the process, its exit status, the
 setting and the tail of its log, never a hang. Start-up errors are clear errors naming the setting to fix: a
@@ -79,11 +82,13 @@ class VLLMEngine:
         from megatron_rl.convert.arch import for_hf_config
         from megatron_rl.convert.source import hf_config
         from megatron_rl.model_init import parse
-        from megatron_rl.rollout.vllm_config import check_environment
+        from megatron_rl.rollout.vllm_config import check_environment, check_transfer_device
 
+        check_transfer_device(vcfg)  # nccl without CUDA: refused before any work
         check_environment(vcfg)  # a missing environment or another vLLM version: ConfigError naming the setting
         self.vcfg, self.cfg, self.version, self.dtype = vcfg, cfg, version, dtype
         self.model_init, self.restarts, self._weights = model_init, 0, None  # _weights: last synced folder
+        self._kept, self._group = None, None  # nccl / gloo: last synced HF tensors (CPU), the trainer's group
         kind, self.folder = parse(model_init)
         if kind != "hf":
             raise ConfigError(f"engine.backend=vllm loads an HF model folder: model.init={model_init!r} is not "
@@ -114,13 +119,15 @@ class VLLMEngine:
     def _start(self) -> None:
         conf = {"model": str(self.folder), "dtype": self.dtype, "seed": self.cfg.seed,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.cfg.max_running,
-                "enforce_eager": self.vcfg.enforce_eager}
+                "enforce_eager": self.vcfg.enforce_eager, "weight_transfer": self.vcfg.weight_transfer}
         if self.vcfg.gpu_memory_utilization:  # GPU only (EngineArgs' own field)
             conf["extra"] = {"gpu_memory_utilization": self.vcfg.gpu_memory_utilization}
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_CPU_KVCACHE_SPACE": str(self.vcfg.kv_cache_gb), "VLLM_DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # the project's packages must not shadow the vLLM environment's
+        if self.vcfg.cuda_visible_devices.strip():
+            env["CUDA_VISIBLE_DEVICES"] = self.vcfg.cuda_visible_devices.strip()
         if self.vcfg.cpu_threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.vcfg.cpu_threads_bind
         to_w, from_p = os.pipe()
@@ -152,6 +159,28 @@ class VLLMEngine:
             raise ConfigError(f"engine.vllm.python={self.vcfg.python!r} started vLLM {self.vllm_version}, the "
                               f"backend needs {self.vcfg.version} (engine.vllm.version); run `bash "
                               f"scripts/setup_vllm.sh` or point engine.vllm.python at a vLLM {self.vcfg.version}")
+        if self.vcfg.weight_transfer != "file":
+            self._join_group()
+
+    def _join_group(self) -> None:
+        """vLLM's init_weight_transfer_engine: the new process joins a new trainer group (at every start, so a
+        restarted process re-inits it)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megatron_rl.rollout.vllm_transfer import TrainerGroup
+
+        self._group = TrainerGroup(self.vcfg.weight_transfer, self.vcfg.step_timeout_s)
+        self._send({"op": "wt_init", "init_info": self._group.init_info()})
+        pool = ThreadPoolExecutor(1)  # both sides join at once; an error reply must not wait for our timeout
+        joined = pool.submit(self._group.connect)
+        try:
+            self._recv(self.vcfg.start_timeout_s, "init_weight_transfer_engine")
+            joined.result(timeout=self.vcfg.start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            pool.shutdown(wait=False)
 
     def _kill_process(self) -> int:
         """SIGKILL the process's whole session (start_new_session: vLLM's helpers too) while its id is still
@@ -167,6 +196,9 @@ class VLLMEngine:
         """Stop the process (if still up) and close this side's pipe ends."""
         if self.proc is not None:
             self._kill_process()
+        if self._group is not None:
+            self._group.close()
+            self._group = None
         for f in (getattr(self, "_out", None),):
             try:
                 f and f.close()
@@ -232,6 +264,8 @@ class VLLMEngine:
             try:
                 if self._weights is not None:
                     self._call({"op": "reload", "path": str(self._weights)}, "reload_weights", recover=False)
+                if self._kept is not None:  # nccl / gloo: the last synced tensors again, by the new group
+                    self._transfer(self._kept)
                 break
             except VLLMProcessDied as again:
                 died = again
@@ -407,24 +441,20 @@ class VLLMEngine:
     def update_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        policy: str | None = None, complete: bool = True) -> int:
         """Convert the trainer's tensors (Megatron names) to HF names, write them as safetensors on tmpfs and
-        reload them into vLLM (between steps); returns the tensors written. Every HF tensor of the model
+        reload them into vLLM (between steps; weight_transfer nccl / gloo: broadcast them, `_update_transfer`);
+        returns the tensors written. Every HF tensor of the model
         folder must be written (RuntimeError naming the missing ones)."""
         policy = policy or self.cfg.update_policy
         if policy not in ("continue", "abort"):
             raise ValueError(f"update policy {policy!r}: use 'continue' or 'abort'")
-        if self.vcfg.weight_transfer == "nccl":
-            return self._update_nccl(version, named_tensors, policy)
+        if self.vcfg.weight_transfer != "file":
+            return self._update_transfer(version, named_tensors, policy, complete)
         with self.lock:
             folder = self.shm / f"v{version}"
             try:
                 names = write_hf(named_tensors, self.arch, self.hf, folder)
-                missing = sorted(expected_names(self.folder) - set(names)) if complete else []
-                if missing:
-                    raise RuntimeError(f"weight sync to policy version {version} left {len(missing)} vLLM tensors "
-                                       f"unwritten (HF names of {self.folder}): {missing[:8]}")
-                if policy == "abort":
-                    for rid in list(self._requests):
-                        self.abort(rid)
+                self._check_complete(version, names, complete)
+                self._apply_policy(policy)
                 t0 = time.perf_counter()
                 self._reload(folder)
                 self.counters["weight_reload_s"] += time.perf_counter() - t0
@@ -434,6 +464,17 @@ class VLLMEngine:
             self._keep(folder)
             self.version = version
             return len(names)
+
+    def _check_complete(self, version: int, names: Iterable[str], complete: bool) -> None:
+        missing = sorted(expected_names(self.folder) - set(names)) if complete else []
+        if missing:
+            raise RuntimeError(f"weight sync to policy version {version} left {len(missing)} vLLM tensors "
+                               f"unwritten (HF names of {self.folder}): {missing[:8]}")
+
+    def _apply_policy(self, policy: str) -> None:
+        if policy == "abort":
+            for rid in list(self._requests):
+                self.abort(rid)
 
     def _reload(self, folder: Path) -> None:
         """reload_weights from `folder`; a process that dies meanwhile is restarted on exactly these weights."""
@@ -454,10 +495,49 @@ class VLLMEngine:
         if self._weights is None:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _update_nccl(self, version: int, named_tensors, policy: str) -> int:
-        """vLLM's NCCL weight-transfer route (GPU only; selected by engine.vllm.weight_transfer=nccl)."""
-        raise RuntimeError("engine.vllm.weight_transfer=nccl needs CUDA GPUs and vLLM's NCCL weight-transfer engine, "
-                           "which this build does not run; use engine.vllm.weight_transfer=file")
+    def _update_transfer(self, version: int, named_tensors, policy: str, complete: bool) -> int:
+        """engine.vllm.weight_transfer=nccl|gloo: vLLM's weight-transfer API (rollout/vllm_transfer.py): the HF
+        tensors (the file route's names, dtypes, shapes) broadcast from memory, no folder. Restarts: the process
+        that replaces a dead one joins a new group at its start and receives the last synced tensors by it (a
+        CPU copy kept while engine.vllm.max_restarts > 0, as the file route keeps its folder)."""
+        from megatron_rl.rollout.vllm_transfer import hf_tensors
+
+        with self.lock:
+            tensors = hf_tensors(named_tensors, self.arch, self.hf)
+            self._check_complete(version, tensors, complete)
+            self._apply_policy(policy)
+            t0 = time.perf_counter()
+            try:
+                self._transfer(tensors)
+            except VLLMProcessDied as e:
+                old, self._kept = self._kept, tensors
+                try:
+                    self._recover(e)  # the new process receives `tensors`
+                finally:
+                    self._kept = old
+            self.counters["weight_reload_s"] += time.perf_counter() - t0
+            keep = self.vcfg.max_restarts > 0
+            self._kept = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()} if keep else None
+            self.version = version
+            return len(tensors)
+
+    def _transfer(self, tensors: dict[str, torch.Tensor]) -> None:
+        """One weight-transfer round: the worker's start/update/finish RPCs while this side broadcasts. A failed
+        broadcast leaves the group unusable (vLLM's rule): the process is killed, VLLMProcessDied."""
+        from megatron_rl.rollout.vllm_transfer import update_info
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._died("update_weights")
+        self._send({"op": "wt_update", "update_info": update_info(tensors)})
+        try:
+            self._group.broadcast(tensors)
+        except RuntimeError as e:
+            if self.proc.poll() is None:
+                self._kill_process()
+            raise VLLMProcessDied(f"weight transfer to vLLM engine process {self.proc.pid} failed ({e}); the "
+                                  f"process is stopped (status {self.proc.returncode}). Its log ({self.log_path}) "
+                                  f"ends:\n{self._log_tail()}") from None
+        self._recv(self.vcfg.step_timeout_s, "update_weights")
 
     def stats(self) -> dict:
         with self.lock:

@@ -13,6 +13,10 @@ fds, one reply per message, in order (`rollout/vllm_engine.py` is the other side
            one vLLM engine step after adding/aborting; `outputs` are the new tokens of each request this step
            (vLLM's DELTA outputs), the finish reason when it ended.
     {"op": "reload", "path": DIR}   -> {"seconds": s}   collective_rpc("reload_weights", weights_path=DIR)
+    {"op": "wt_init", "init_info": {...}} -> {}      collective_rpc("init_weight_transfer_engine"): joins the
+           trainer's process group (engine.vllm.weight_transfer nccl / gloo; see rollout/vllm_transfer.py)
+    {"op": "wt_update", "update_info": {"names", "dtype_names", "shapes"}} -> {"seconds": s}
+           collective_rpc start_weight_update, update_weights (receives the trainer's broadcast), finish_weight_update
     {"op": "close"}                 -> exits (also when the pipe closes: the proxy's process is gone)
 A failure of one message is answered {"error": "...traceback..."} and the worker goes on; the first line
 written is {"ready": vllm version} or {"error": ...}. Why a pipe and not vLLM's OpenAI server: the proxy steps
@@ -25,11 +29,19 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
+
+WEIGHT_TRANSFER_ENGINE = "megatron_rl_torch_dist"
+"""The name this worker registers its weight-transfer engine under (vLLM's WeightTransferConfig.backend)."""
 
 
 def _engine(conf: dict):
     from vllm import EngineArgs, LLMEngine
 
+    extra = dict(conf.get("extra", {}))
+    if conf.get("weight_transfer", "file") != "file":  # nccl / gloo: vLLM's weight-transfer API, our engine
+        _register_weight_transfer_engine()
+        extra["weight_transfer_config"] = {"backend": WEIGHT_TRANSFER_ENGINE}
     args = EngineArgs(model=conf["model"], dtype=conf.get("dtype", "auto"), seed=int(conf.get("seed", 0)),
                       max_model_len=int(conf["max_model_len"]), max_num_seqs=int(conf["max_num_seqs"]),
                       enforce_eager=bool(conf.get("enforce_eager", True)), enable_prefix_caching=True,
@@ -38,8 +50,77 @@ def _engine(conf: dict):
                       # no prompt split over steps: vLLM 0.32 on CPU fails a seeded request whose partial-prefill
                       # token is discarded ("CPU Generator does not use offset")
                       enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(int(conf["max_model_len"]), 2048), **conf.get("extra", {}))
+                      max_num_batched_tokens=max(int(conf["max_model_len"]), 2048), **extra)
     return LLMEngine.from_engine_args(args)
+
+
+@dataclass
+class TorchDistInitInfo:
+    """init_weight_transfer_engine's argument (rollout/vllm_transfer.TrainerGroup.init_info makes it)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int  # this worker's rank = its DP * TP * PP rank + rank_offset (the trainer is rank 0)
+    world_size: int
+    backend: str  # nccl (GPU) or gloo (CPU)
+    timeout_s: float
+
+
+def _register_weight_transfer_engine() -> None:
+    """Register (once) vLLM's NCCL weight-transfer engine with its group made by torch: the same lifecycle
+    (start_weight_update / update_weights / finish_weight_update: layer-wise reload around the update, inherited)
+    and per-update metadata (NCCLWeightTransferUpdateInfo: names, dtype names, shapes, received one tensor at a
+    time into `model.load_weights`, as its unpacked path), over a torch process group the project's side can join
+    without vLLM: backend nccl on GPUs, gloo on CPU."""
+    import torch
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    class TorchDistWeightTransferEngine(NCCLWeightTransferEngine):
+        init_info_cls = TorchDistInitInfo
+
+        def init_transfer_engine(self, init_info: TorchDistInitInfo) -> None:
+            from datetime import timedelta
+
+            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+            p = self.parallel_config
+            rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
+            self.backend, self.packed = init_info.backend, False
+            self.model_update_group = stateless_init_torch_distributed_process_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.backend,
+                timeout=timedelta(seconds=init_info.timeout_s))
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():  # the base class's sync, which raises on a CPU-only build
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info) -> None:
+            from torch.distributed import BroadcastOptions
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            if self.model_update_group is None:
+                raise RuntimeError("weight transfer not initialised: init_weight_transfer_engine first")
+            opts = BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            device = self.device if self.backend == "nccl" else torch.device("cpu")
+            with disable_mtp_completeness_check():
+                for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                    weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
+                    self.model_update_group.broadcast([weight], opts).wait()
+                    self.model.load_weights([(name, weight)])
+                    del weight
+
+        def shutdown(self) -> None:
+            pg, self.model_update_group = self.model_update_group, None
+            if pg is not None:
+                pg.shutdown()
+
+    try:
+        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_ENGINE, TorchDistWeightTransferEngine)
+    except ValueError:  # already registered in this process
+        pass
 
 
 def _params(d: dict):
@@ -108,6 +189,25 @@ class Worker:
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM could not reset its prefix cache after reload_weights")
         print(f"[megatron-rl vllm_worker] weights reloaded from {msg['path']}", file=sys.stderr, flush=True)
+        return {"seconds": time.perf_counter() - t0}
+
+    def wt_init(self, msg: dict) -> dict:
+        self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": msg["init_info"]})
+        print(f"[megatron-rl vllm_worker] joined the trainer's {msg['init_info']['backend']} weight-transfer group",
+              file=sys.stderr, flush=True)
+        return {}
+
+    def wt_update(self, msg: dict) -> dict:
+        """vLLM's weight-transfer round (the trainer broadcasts meanwhile), then as `reload` after it."""
+        t0 = time.perf_counter()
+        self.engine.collective_rpc("start_weight_update")
+        self.engine.collective_rpc("update_weights", kwargs={"update_info": msg["update_info"]})
+        self.engine.collective_rpc("finish_weight_update")
+        self.engine.collective_rpc(_retie)
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after update_weights")
+        print(f"[megatron-rl vllm_worker] {len(msg['update_info']['names'])} tensors received by weight transfer",
+              file=sys.stderr, flush=True)
         return {"seconds": time.perf_counter() - t0}
 
 
