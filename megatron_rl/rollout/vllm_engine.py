@@ -38,6 +38,7 @@ process starts), a model vLLM cannot load (`model.init`, with vLLM's own last li
 """
 from __future__ import annotations
 
+import getpass
 import itertools
 import json
 import os
@@ -126,6 +127,12 @@ class VLLMEngine:
                "VLLM_CPU_KVCACHE_SPACE": str(self.vcfg.kv_cache_gb), "VLLM_DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # the project's packages must not shadow the vLLM environment's
+        # vLLM's temporary files (its `file://` rendezvous, vllm_dist_*) in this engine's folder, removed with it;
+        # TorchInductor's cache stays where it was (a cache shared by the starts, not a temporary file)
+        inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        (self.shm / "tmp").mkdir(exist_ok=True)
+        env["TMPDIR"] = str(self.shm / "tmp")
         if self.vcfg.cuda_visible_devices.strip():
             env["CUDA_VISIBLE_DEVICES"] = self.vcfg.cuda_visible_devices.strip()
         if self.vcfg.cpu_threads_bind:

@@ -141,7 +141,9 @@ def test_weight_sync_changes_outputs_to_the_new_weights_with_versions(engine, hf
     for _ in range(4):
         engine.step()
     assert engine.update_weights(1, new.items()) > 0
-    assert [p.name for p in engine.shm.iterdir()] == ["v1"]  # kept for a restart's reload
+    # kept for a restart's reload; tmp: the vLLM process's TMPDIR (its vllm_dist_* rendezvous file), not /tmp
+    assert sorted(p.name for p in engine.shm.iterdir()) == ["tmp", "v1"]
+    assert [p.name for p in (engine.shm / "tmp").iterdir() if p.name.startswith("vllm_dist_")]
     done = []
     while engine.has_work:
         done += engine.step()
@@ -410,7 +412,7 @@ def test_dead_vllm_process_is_restarted_on_the_synced_weights_and_no_sample_is_l
     os.killpg(pid, signal.SIGKILL)
     engine.update_weights(v + 1, new)  # the same weights as v, now from the folder of v + 1: dies at the reload
     assert engine.proc.pid != pid and engine.counters["engine_restarts"] == engine.restarts == restarts + 1
-    assert [p.name for p in engine.shm.iterdir()] == [f"v{v + 1}"]  # only the last sync kept (for a restart)
+    assert sorted(p.name for p in engine.shm.iterdir()) == ["tmp", f"v{v + 1}"]  # only the last sync kept
     done = []
     while engine.has_work:
         done += engine.step()
