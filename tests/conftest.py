@@ -43,11 +43,24 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     t1, w1 = os.times(), time.monotonic()
     row = {"test": item.nodeid, "marks": sorted(m for m in ("slow", "multiproc", "slurm") if m in item.keywords),
+           "outcome": item.stash.get(_OUTCOME, "?"),
            "wall_s": round(w1 - w0, 2),
            "cpu_self_s": round(t1.user - t0.user + t1.system - t0.system, 2),
            "cpu_children_s": round(t1.children_user - t0.children_user + t1.children_system - t0.children_system, 2)}
     with open(log, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+_OUTCOME = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The test's outcome for MRL_TEST_CPU_LOG's row: the worst of its phases (failed > skipped > passed)."""
+    report = (yield).get_result()
+    rank = {"?": 0, "passed": 1, "skipped": 2, "failed": 3}
+    if rank[report.outcome] > rank[item.stash.get(_OUTCOME, "?")]:
+        item.stash[_OUTCOME] = report.outcome
 
 
 def pytest_configure(config):
