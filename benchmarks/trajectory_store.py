@@ -2,8 +2,10 @@
 
 1. Throughput: the same STEPS batches of PER_STEP scripted episodes (deterministic, no sandbox run) run on one
    local fleet (FLEET_SIZE workers) per store, each batch then read back by the trainer (`read_episodes`).
-   Reports episodes/s and the trainer's wait per step (queueing a batch -> its episodes in memory) for fs and
-   s3, and the ratio s3/fs of episodes/s (target >= 0.8 on one node).
+   Both fleets are started and warmed first (servers, workers, clients: outside the timed steps), then the
+   stores' steps alternate, so a shared machine's load swings fall on both alike. Reports episodes/s (episodes
+   over the summed step waits) and the trainer's wait per step (queueing a batch -> its episodes in memory) for
+   fs and s3, and the ratio s3/fs of episodes/s (target >= 0.8 on one node).
 2. Announcement latency: a worker-side store publishes N small shards while a trainer-side store polls in a
    loop; latency = the trainer's index time - the publish call's end (`seen_unix - published_unix`), p50/p99.
 
@@ -22,39 +24,63 @@ from pathlib import Path
 import numpy as np
 
 
-def run_store(store_name: str, plane, root: Path, args) -> dict:
-    from megatron_rl.data.store import S3StoreConfig, build_store
-    from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, episodes_from_tasks
-    from megatron_rl.dispatch.fleet import Fleet, FleetConfig
-    from megatron_rl.envs.tasks import load_domain
-    from megatron_rl.loop.dispatched import read_episodes
+class StoreRun:
+    """One store's fleet and trainer-side store, warmed up; `step` times one batch (queue it, read it back)."""
 
-    tasks = load_domain("countdown", split="train")
-    s3 = S3StoreConfig(**plane.settings(), prefix=f"bench-{time.time_ns()}", spool_dir=str(root)) \
-        if store_name == "s3" else S3StoreConfig()
-    worker = WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store_name, s3=s3)
-    store = build_store(store_name, s3, index=root / f"{store_name}-index.jsonl")
-    store.check()  # as `megatron-rl train` does before any work (it also creates the store's clients)
-    fleet = Fleet(FleetConfig(size=args.fleet_size, episodes_per_lease=args.per_lease, heartbeat_s=1.0,
-                              wait_s=1.0), worker, root / f"{store_name}-fleet", store=store).start()
-    waits, n = [], 0
+    def __init__(self, store_name: str, plane, root: Path, args):
+        from megatron_rl.data.store import S3StoreConfig, build_store
+        from megatron_rl.dispatch import GeneratorConfig, WorkerConfig, episodes_from_tasks
+        from megatron_rl.dispatch.fleet import Fleet, FleetConfig
+        from megatron_rl.envs.tasks import load_domain
+
+        self.name, self.root, self.args = store_name, root, args
+        self.tasks, self.batches = load_domain("countdown", split="train"), episodes_from_tasks
+        s3 = S3StoreConfig(**plane.settings(), prefix=f"bench-{time.time_ns()}", spool_dir=str(root)) \
+            if store_name == "s3" else S3StoreConfig()
+        worker = WorkerConfig(threads=1, generator=GeneratorConfig(wrong_fraction=0.9), store=store_name, s3=s3)
+        self.store = build_store(store_name, s3, index=root / f"{store_name}-index.jsonl")
+        self.store.check()  # as `megatron-rl train` does before any work (it also creates the store's clients)
+        self.fleet = Fleet(FleetConfig(size=args.fleet_size, episodes_per_lease=args.per_lease, heartbeat_s=1.0,
+                                       wait_s=1.0), worker, root / f"{store_name}-fleet", store=self.store).start()
+        self.waits, self.n = [], 0
+        self.fleet.run_batch("warm", self.batches(self.tasks[:args.fleet_size], prefix="warm"),
+                             root / "run" / "rl_episodes" / f"{store_name}-warm", url="")  # workers up and warm
+
+    def step(self, step: int) -> None:
+        from megatron_rl.loop.dispatched import read_episodes
+
+        k = self.args.per_step
+        batch = self.batches(self.tasks[step * k:(step + 1) * k], prefix=f"s{step}")
+        folder = self.root / "run" / "rl_episodes" / f"{self.name}-b{step}"
+        t = time.perf_counter()
+        self.fleet.run_batch(f"b{step}", batch, folder, url="")
+        got = read_episodes(folder, {e.episode_id for e in batch}, store=self.store)
+        self.waits.append(time.perf_counter() - t)
+        self.n += len(got)
+
+    def result(self) -> dict:
+        return {"episodes": self.n, "episodes_per_s": round(self.n / sum(self.waits), 2),
+                "wait_per_step_s": round(float(np.mean(self.waits)), 3)}
+
+    def close(self) -> None:
+        self.fleet.close()
+        self.store.close()
+
+
+def throughput(plane, root: Path, args) -> dict:
+    """fs and s3 fleets up and warm together, then their steps alternate (fs, s3, fs, ...): a shared machine's
+    load swings fall on both alike (run one after the other, a ratio moved with the load)."""
+    runs = []
     try:
-        fleet.run_batch("warm", episodes_from_tasks(tasks[:args.fleet_size], prefix="warm"),
-                        root / "run" / "rl_episodes" / f"{store_name}-warm", url="")  # workers up and warm
-        t0 = time.perf_counter()
+        for name in ("fs", "s3"):
+            runs.append(StoreRun(name, plane, root, args))
         for step in range(args.steps):
-            batch = episodes_from_tasks(tasks[step * args.per_step:(step + 1) * args.per_step], prefix=f"s{step}")
-            folder = root / "run" / "rl_episodes" / f"{store_name}-b{step}"
-            t = time.perf_counter()
-            fleet.run_batch(f"b{step}", batch, folder, url="")
-            got = read_episodes(folder, {e.episode_id for e in batch}, store=store)
-            waits.append(time.perf_counter() - t)
-            n += len(got)
-        seconds = time.perf_counter() - t0
+            for run in runs:
+                run.step(step)
     finally:
-        fleet.close()
-        store.close()
-    return {"episodes": n, "episodes_per_s": round(n / seconds, 2), "wait_per_step_s": round(float(np.mean(waits)), 3)}
+        for run in runs:
+            run.close()
+    return {run.name: run.result() for run in runs}
 
 
 def latency(plane, root: Path, shards: int) -> dict:
@@ -103,7 +129,7 @@ def main() -> None:
         root = Path(tmp)
         plane = DataPlane(root / "plane").start()
         try:
-            out = {"fs": run_store("fs", plane, root, args), "s3": run_store("s3", plane, root, args)}
+            out = throughput(plane, root, args)
             out["s3_over_fs_episodes_per_s"] = round(out["s3"]["episodes_per_s"] / out["fs"]["episodes_per_s"], 3)
             out["announcement_latency"] = latency(plane, root, args.latency_shards)
         finally:

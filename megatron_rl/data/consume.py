@@ -14,12 +14,15 @@ trainer"):
 - A shard the store cannot fetch now (the object store down past its retries) is skipped, not quarantined: it
   is whole and is read on the next look.
 - Rows are deduplicated by episode id in shard-name order (first copy wins).
+- The store says how many shards are read at once (`store.reads_at_once`: 1 on the filesystem; on s3 the GETs
+  overlap); the results are taken, quarantined and deduplicated in name order, on the caller's thread.
 - Staleness is the trainer's bound on policy versions, applied to the step's batch (`loop.handoff.fresh_rows`),
   where it is counted (`dropped_stale`).
 """
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,30 +47,45 @@ class FolderRead:
 
 def read_folder(folder: str | Path, store=None, vocab_size: int | None = None) -> FolderRead:
     """Every published shard of `folder` through `store` (None: the shared filesystem); see the module rules."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from megatron_rl.data.shards import ShardError
-    from megatron_rl.data.store import FsStore, StoreError
+    from megatron_rl.data.store import FsStore
 
     store = store or FsStore()
     out, seen = FolderRead(), set()
-    for name in store.shards(folder):
-        where = store.where(folder, name)
-        try:
-            trajs = store.read(folder, name, vocab_size=vocab_size)
-        except (BotoCoreError, ClientError, StoreError) as e:  # the object store, not the shard
-            log.warning("shards: %s could not be fetched, skipped for now: %s", where, e)
-            out.skipped.append(f"{where}: {e}")
-            continue
-        except (ShardError, OSError) as e:
-            store.quarantine(folder, name, e)
-            out.quarantined.append(f"{where}: {type(e).__name__}: {e}")
-            continue
-        out.shards += 1
-        for t in trajs:
-            if t.episode_id in seen:
-                out.duplicates += 1
-                continue
-            seen.add(t.episode_id)
-            out.trajectories.append(t)
+    names = store.shards(folder)
+    at_once = min(store.reads_at_once, len(names))
+    if at_once <= 1:
+        for name in names:
+            _take(out, seen, store, folder, name, None, vocab_size)
+        return out
+    with ThreadPoolExecutor(at_once, thread_name_prefix="shard-read") as pool:
+        reads = [pool.submit(store.read, folder, name, vocab_size=vocab_size) for name in names]
+        for name, read in zip(names, reads):
+            _take(out, seen, store, folder, name, read, vocab_size)
     return out
+
+
+def _take(out: FolderRead, seen: set, store, folder, name: str, read, vocab_size: int | None) -> None:
+    """One shard's rows into `out` (`read`: its read under way, None: read it now); see the module rules."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from megatron_rl.data.shards import ShardError
+    from megatron_rl.data.store import StoreError
+
+    where = store.where(folder, name)
+    try:
+        trajs = read.result() if read is not None else store.read(folder, name, vocab_size=vocab_size)
+    except (BotoCoreError, ClientError, StoreError) as e:  # the object store, not the shard
+        log.warning("shards: %s could not be fetched, skipped for now: %s", where, e)
+        out.skipped.append(f"{where}: {e}")
+        return
+    except (ShardError, OSError) as e:
+        store.quarantine(folder, name, e)
+        out.quarantined.append(f"{where}: {type(e).__name__}: {e}")
+        return
+    out.shards += 1
+    for t in trajs:
+        if t.episode_id in seen:
+            out.duplicates += 1
+            continue
+        seen.add(t.episode_id)
+        out.trajectories.append(t)

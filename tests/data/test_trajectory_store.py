@@ -77,6 +77,9 @@ def test_store_settings_are_checked_with_the_fix_named():
     with pytest.raises(ConfigError, match="episodes.s3.queue_url='http://q:4222' must be a nats://"):
         C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b",
                                                              "episodes.s3.queue_url=http://q:4222"])
+    with pytest.raises(ConfigError, match=r"episodes.s3.downloads must be >= 1"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b",
+                                                             "episodes.s3.downloads=0"])
     cfg = C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b"])
     assert cfg.episodes.store == "s3" and cfg.episodes.s3.bucket == "b"
     assert C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml").episodes.store == "fs"  # the default

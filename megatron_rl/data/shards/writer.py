@@ -131,7 +131,10 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike, compression: str = "blosc-lz4", chunk_elems: int = 262144,
-                 *, clevel: int = 5, buffer_elems: int = 4 * 1024 * 1024, threads: int = 0):
+                 *, clevel: int = 5, buffer_elems: int = 4 * 1024 * 1024, threads: int = 0, durable: bool = True):
+        """durable: fsync the shard and its folder when it is published (False: a private spool file that is
+        copied elsewhere at once, e.g. uploaded to an object store, which makes the copy durable; only the rename
+        keeps it from being seen half-written)."""
         cfg = ShardWriterConfig(compression, chunk_elems, clevel, buffer_elems, threads)
         cfg.validate()
         self.path = Path(path)
@@ -141,6 +144,7 @@ class ShardWriter:
             raise FileNotFoundError(f"shard folder {self.path.parent} does not exist; create it before writing")
         self.tmp_path = self.path.with_name(self.path.name + TMP_SUFFIX)
         self.config = cfg
+        self.durable = durable
         self._buffer_elems = max(cfg.chunk_elems, cfg.buffer_elems // cfg.chunk_elems * cfg.chunk_elems)
         self._samples = _SampleMeta()
         self._pending: dict[str, list[np.ndarray]] = {k: [] for k in RAGGED}
@@ -150,7 +154,8 @@ class ShardWriter:
         self._kinds = {k: (dt, None) for k, dt in zip(RAGGED, RAGGED_DTYPES)}  # name -> (dtype, fill value)
         self._ragged: dict[str, h5py.Dataset] = {}  # created at the first flush, when the chunk size is known
         self._chunk: int | None = None
-        self._chunks = ChunkWriter(codec_threads(cfg.threads), writeback_fd=self._file.id.get_vfd_handle())
+        self._chunks = ChunkWriter(codec_threads(cfg.threads),
+                                   writeback_fd=self._file.id.get_vfd_handle() if durable else None)
         self._routes: list[np.ndarray | int] = []  # per add: routed_experts [n, L_moe, k], or n (none recorded)
         self._done = False
 
@@ -318,13 +323,15 @@ class ShardWriter:
         return self.path
 
     def _publish(self) -> None:
-        fd = os.open(self.tmp_path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.durable:
+            fd = os.open(self.tmp_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(self.tmp_path, self.path)
-        fsync_dir(self.path.parent)
+        if self.durable:
+            fsync_dir(self.path.parent)
         self._done = True
 
     def abort(self) -> None:
@@ -342,7 +349,8 @@ class ShardWriter:
 
 def write_shard(path: str | os.PathLike, trajectories: Iterable[Trajectory] | TrajectoryColumns,
                 compression: str = "blosc-lz4", chunk_elems: int = 262144, **kwargs) -> Path:
-    """Write trajectories (or columns) to a new shard at `path`, atomically. Returns the path."""
+    """Write trajectories (or columns) to a new shard at `path`, atomically (`kwargs`: ShardWriter's, e.g.
+    durable=False for a spool file). Returns the path."""
     with ShardWriter(path, compression, chunk_elems, **kwargs) as w:
         if isinstance(trajectories, TrajectoryColumns):
             w.add_columns(trajectories)
