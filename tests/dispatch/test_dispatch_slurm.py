@@ -229,6 +229,9 @@ def unbroken(slurm_cluster, tmp_path_factory):
     slurm_cluster.run(["scancel", job], check=False)
 
 
+USR1_STEPS = 6  # RL steps of the USR1 test's job (compared step for step with the unbroken job's first ones)
+
+
 def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unbroken_run(slurm_cluster,
                                                                                          unbroken, tmp_path):
     """slurm/train_multinode.sbatch runs `megatron-rl train configs/demo_cpu.yaml` (tiny overrides). USR1 to
@@ -236,15 +239,19 @@ def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unb
     step, checkpoints, exits 3; the job requeues itself, resumes from that checkpoint and finishes. Its RL
     metrics, step for step, equal an unbroken job's (same script and settings but the number of RL steps, on
     the same LR schedule; the `unbroken` fixture's job, run alongside)."""
-    job = train_job(slurm_cluster, tmp_path, "broken", (*TRAIN, f"rl.optim.decay_steps={TL_STEPS}", *NO_EXPORT))
+    # USR1_STEPS RL steps, the signal sent once step 0 is logged: it must land before the last step ends (a loaded
+    # machine delays `scancel --signal` by seconds; with 4 steps and the signal after step 1 it once came too late)
+    job = train_job(slurm_cluster, tmp_path, "broken", (*(o for o in TRAIN if not o.startswith("rl.steps")),
+                                                        f"rl.steps={USR1_STEPS}", f"rl.optim.decay_steps={TL_STEPS}",
+                                                        *NO_EXPORT))
     broken, (ref_job, ref) = tmp_path / "broken" / "demo", unbroken
-    wait_for(lambda: any(r["step"] >= 1 for r in _rl_rows(broken)), 600, "RL step 1 of the job to be logged")
+    wait_for(lambda: any(r["step"] >= 0 for r in _rl_rows(broken)), 600, "RL step 0 of the job to be logged")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job])
     done = lambda j: sacct(slurm_cluster, j) in (["COMPLETED"], ["FAILED"], ["CANCELLED"])  # noqa: E731
     wait_for(lambda: done(job), 600, "the job to finish", every=1)
-    # the reference's step 3 is final once step 4 is logged
-    wait_for(lambda: any(r["step"] >= 4 for r in _rl_rows(ref)) or done(ref_job), 600, "the reference's RL step 4",
-             every=1)
+    # the reference's step USR1_STEPS - 1 is final once step USR1_STEPS is logged
+    wait_for(lambda: any(r["step"] >= USR1_STEPS for r in _rl_rows(ref)) or done(ref_job), 600,
+             f"the reference's RL step {USR1_STEPS}", every=1)
     text = (tmp_path / "broken.out").read_text()
     assert sacct(slurm_cluster, job) == ["COMPLETED"], text[-4000:]
     assert sacct(slurm_cluster, ref_job) in (["RUNNING"], ["COMPLETED"]), \
@@ -253,13 +260,13 @@ def test_usr1_checkpoints_requeues_and_resumes_the_real_trainer_equal_to_the_unb
     assert "restart 1 on" in text and "resuming from" in text, text[-4000:]
     rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
     resume = [r for r in rows if r["kind"] == "resume"]
-    assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < 4, resume  # stopped mid-run
-    a, b = _rl_rows(ref)[:4], _rl_rows(broken)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["phase"] for r in resume] == ["rl"] and 1 <= resume[0]["step"] < USR1_STEPS, resume  # mid-run
+    a, b = _rl_rows(ref)[:USR1_STEPS], _rl_rows(broken)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(USR1_STEPS))
     assert sum(not r["update_skipped"] for r in a) >= 2, "the comparison must cover real optimizer updates"
     for ra, rb in zip(a, b):
         assert {k: ra.get(k) for k in RL_KEYS} == {k: rb.get(k) for k in RL_KEYS}, (ra["step"], ra, rb)
-    assert (broken / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    assert (broken / "checkpoints" / "latest").read_text().strip() == f"step-{USR1_STEPS:06d}"
 
 
 def _rows(run: Path, kind: str) -> list[dict]:
