@@ -469,7 +469,7 @@ def _unacked(store, run: Path) -> int:
 
 
 def _kill_driver(pid: int) -> list:
-    """kill -9 of the driver: `megatron-rl train`, torchrun, the rank (its own session) and their helpers, not the
+    """kill -9 of the driver: `megatron-rl train`, its ranks and their helpers, not the
     fleet's workers (submitit's processes: they outlive a driver and the next one adopts them). The spared ones."""
     import psutil
 
@@ -485,7 +485,10 @@ def _kill_driver(pid: int) -> list:
             continue
         procs.append(p)
     for p in procs:
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:  # a short-lived helper (a sandbox, a subprocess) that ended since it was listed
+            pass
     _, alive = psutil.wait_procs(procs[1:], timeout=30)  # the train command itself is reaped by Popen.wait
     assert not alive, alive
     return spared

@@ -87,12 +87,12 @@ def _burn_cpu(seconds: float) -> None:
 def test_summary_counts_the_runs_own_cpu_not_what_ran_before_it(tmp_path, monkeypatch):
     """scripts/run.sh execs into `megatron-rl train` after its set-up, and rusage survives exec: the CPU that this
     process and its children spent before the run (pip, the model import; here a 1.5 s child and the test
-    session itself) is not the run's. The ranks are a stand-in child spending 0.5 s (torchrun's real ranks cost
+    session itself) is not the run's. The ranks are a stand-in child spending 0.5 s (the real ranks cost
     a minute here; what is tested is the accounting)."""
     from megatron_rl.commands import train as T
 
     _burn_cpu(1.5)  # the set-up's CPU, before the run
-    def ranks(cfg, run_dir) -> int:
+    def ranks(cfg, run_dir, here=False) -> int:
         _burn_cpu(0.5)
         (run_dir / "metrics.jsonl").write_text("")  # (the ranks' log: empty for a run of no step)
         return 0
