@@ -236,6 +236,7 @@ def test_a_100_domain_mixture_with_multi_turn_and_judged_domains_runs_on_a_worke
     assert by_env["tool_use"].status in ("ok", "truncated") and by_env["docqa"].status == "ok"
 
 
+@pytest.mark.slow  # a fresh interpreter importing the whole library (~10 CPU-s)
 def test_without_pycosat_the_library_loads_and_only_zebra_puzzles_is_refused_naming_it():
     """The default set-up installs reasoning-gym with --no-deps (pycosat has no wheel for Python 3.11 and compiles
     C). In a process where pycosat cannot be imported, reasoning-gym still loads (it imports every generator's

@@ -217,6 +217,7 @@ def _t5_view(folder: Path) -> dict:
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="no transformers 5 environment: `bash scripts/setup_vllm.sh` "
                     "builds .venv-vllm (vLLM's transformers 5.x)")
+@pytest.mark.slow  # a second interpreter importing transformers 5 (~20 CPU-s)
 def test_transformers_5_reads_a_repaired_folder_with_our_ids(tmp_path):
     """transformers 5 (the vLLM venv's) loads a repaired folder with our ids, spaces and newlines kept, and eos =
     the end of turn; the GGUF import's folder (LlamaTokenizer over byte-level BPE) did not."""

@@ -91,6 +91,7 @@ def _megatron_model(hf_dir):
     return model
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_greedy_tokens_equal_transformers_and_logprobs_agree(engine, hf_dir):
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12))
     worst = 0.0
@@ -102,6 +103,7 @@ def test_greedy_tokens_equal_transformers_and_logprobs_agree(engine, hf_dir):
     assert worst < 1e-3, worst  # fp32 on both sides (measured ~1e-5)
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_sampled_logprobs_are_the_sampling_distributions(engine, hf_dir):
     """T=0.7, n=3: each sample's log-probs are transformers' log-softmax of logits / T at its tokens; the n samples
     of a request differ (seed + i) and the same seed gives the same samples again."""
@@ -117,6 +119,7 @@ def test_sampled_logprobs_are_the_sampling_distributions(engine, hf_dir):
         assert max(abs(a - b) for a, b in zip(s.logprobs, want)) < 1e-3
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_stop_token_ends_a_sample_and_is_kept(engine):
     greedy = engine.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=12))[0].samples[0]
     stop = greedy.token_ids[4]
@@ -126,6 +129,7 @@ def test_stop_token_ends_a_sample_and_is_kept(engine):
     assert s.token_ids == greedy.token_ids[:k + 1] and s.finish_reason == "stop"
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_weight_sync_changes_outputs_to_the_new_weights_with_versions(engine, hf_dir, tmp_path):
     """Trainer weights perturbed -> update_weights (HF names, tmpfs, reload_weights): vLLM's greedy tokens are
     then transformers' on the new weights; a request in flight across the update records both versions;
@@ -166,6 +170,7 @@ def test_weight_sync_changes_outputs_to_the_new_weights_with_versions(engine, hf
     assert [a.samples[0].token_ids for a in again] == [b.samples[0].token_ids for b in before]
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_abort_policy_ends_requests_in_flight(engine, hf_dir):
     model = _megatron_model(hf_dir)
     rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=50, n=2, seed=1))
@@ -176,6 +181,7 @@ def test_abort_policy_ends_requests_in_flight(engine, hf_dir):
     assert not engine.has_work
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_bad_requests_are_refused_naming_the_problem(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([10**6], SamplingParams())
@@ -326,6 +332,7 @@ def test_engine_refuses_a_missing_environment_or_another_version_naming_the_sett
     assert set(Path("/dev/shm").glob("mrl-vllm-*")) == shm_before
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path):
     """A model folder whose config our side reads but whose weights file is damaged (cut in half): ConfigError
     naming model.init, vLLM's own reason and its log, and the fix (before: a raw traceback from the worker)."""
@@ -342,6 +349,7 @@ def test_a_model_vllm_cannot_load_is_a_clear_error(tmp_path):
     assert set(Path("/dev/shm").glob("mrl-vllm-*")) == shm_before
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_served_over_http_with_the_gateway_as_dispatched_workers_and_agents_call_it(engine, hf_dir):
     """What dispatched and fleet workers call: the rank's engine served by `tp_serve`'s command loop with no
     tokenizer, as loop.dispatched.serve_while serves it: a token-id completion equals the engine's own greedy
@@ -391,6 +399,7 @@ def _greedy(engine):
                                                                                     max_new_tokens=10))]
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_dead_vllm_process_is_restarted_on_the_synced_weights_and_no_sample_is_lost(engine, hf_dir):
     """engine.vllm.max_restarts (2): samples in flight when the vLLM process is SIGKILLed (here seen at the next
     weight reload; the main-job test sees it mid-step) continue in a restarted process from their tokens so far
@@ -425,6 +434,7 @@ def test_dead_vllm_process_is_restarted_on_the_synced_weights_and_no_sample_is_l
     assert _greedy(engine) == want  # the synced weights, not the model folder's (base)
 
 
+@pytest.mark.slow  # starts a vLLM process (30-60 CPU-s; the module fixture once)
 def test_hung_vllm_process_beyond_max_restarts_gives_a_clear_error_not_a_hang(engine):
     """Last in the module: it ends the module's engine. A process that stops answering mid-step (SIGSTOP) is
     killed after engine.vllm.step_timeout_s; with no restart left (max_restarts lowered to the restarts used)
