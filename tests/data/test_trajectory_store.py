@@ -92,6 +92,7 @@ def C_RUN():
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_a_missing_bucket_wrong_keys_or_no_server_is_refused_naming_the_setting(plane, tmp_path):
     ok = s3cfg(plane, tmp_path, "bad")
     build_store("s3", ok).check()  # the servers as started: accepted
@@ -114,6 +115,7 @@ def test_a_missing_bucket_wrong_keys_or_no_server_is_refused_naming_the_setting(
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_each_shard_once(plane, tmp_path):
     cfg = s3cfg(plane, tmp_path, "durable")
     folder, index = tmp_path / "run" / "rl_episodes" / "b0", tmp_path / "index.jsonl"
@@ -157,6 +159,7 @@ def test_announcements_survive_a_consumer_restart_and_a_queue_server_restart_eac
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_the_shard(plane, tmp_path):
     """The trainer reads a batch's shards once its leases are done; an object store killed then (or just before)
     made the GET fail after boto3's 3 quick attempts, and the shard's episodes counted as missing (lost). The
@@ -190,6 +193,7 @@ def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_t
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_a_long_episodes_checkpoint_is_kept_per_episode_in_the_bucket_replaced_whole(plane, tmp_path):
     """`save_state`/`load_state` of the s3 store (`envs.episode_state`): one object per episode under the batch's
     folder, the last save wins, an episode without one gets None; a worker of another process reads it back."""
@@ -210,6 +214,7 @@ def test_a_long_episodes_checkpoint_is_kept_per_episode_in_the_bucket_replaced_w
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_path):
     """The trainer polls before and after every batch: a poll asks the consumer how many wait and fetches exactly
     those, instead of a fetch that the server holds open for its 0.3 s timeout (20 polls took >= 6 s)."""
@@ -249,6 +254,7 @@ def test_a_poll_returns_at_once_whether_or_not_announcements_wait(plane, tmp_pat
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_warm_creates_the_clients_before_the_first_shard_and_tolerates_a_server_down(plane, tmp_path, caplog):
     store = build_store("s3", s3cfg(plane, tmp_path, "warm"))
     try:
@@ -430,6 +436,7 @@ def _train(tmp_path: Path, plane, *extra: str):
 
 
 @needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
 def test_train_refuses_a_missing_bucket_before_any_work(plane, tmp_path):
     proc = _train(tmp_path, plane, "episodes.s3.bucket=no-such-bucket")
     assert proc.returncode == 2 and "episodes.s3.bucket='no-such-bucket' does not exist" in proc.stderr

@@ -76,6 +76,7 @@ def test_single_output_upstream(which):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # torch.autograd.gradcheck in fp64: ~10 s
 def test_gradcheck_fp64_with_padded_vocab():
     """fp64 inputs keep fp64 statistics, so finite differences check both gradients, padding rows included."""
     h, w, targets, _, _, _ = make(T=6, H=4, V=17, dtype=torch.float64, vocab_size=15)

@@ -275,6 +275,7 @@ def test_sliding_window_model_is_refused_by_the_engine(pgs):
         engine(model, pgs)
 
 
+@pytest.mark.slow  # an MLA model's full forward against the engine's: ~10 s
 def test_mla_model_logprobs_equal_full_forward(pgs):
     """DeepSeek-V3 in miniature (MLA with YaRN over the compressed-latent cache, sigmoid-routed MoE): sampled
     log-probs equal a full no-cache forward; shared prompt blocks (n=2) and continuous batching included."""
