@@ -50,12 +50,14 @@ def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, 
               for _ in tasks]
     sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(tasks))]  # seeded by the task's place
     t0, cpu0 = time.perf_counter(), rank_cpu_s()
-    order = by_prompt_length(tasks, rollouts.prompt_fn)
-    ran = rollouts.run_now([tasks[i] for i in order] * 2, [greedy[i] for i in order] + [sampled[i] for i in order],
+    up = by_prompt_length(tasks, rollouts.prompt_fn)
+    order = up + up[::-1]  # greedy shortest first, then sampled longest first: the longest prompts, prefilled last
+    # by their greedy request, are still in the prefix cache when their sampled request comes
+    ran = rollouts.run_now([tasks[i] for i in order], [greedy[i] for i in up] + [sampled[i] for i in up[::-1]],
                            tag=tag)
     groups = [None] * len(ran)  # back in the order of `tasks` (greedy, then sampled)
     for j, i in enumerate(order):
-        groups[i], groups[len(tasks) + i] = ran[j], ran[len(tasks) + j]
+        groups[i + (len(tasks) if j >= len(tasks) else 0)] = ran[j]
     if not rollouts.is_scorer:
         return {}, []
     n, out = len(tasks), {}

@@ -1,4 +1,5 @@
-"""Held-out eval (loop/evaluation.py): requests go to the engine shortest prompt first; results come back per task."""
+"""Held-out eval (loop/evaluation.py): greedy requests go to the engine shortest prompt first, then the sampled ones
+longest first; results come back per task."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -40,7 +41,7 @@ def _task(i, prompt, greedy, sampled):
     return Task(f"t{i}", "arithmetic", prompt, payload={"greedy": greedy, "sampled": {10**7 + i: sampled}})
 
 
-def test_requests_go_shortest_prompt_first_and_results_come_back_per_task():
+def test_greedy_requests_go_shortest_prompt_first_sampled_longest_first_and_results_come_back_per_task():
     tasks = [_task(0, "x" * 50, 1, [1, 0]), _task(1, "x" * 5, 0, [0, 0]), _task(2, "x" * 20, 0, [1, 1]),
              _task(3, "x" * 5, 1, [1, 1])]
     cfg = RunConfig()
@@ -48,7 +49,7 @@ def test_requests_go_shortest_prompt_first_and_results_come_back_per_task():
     rollouts = FakeRollouts()
     metrics, rows = heldout_run(rollouts, tasks, cfg, tag="ev")
     order = ["t1", "t3", "t2", "t0"]  # by prompt length, ties in their order
-    assert rollouts.asked == [(t, 0.0, None) for t in order] + [(t, 1.0, 10**7 + int(t[1])) for t in order]
+    assert rollouts.asked == [(t, 0.0, None) for t in order] + [(t, 1.0, 10**7 + int(t[1])) for t in order[::-1]]
     assert [(r["task"], r["greedy"], r["solved"], r["pass@1"]) for r in rows] == [
         ("t0", 1, 1, 0.5), ("t1", 0, 0, 0.0), ("t2", 0, 2, 1.0), ("t3", 1, 2, 1.0)]
     assert metrics["success_greedy"] == 0.5 and metrics["pass@1"] == 0.625 and metrics["pass@2"] == 0.75
