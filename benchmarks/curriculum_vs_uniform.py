@@ -11,7 +11,9 @@ object: held-out mean pass@1 over domains before -> after, domains improved / wo
 over the run, the fraction of groups with a gradient (mixed rewards) over the run, the run's CPU seconds.
 With many domains use the many-domains config (configs/many_domains_cpu.yaml, when present) for CONFIG; the
 run is tens of minutes per side on 2 cores. Each side's output goes to <out>/<side>.log; `--parallel` runs the two
-at once (on a shared machine both then see the same load), otherwise one after the other. `--dry-run` prints the
+at once (on a shared machine both then see the same load; it needs the memory of both: a side of
+configs/many_domains_cpu.yaml grew to 9.8 GB resident in its first RL steps, and two sides beside other jobs on a
+23 GB machine were killed by the kernel's OOM killer), otherwise one after the other. `--dry-run` prints the
 two commands only.
 
 `simulate`: no model: a scripted policy over N synthetic domains (most out of reach, some solved, some
@@ -131,7 +133,8 @@ def main() -> int:
     r.add_argument("--out", default="runs/curriculum_vs_uniform")
     r.add_argument("--set", nargs="*", default=[], help="extra run-config overrides, the same for both runs")
     r.add_argument("--parallel", action="store_true",
-                   help="run the two sides at once (the same machine load on both; each its <out>/<side>.log)")
+                   help="run the two sides at once (the same machine load on both, twice the memory; "
+                        "each its <out>/<side>.log)")
     r.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("simulate", help="a scripted policy over synthetic domains, no model")
     s.add_argument("--domains", type=int, default=120)
