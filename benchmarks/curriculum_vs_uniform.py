@@ -1,7 +1,7 @@
 """Uniform domain weights vs the online curriculum across domains (envs.curriculum), same seed, same budget.
 
     python benchmarks/curriculum_vs_uniform.py real [--config configs/mixture_cpu.yaml] [--steps 20]
-        [--set key=value ...] [--out DIR] [--dry-run]
+        [--set key=value ...] [--out DIR] [--parallel] [--dry-run]
     python benchmarks/curriculum_vs_uniform.py simulate [--domains 120] [--groups 3000] [--seed 0]
 
 `real`: two runs of `megatron-rl train CONFIG` that differ only in envs.curriculum.enabled (false, true): the
@@ -10,7 +10,11 @@ seconds from its summary.json are printed beside it to show the budgets match). 
 object: held-out mean pass@1 over domains before -> after, domains improved / worse, domains with no gradient
 over the run, the fraction of groups with a gradient (mixed rewards) over the run, the run's CPU seconds.
 With many domains use the many-domains config (configs/many_domains_cpu.yaml, when present) for CONFIG; the
-run is tens of minutes per side on 2 cores. `--dry-run` prints the two commands only.
+run is tens of minutes per side on 2 cores. Each side's output goes to <out>/<side>.log; `--parallel` runs the two
+at once (on a shared machine both then see the same load; it needs the memory of both: a side of
+configs/many_domains_cpu.yaml grew to 9.8 GB resident in its first RL steps, and two sides beside other jobs on a
+23 GB machine were killed by the kernel's OOM killer), otherwise one after the other. `--dry-run` prints the
+two commands only.
 
 `simulate`: no model: a scripted policy over N synthetic domains (most out of reach, some solved, some
 learnable: a success probability that rises with every group that had mixed rewards) sampled by
@@ -60,15 +64,34 @@ def _side(run: Path) -> dict:
             "wall_s": summary["wall_s"]}
 
 
+def launch(cmds: dict[str, list[str]], out: Path, parallel: bool) -> None:
+    """Run each side's command (from the repository root), its output to <out>/<side>.log; one after the other,
+    or (`parallel`) all at once, so that both sides see the same machine load and finish together. A side that
+    fails stops the benchmark with its name, exit status and the tail of its log."""
+    out.mkdir(parents=True, exist_ok=True)
+    logs = {name: out / f"{name}.log" for name in cmds}
+
+    def start(name: str) -> subprocess.Popen:
+        with open(logs[name], "w") as f:
+            return subprocess.Popen(cmds[name], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+
+    procs = {name: start(name) for name in cmds} if parallel else {}
+    for name in cmds:
+        rc = (procs[name] if parallel else start(name)).wait()
+        if rc != 0:
+            for p in procs.values():  # SIGTERM: a run stops its ranks
+                p.terminate()
+                p.wait()
+            raise SystemExit(f"{name} run failed ({rc}); {logs[name]}:\n{logs[name].read_text()[-3000:]}")
+
+
 def real(args) -> dict:
     cmds = _commands(args)
     if args.dry_run:
         return {name: " ".join(c) for name, c in cmds.items()}
+    launch(cmds, Path(args.out), args.parallel)
     out = {}
-    for name, cmd in cmds.items():
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    for name in cmds:
         runs = [p.parent for p in (Path(args.out) / name).glob("*/summary.json")]
         out[name] = _side(runs[0])
     return out
@@ -109,6 +132,9 @@ def main() -> int:
     r.add_argument("--steps", type=int, default=20)
     r.add_argument("--out", default="runs/curriculum_vs_uniform")
     r.add_argument("--set", nargs="*", default=[], help="extra run-config overrides, the same for both runs")
+    r.add_argument("--parallel", action="store_true",
+                   help="run the two sides at once (the same machine load on both, twice the memory; "
+                        "each its <out>/<side>.log)")
     r.add_argument("--dry-run", action="store_true")
     s = sub.add_parser("simulate", help="a scripted policy over synthetic domains, no model")
     s.add_argument("--domains", type=int, default=120)

@@ -42,14 +42,22 @@ def heldout_success(rollouts, tasks: list, cfg: RunConfig, tag: str) -> dict:
 def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, list[dict]]:
     """`heldout_success`'s metrics and one row per task (`megatron_rl.eval_report.task_rows`); ({}, []) off rank 0."""
     from megatron_rl.eval_report import task_rows
+    from megatron_rl.loop.metrics import rank_cpu_s
     from megatron_rl.rollout import SamplingParams
 
     tok = rollouts.tok
     greedy = [SamplingParams(temperature=0.0, max_new_tokens=cfg.rl.max_new_tokens, stop_token_ids=list(tok.stop_ids))
               for _ in tasks]
-    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(tasks))]
-    t0 = time.perf_counter()
-    groups = rollouts.run_now(tasks + tasks, greedy + sampled, tag=tag)
+    sampled = [rollouts.params(10**7 + i, n=cfg.eval.k) for i in range(len(tasks))]  # seeded by the task's place
+    t0, cpu0 = time.perf_counter(), rank_cpu_s()
+    up = by_prompt_length(tasks, rollouts.prompt_fn)
+    order = up + up[::-1]  # greedy shortest first, then sampled longest first: the longest prompts, prefilled last
+    # by their greedy request, are still in the prefix cache when their sampled request comes
+    ran = rollouts.run_now([tasks[i] for i in order], [greedy[i] for i in up] + [sampled[i] for i in up[::-1]],
+                           tag=tag)
+    groups = [None] * len(ran)  # back in the order of `tasks` (greedy, then sampled)
+    for j, i in enumerate(order):
+        groups[i + (len(tasks) if j >= len(tasks) else 0)] = ran[j]
     if not rollouts.is_scorer:
         return {}, []
     n, out = len(tasks), {}
@@ -62,7 +70,15 @@ def heldout_run(rollouts, tasks: list, cfg: RunConfig, tag: str) -> tuple[dict, 
     samples = [r for g in groups for r in g.rewards]
     rows = task_rows(tasks, solved[:n], solved[n:], [g.turns for g in groups[n:]], cfg.eval.k)
     return {**_success(solved[:n], solved[n:], cfg.eval.k), **out, "time_s": time.perf_counter() - t0,
+            "cpu_s": rank_cpu_s() - cpu0,  # this rank's CPU seconds (all its threads and waited-for children)
             "infra_error_frac": float(np.mean([r[2] != "ok" for r in samples])) if samples else 0.0}, rows
+
+
+def by_prompt_length(tasks: list, prompt_fn) -> list[int]:
+    """The indices of `tasks`, shortest prompt first (ties in their order): the engine decodes the sequences it
+    runs at once padded to the longest one's K/V, so a mixture's long prompts (hundreds of tokens next to tens)
+    cost far less decoded together than mixed with short ones. Only the order of the requests changes."""
+    return sorted(range(len(tasks)), key=lambda i: len(prompt_fn(tasks[i])))
 
 
 def _solved(g) -> list[int]:

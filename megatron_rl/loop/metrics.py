@@ -17,7 +17,7 @@ class Clock:
     """Wall time of a step's phases; generation and env-wait come from the rollouts' own timers."""
 
     def __init__(self, rollouts):
-        self.rollouts, self.t0, self.cpu0 = rollouts, time.perf_counter(), _rank_cpu_s()
+        self.rollouts, self.t0, self.cpu0 = rollouts, time.perf_counter(), rank_cpu_s()
         self.start = dict(rollouts.timers)
         self.marks: dict[str, float] = {}
         self.last = self.t0
@@ -34,10 +34,10 @@ class Clock:
         train = self.marks.get("train", 0.0)
         return {"time_step_s": total, "time_generate_s": gen, "time_env_wait_s": env, "time_train_s": train,
                 "time_sync_s": self.marks.get("sync", 0.0), "trainer_idle_frac": 1.0 - train / max(total, 1e-9),
-                "cpu_step_s": _rank_cpu_s() - self.cpu0}
+                "cpu_step_s": rank_cpu_s() - self.cpu0}
 
 
-def _rank_cpu_s() -> float:
+def rank_cpu_s() -> float:
     """User + system CPU seconds of this rank (every thread: trainer, in-process engine, episode threads) and of
     its children that were waited for (sandboxes): summed over steps, the CPU cost of a run on this rank."""
     import resource
