@@ -40,8 +40,8 @@ def rank_env(launch: LaunchConfig | None = None, extra: dict[str, str] | None = 
 
 def run_ranks(argv: list[str], nproc: int, launch: LaunchConfig | None = None,
               extra: dict[str, str] | None = None) -> int:
-    """Run `python argv` as this machine's ranks: in-process rank when already under a launcher, else `nproc`
-    local ranks (`LocalRanks`). Returns the exit code (3: stopped by a signal)."""
+    """Run `python argv` as this machine's ranks: one plain process when already under a launcher (it is that
+    job's rank), else `nproc` local ranks (`LocalRanks`). Returns the exit code (3: stopped by a signal)."""
     if under_launcher():
         return LocalRanks(argv, 1, None).run()
     return LocalRanks(argv, nproc, rank_env(launch, extra)).run()
@@ -80,9 +80,7 @@ class LocalRanks:
     def signal(self, signum: int) -> None:
         """Forward `signum` to every live rank (SIGTERM/SIGUSR1: checkpoint and stop after the current step)."""
         self.stopped.append(signum)
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        self._send(signum)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for every rank; returns 0, 3 (stopped by a forwarded signal), or the exit code of the first rank
@@ -137,6 +135,9 @@ class LocalRanks:
         try:
             self.start()
             return self.wait()
+        except BaseException:  # a failed start or an interrupt: no rank outlives its launcher
+            self.kill()
+            raise
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
