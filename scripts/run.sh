@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+. scripts/pycache.sh  # bytecode compiled once per checkout, not at every import
 exec .venv/bin/megatron-rl train configs/post_train_cpu.yaml "$@"

@@ -10,15 +10,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 [ "${MRL_SKIP_VLLM:-0}" = 1 ] || bash scripts/setup_vllm.sh
 export PYTHONUNBUFFERED=1
-# Bytecode once, not at every import: with PYTHONDONTWRITEBYTECODE=1 (set on the project's machines) and venvs
-# installed without .pyc (uv's default), every process compiled torch, Megatron, transformers and vLLM from
-# source again: `import torch, megatron.core, megatron_rl.trainer` 14.3 CPU-s, 5.3 with the bytecode cached; the
-# vLLM worker's `from vllm import EngineArgs, LLMEngine` 18 -> 9 CPU-s. The cache lives in one ignored folder
-# (the sources and venvs get no __pycache__); MRL_PYCACHE=0 keeps the caller's setting.
-if [ "${MRL_PYCACHE:-1}" != 0 ]; then
-  export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$PWD/.pycache}
-  unset PYTHONDONTWRITEBYTECODE
-fi
+. scripts/pycache.sh  # bytecode compiled once per checkout, not at every import
 # Two pytest workers (pytest-xdist): the multi-process and Slurm tests leave a third of the 2 cores idle
 # waiting on launches and the scheduler. tests/conftest.py keeps a file's tests on one worker and all Slurm
 # tests on one worker, costliest first. MRL_TEST_WORKERS=0 runs in this process, one test at a time.
