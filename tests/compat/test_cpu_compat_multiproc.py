@@ -26,6 +26,10 @@ LAUNCHES = {
 }
 ATOL = 1e-5
 """Parallel and one-process losses must agree to this (fp32, 3 Adam steps)."""
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+"""One thread per rank (the ranks share the cores: more threads spin and cost CPU for these tiny matrices), and
+Megatron's torch.compile-decorated functions (the MoE router's) run eagerly: compiling them cost ~12 CPU-s in every
+rank that routes, for the same result (the deferred compile is tested in test_deferred_compile.py)."""
 DIVERGED = 1e-4
 """A still-needed scenario that runs must be further than this from the reference."""
 
@@ -53,6 +57,7 @@ def _launch(world: int, out_dir: Path) -> dict:
     if world == 2:
         cmd += ["--ckpt", str(out_dir / "ckpt_tp2")]
     env = {k: v for k, v in os.environ.items() if k not in (cpu.ENV_DISABLE, "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(LAUNCH_ENV)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 and out.exists(), f"launch world={world} failed:\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())

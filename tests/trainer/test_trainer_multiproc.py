@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 SCRIPT = REPO / "tests" / "mp" / "trainer_parity.py"
 TOL = 1e-5
 CROSS_WEIGHT_TOL = 1e-4
+LAUNCH_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+"""Megatron's torch.compile-decorated functions (the MoE router's, DeepSeek-V3's expert bias) run eagerly: compiling
+them cost ~12 CPU-s in every rank that routes, for the same result (the deferred compile is tested in
+tests/compat/test_deferred_compile.py). launch.torchrun already gives each rank one thread."""
 
 
 def _check_layouts(records: list[dict], names: list[str]) -> None:
@@ -55,7 +59,7 @@ def world2(tmp_path_factory) -> dict[str, list[dict]]:
     ckpt = tmp_path_factory.mktemp("uneven") / "ckpt"
     records = torchrun(SCRIPT, 2, ["--layouts", ",".join([*WORLD2, *DSV3, "pp2_mtp"]), "--packing",
                                    "--kl-layouts", ",".join(KL), "--cp-layouts", "cp2",
-                                   "--also", f"lora_tp,uneven_stages:{ckpt}"], timeout=1500)
+                                   "--also", f"lora_tp,uneven_stages:{ckpt}"], timeout=1500, env=LAUNCH_ENV)
     return _split(records)
 
 
@@ -74,7 +78,8 @@ def world4(tmp_path_factory) -> dict[str, list[dict]]:
     """One world-4 launch: tp2_pp2 (fused and logits), trainer_cp.py's world-4 layouts and ckpt_resume.py."""
     ckpt = tmp_path_factory.mktemp("ckpt") / "ckpt"
     return _split(torchrun(SCRIPT, 4, ["--layouts", "tp2_pp2,tp2_pp2_logits", "--cp-layouts",
-                                       "tp2_cp2,cp2_dp2_distopt", "--also", f"ckpt_resume:{ckpt}"], timeout=1200))
+                                       "tp2_cp2,cp2_dp2_distopt", "--also", f"ckpt_resume:{ckpt}"], timeout=1200,
+                           env=LAUNCH_ENV))
 
 
 def test_world2_layouts_match_one_process_and_packing_invariance(world2):
