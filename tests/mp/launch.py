@@ -38,8 +38,11 @@ def torchrun(script: str | Path, nproc: int, args: list[str] = (), timeout: floa
     from megatron_rl.commands.launch import LocalRanks
 
     with tempfile.TemporaryDirectory(prefix="mrl-mp-") as results:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), RESULT_DIR_ENV: results,
-                    **(env or {})}
+        # TORCHDYNAMO_DISABLE: Megatron's torch.compile'd functions (the MoE router's) run eagerly; compiling one
+        # cost ~12 CPU-s in every rank that routes (C++ through inductor). Same code, same results; the compile
+        # path itself is tested by tests/compat/test_deferred_compile.py and by every `megatron-rl train` launch.
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(REPO),
+                    RESULT_DIR_ENV: results, **(env or {})}
         for k in [k for k in full_env if k.startswith("SLURM_")]:
             full_env.pop(k)
         with open(Path(results) / "output.log", "w+") as out:
