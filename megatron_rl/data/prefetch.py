@@ -128,7 +128,7 @@ class ShardPrefetch:
             with tempfile.TemporaryDirectory(dir=self.spool_dir or None, prefix="mrl-prefetch-") as tmp:
                 path = Path(tmp) / Path(key).name
                 self.fetch(key, path, shard.sha256)
-                cols = read_arrays(path)
+                cols = read_arrays(path, threads=1)  # off the critical path: no parallel decode beside the others
         except BaseException as e:  # noqa: BLE001  the read fetches it again and meets the error there
             log.debug("store: prefetch of %s failed (%s: %s); read on demand", key, type(e).__name__, e)
             with self._lock:

