@@ -255,6 +255,10 @@ class ModelConfig:
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                               f"num_query_groups={self.num_query_groups}")
+        if self.recompute_activations and self.moe.num_experts:
+            raise ConfigError("model.recompute_activations with model.moe.num_experts: the backward would route "
+                              "every token again (routing replay and the routed-expert counts assume one routing "
+                              "per forward); set model.recompute_activations=false for MoE models")
         if self.sliding_window_layers is not None and len(self.sliding_window_layers) != self.num_layers:
             raise ConfigError(f"model.sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                               f"num_layers={self.num_layers}")

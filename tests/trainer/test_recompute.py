@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+import pytest
 import torch
 
+from megatron_rl.config import ConfigError
 from tests.mp.trainer_parity import SEED, batch, init_model, model_config, rl_config
 from tests.trainer.test_trainer_fused_logprob import _ctx
 
@@ -48,3 +50,9 @@ def test_recompute_keeps_fewer_activation_bytes_and_gives_the_same_gradients():
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
     assert saved1 < saved0 / 2, (saved0, saved1)  # only the layers' inputs are kept for the backward
+
+
+def test_recompute_is_refused_for_moe_models_naming_the_setting():
+    cfg = dataclasses.replace(model_config(2, True), recompute_activations=True)
+    with pytest.raises(ConfigError, match="model.recompute_activations with model.moe.num_experts"):
+        cfg.validate()
