@@ -109,7 +109,7 @@ def _heldout(cfg: RunConfig, domain: str) -> list:
     if domain == cfg.data.domain and cfg.task_source() is not None:  # the run's generated held-out tasks
         return task_lists(cfg)["eval"]
     return load_domain(domain, cfg.envs.domains[domain].task_files or None if domain in cfg.envs.domains else None,
-                       split="heldout", **cfg.envs.loader_options(domain))[:cfg.eval.tasks]
+                       split="heldout", **cfg.envs.loader_options(domain))
 
 
 def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out: Path) -> int:
@@ -121,7 +121,7 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     from megatron_rl.distributed import destroy_distributed, init_distributed
     from megatron_rl.eval_report import write_report
     from megatron_rl.loop.evaluation import heldout_run
-    from megatron_rl.loop.job import build_eval, close_engine, engine_weights, rollouts_for
+    from megatron_rl.loop.job import build_eval, close_engine, engine_weights, eval_fitting, rollouts_for
     from megatron_rl.prompts import prompt_ids
 
     ctx = init_distributed(cfg.parallel, cfg.launch.backend, timeout_minutes=cfg.launch.timeout_minutes)
@@ -135,7 +135,7 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
     results, rows = {}, []
     try:
         for domain in domains:
-            tasks = _fitting(_heldout(cfg, domain), tok, cfg)
+            tasks = eval_fitting(_heldout(cfg, domain), tok, cfg, say=rank0)
             if tasks:
                 metrics, task_rows = heldout_run(rollouts, tasks, cfg, tag=f"eval-{domain}")
                 results[domain] = {**metrics, "k": cfg.eval.k}
@@ -152,14 +152,6 @@ def worker_main(cfg: RunConfig, checkpoint: Path | None, domains: list[str], out
         runner.close()
     destroy_distributed()
     return 0
-
-
-def _fitting(tasks: list, tok, cfg: RunConfig) -> list:
-    """Tasks whose prompt leaves room for rl.max_new_tokens in the model's context."""
-    from megatron_rl.prompts import prompt_ids
-
-    room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
-    return [t for t in tasks if len(prompt_ids(tok, t)) <= room]
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ class EvalConfig:
     every: int = 10
     """Evaluate every this many RL steps (and before the first and after the last); 0 = only those two."""
     tasks: int = 64
-    """Held-out tasks evaluated."""
+    """Held-out tasks evaluated per domain: the first this many of its held-out split whose prompt fits
+    model.max_seq_length - rl.max_new_tokens (fewer are logged; the eval row's <domain>/tasks counts them)."""
     k: int = 4
     """Samples per task for pass@k (temperature rl.temperature); success is also measured greedily."""
 

@@ -41,30 +41,32 @@ WeightSyncFn = Callable[["Engine", int, Iterable], None]
 
 def task_lists(cfg: RunConfig) -> dict:
     """Tasks: train and heldout of data.domain (the warm-up's), rl (the RL loop's, per domain of the mixture)
-    and eval (held-out tasks of every domain of the mixture, eval.tasks each)."""
+    and eval (every held-out task of every domain of the mixture, in order: `fitting` keeps the first
+    eval.tasks of each domain among those whose prompt fits)."""
     source = cfg.task_source()  # data.domain's generated tasks (`curriculum:`), None: its shipped suite
     if source is not None:
         heldout = source.generate(cfg.data.heldout_tasks, cfg.seed, "heldout")
         return {"train": source.generate(cfg.data.train_tasks, cfg.seed, "train"), "heldout": heldout,
                 "rl": {cfg.data.domain: source.generate(source.rl_tasks, cfg.seed, "rl")},
-                "eval": heldout[:cfg.eval.tasks], "levels": {}}
+                "eval": heldout, "levels": {}}
     from megatron_rl.envs.tasks import load_domain
 
     evals = cfg.envs.tasks("heldout")
     return {"train": load_domain(cfg.data.domain, split="train")[:cfg.data.train_tasks],
             "heldout": load_domain(cfg.data.domain, split="heldout")[:cfg.data.heldout_tasks],
             "rl": {d: ts for d, ts in cfg.envs.tasks("train").items() if cfg.envs.domains[d].weight > 0},
-            "eval": [t for ts in evals.values() for t in ts[:cfg.eval.tasks]],
+            "eval": [t for ts in evals.values() for t in ts],
             "levels": cfg.envs.level_tasks()}  # domain -> train tasks per difficulty level (envs.domains.<d>.levels)
 
 
 def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
     """The RL and eval tasks whose prompt leaves room for a turn of rl.max_new_tokens in model.max_seq_length
-    (the others are left out and counted); a domain with no task left is refused, naming the fix."""
+    (the others are left out and counted); a domain with no RL task left is refused, naming the fix; eval: the
+    first eval.tasks held-out tasks of each domain among those that fit (`eval_fitting`)."""
     room = cfg.model.max_seq_length - cfg.rl.max_new_tokens
     fits = lambda ts: [t for t in ts if len(prompt_ids(tok, t)) <= room]  # noqa: E731
     rl = {d: fits(ts) for d, ts in tasks["rl"].items()}
-    out = {**tasks, "rl": rl, "eval": fits(tasks["eval"]), "levels": {}}
+    out = {**tasks, "rl": rl, "eval": eval_fitting(tasks["eval"], tok, cfg, say), "levels": {}}
     for d, lv in tasks.get("levels", {}).items():  # a domain climbs up to its first level with no fitting task
         kept = list(itertools.takewhile(bool, (fits(ts) for ts in lv)))
         if say and len(kept) < len(lv):
@@ -79,6 +81,30 @@ def fitting(tasks: dict, tok, cfg: RunConfig, say: bool = False) -> dict:
         if say and len(ts) < len(tasks["rl"][d]):
             print(f"[megatron-rl] {d}: {len(tasks['rl'][d]) - len(ts)} of {len(tasks['rl'][d])} tasks left out "
                   f"(prompt longer than {room} tokens)", flush=True)
+    return out
+
+
+def eval_fitting(heldout: list, tok, cfg: RunConfig, say: bool = False) -> list:
+    """The first eval.tasks tasks of each domain of `heldout` (in its order, so deterministic) among those whose
+    prompt leaves room for rl.max_new_tokens; `say`: name the domains with fewer (their eval row's
+    <domain>/tasks says how many) and warn about those with none (no eval row: they still train)."""
+    room, want = cfg.model.max_seq_length - cfg.rl.max_new_tokens, cfg.eval.tasks
+    by_domain: dict[str, list] = {}
+    for t in heldout:
+        by_domain.setdefault(t.domain, []).append(t)
+    out, none = [], []
+    for d, ts in by_domain.items():
+        kept = list(itertools.islice((t for t in ts if len(prompt_ids(tok, t)) <= room), want))
+        out += kept
+        if not kept:
+            none.append(d)
+        elif say and len(kept) < want:
+            print(f"[megatron-rl] {d}: eval on {len(kept)} of eval.tasks={want} held-out tasks (of its {len(ts)}, "
+                  f"the others' prompts are longer than {room} tokens)", flush=True)
+    if say and none:
+        print(f"[megatron-rl] WARNING: no held-out prompt of {', '.join(none)} fits {room} tokens "
+              f"(model.max_seq_length - rl.max_new_tokens): no eval row for them; raise envs.domains.<domain>."
+              f"heldout_tasks (more candidates) or model.max_seq_length", flush=True)
     return out
 
 

@@ -59,3 +59,28 @@ def test_greedy_requests_go_shortest_prompt_first_sampled_longest_first_and_resu
 def test_by_prompt_length_keeps_ties_in_order():
     tasks = [_task(i, p, 0, []) for i, p in enumerate(["aaa", "a", "aa", "b", "ccc"])]
     assert by_prompt_length(tasks, FakeRollouts.prompt_fn) == [1, 3, 2, 0, 4]
+
+
+def test_eval_takes_eval_tasks_among_the_prompts_that_fit_and_names_domains_with_fewer(monkeypatch, capsys):
+    """The first eval.tasks held-out tasks of each domain are taken AFTER the too-long prompts are dropped (a
+    domain whose first held-out prompts are too long still gets its tasks); fewer, or none, are said by name."""
+    import megatron_rl.loop.job as J
+
+    monkeypatch.setattr(J, "prompt_ids", lambda tok, task: list(range(len(task.prompt))))
+    cfg = RunConfig()
+    cfg.model.max_seq_length, cfg.rl.max_new_tokens, cfg.eval.tasks = 100, 20, 2  # room: 80 prompt tokens
+    long, short = "x" * 81, "x" * 80
+
+    def tasks(domain, prompts):
+        return [Task(f"{domain}{i}", domain, p, split="heldout") for i, p in enumerate(prompts)]
+
+    heldout = (tasks("a", [long, long, short, short, short]) + tasks("b", [long, short]) + tasks("c", [long, long])
+               + tasks("d", [short, short, short]))
+    out = J.fitting({"rl": {}, "eval": heldout}, None, cfg, say=True)["eval"]
+    assert [t.id for t in out] == ["a2", "a3", "b1", "d0", "d1"]
+    said = capsys.readouterr().out
+    assert "b: eval on 1 of eval.tasks=2 held-out tasks (of its 2" in said
+    assert "WARNING: no held-out prompt of c fits 80 tokens" in said and "heldout_tasks" in said
+    assert "a: eval on" not in said and "d: eval on" not in said
+    assert J.fitting({"rl": {}, "eval": heldout}, None, cfg)["eval"] == out  # deterministic; quiet without say
+    assert capsys.readouterr().out == ""
