@@ -65,8 +65,9 @@ class ShardPrefetch:
         self.taken: OrderedDict[str, None] = OrderedDict()
         self.read_folders: set[str] = set()
         self.bytes = 0
-        self.counts = {"offered": 0, "hits": 0, "misses": 0, "full": 0, "failed": 0, "evicted": 0, "peak_bytes": 0}
-        """offered: announcements fetched; hits/misses: reads served from / not from here; full: not fetched or
+        self.counts = {"announced": 0, "offered": 0, "hits": 0, "misses": 0, "full": 0, "failed": 0, "evicted": 0, "peak_bytes": 0}
+        """announced: announcements seen; offered: announcements fetched (one may still be dropped as `full`
+        once parsed); hits/misses: reads served from / not from here; full: not fetched or
         dropped for the bound; failed: fetches or parses that failed; evicted: unread shards dropped for room;
         peak_bytes: the most bytes held at once."""
         self._lock = threading.Lock()
@@ -80,6 +81,7 @@ class ShardPrefetch:
         except (KeyError, TypeError, ValueError):
             return
         with self._lock:
+            self.counts["announced"] += 1
             if self._closed or key in self.held or key in self.taken:
                 return
             if not self._room(size):

@@ -106,6 +106,7 @@ def test_the_bound_holds_and_unread_shards_of_a_read_folder_make_room(tmp_path):
             settle(pre)
             assert pre.bytes <= pre.max_bytes
         assert pre.counts["full"] == 2 and len(pre.held) == 2  # two fit, two do not (fetched by the read)
+        assert pre.counts["announced"] == 4 and pre.counts["offered"] == 4  # each admitted; two dropped once parsed
         assert pre.counts["peak_bytes"] <= pre.max_bytes
         assert pre.take(b0[0]["key"], b0[0]["folder"], b0[0]["sha256"]) is not None  # b0 is being read ...
         assert pre.take(b0[2]["key"], b0[2]["folder"], b0[2]["sha256"]) is None  # (not held: the read GETs it)
@@ -130,7 +131,7 @@ def test_a_failed_fetch_another_checksum_or_an_odd_announcement_leave_the_read_t
         for odd in ({"key": "run/rl/b0/good2.h5"}, {"key": "k", "folder": "f", "sha256": "s", "bytes": "many"}):
             pre.offer(odd)  # ignored (a duplicate publish by hand, a foreign message on the subject)
         settle(pre)
-        assert pre.counts["failed"] == 1 and pre.counts["offered"] == 2
+        assert pre.counts["failed"] == 1 and pre.counts["offered"] == 2 and pre.counts["announced"] == 2
         assert pre.bytes == columns_bytes(read_arrays(bucket.files[good["key"]]))  # the failed one released
         assert pre.take(bad["key"], bad["folder"], bad["sha256"]) is None
         assert pre.take(good["key"], good["folder"], "another-announcement") is None  # not the indexed copy

@@ -215,7 +215,8 @@ def test_shards_announced_while_the_trainer_waits_are_fetched_by_then_within_the
         for i, t in enumerate(rows.values()):  # the workers publish while the trainer is busy (here: waiting)
             worker.publish(folder, f"s{i}.h5", [t])
         pre, deadline = trainer.prefetch, time.monotonic() + 60
-        while pre.counts["offered"] + pre.counts["full"] < 5 or not all(s.future.done() for s in pre.held.values()):
+        # every announcement seen (offered + full would count twice a shard offered, then dropped once parsed)
+        while pre.counts["announced"] < 5 or not all(s.future.done() for s in pre.held.values()):
             assert time.monotonic() < deadline, pre.counts
             time.sleep(0.05)
         assert len(pre.held) == 1 and 0 < pre.bytes <= 1 << 20  # fetched and parsed before the trainer asks
