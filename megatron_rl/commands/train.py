@@ -301,7 +301,7 @@ def write_summary(cfg: RunConfig, run_dir: Path, rows: list[dict], wall: float, 
 
     table = domain_table(evals, cfg.eval.k, [r for r in rows if r["kind"] == "rl"])
     out = {"name": cfg.name, "model": cfg.model.init or "random (model section)",
-           "domains": sorted({cfg.data.domain}), "heldout_before": heldout(evals[0] if evals else None),
+           "domains": _run_domains(cfg), "heldout_before": heldout(evals[0] if evals else None),
            "heldout_after": heldout(evals[-1] if len(evals) > 1 else None),
            "rl_steps": len([r for r in rows if r["kind"] == "rl"]), "warmup_steps": len([r for r in rows
                                                                                          if r["kind"] == "sft"]),
@@ -314,6 +314,12 @@ def write_summary(cfg: RunConfig, run_dir: Path, rows: list[dict], wall: float, 
 def write_summary_table(run_dir: Path) -> dict:
     """The per-domain table just written into summary.json."""
     return json.loads((run_dir / "summary.json").read_text())["domain_table"]
+
+
+def _run_domains(cfg: RunConfig) -> list[str]:
+    """The RL mixture's domains (envs.domains, patterns expanded; data.domain alone when it is empty), with the
+    warm-up's data.domain when there is a warm-up."""
+    return sorted(set(cfg.envs.domains) | ({cfg.data.domain} if cfg.train.steps else set()))
 
 
 def _domains(row: dict) -> list[str]:

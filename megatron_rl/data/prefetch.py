@@ -65,7 +65,8 @@ class ShardPrefetch:
         self.taken: OrderedDict[str, None] = OrderedDict()
         self.read_folders: set[str] = set()
         self.bytes = 0
-        self.counts = {"announced": 0, "offered": 0, "hits": 0, "misses": 0, "full": 0, "failed": 0, "evicted": 0, "peak_bytes": 0}
+        self.counts = {"announced": 0, "offered": 0, "hits": 0, "misses": 0, "full": 0, "failed": 0, "evicted": 0,
+                       "peak_bytes": 0}
         """announced: announcements seen; offered: announcements fetched (one may still be dropped as `full`
         once parsed); hits/misses: reads served from / not from here; full: not fetched or
         dropped for the bound; failed: fetches or parses that failed; evicted: unread shards dropped for room;

@@ -61,7 +61,9 @@ def _check_mixture_run(run: Path, stdout: str) -> None:
     if any(rl[0].get(f"{d}/no_gradient_frac", 0.0) > 0 for d in DOMAINS):  # a flat group: the weights move
         assert [rl[0][f"{d}/weight"] for d in DOMAINS] != pytest.approx([2 / 6, 1 / 6, 1 / 6, 1 / 6, 1 / 6])
     assert "[megatron-rl] domains rl step 1:" in stdout and "no gradient (" in stdout
-    table = json.loads((run / "summary.json").read_text())["domain_table"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["domains"] == sorted(DOMAINS)  # the mixture's, not data.domain alone
+    table = summary["domain_table"]
     assert [row["domain"] for row in table["domains"]] == sorted(DOMAINS)
     assert all(row["tasks"] == 2 for row in table["domains"])
     assert (run / "domains.md").exists() and (run / "plots" / "domains_heldout.png").stat().st_size > 5000
