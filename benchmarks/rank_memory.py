@@ -1,6 +1,7 @@
 """Resident memory of one in-process RL rank of a run config, stage by stage, without generating anything.
 
-    python benchmarks/rank_memory.py [--config configs/many_domains_cpu.yaml] [--samples 2] [--set key=value ...]
+    python benchmarks/rank_memory.py [--config configs/many_domains_cpu.yaml] [--samples 2] [--checkpoint]
+        [--set key=value ...]
 
 Builds what `megatron-rl train` builds on a single rank, in the same order (the policy with its optimizer and
 trainer from model.init, then the rollout engine with its KV pool), then runs one `RLTrainer.step` on
@@ -11,10 +12,14 @@ as well). The step's peak is the largest the run reaches: the engine's decode tr
 than a trainer micro-batch's activations (packing.max_tokens tokens through every layer) plus Adam's state,
 which the first step allocates. `--samples` 2 fills one micro-batch of 2048 tokens at the config's lengths.
 Weights are random (model.init's shape, its loading skipped): memory does not depend on their values.
+`--checkpoint` then saves the rank's RL checkpoint (trainer/checkpoint.save_checkpoint, into a temporary folder
+beside the config's output_dir, removed after) and reports its peak (VmHWM reset before it) and CPU seconds: the
+save of the last step, when the run's resident memory is highest.
 
 Measured (SmolLM2-135M-Instruct shape, fp32, 2 samples; docs/task_libraries.md, Measured): step peak
     python benchmarks/rank_memory.py --set model.recompute_activations=false     8.57 GB
     python benchmarks/rank_memory.py                                             5.40 GB (recompute on)
+    python benchmarks/rank_memory.py --checkpoint                                see docs/task_libraries.md
 Prints one JSON object.
 """
 from __future__ import annotations
@@ -52,6 +57,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/many_domains_cpu.yaml")
     p.add_argument("--samples", type=int, default=2)
+    p.add_argument("--checkpoint", action="store_true", help="then save a checkpoint and report its peak")
     p.add_argument("--set", nargs="*", default=[], help="run-config overrides key=value")
     args = p.parse_args()
 
@@ -91,7 +97,28 @@ def main() -> None:
     out["step_cpu_s"] = time.process_time() - t0
     out["rss_gb"]["after_step"] = status_gb("VmRSS")
     out["step_peak_rss_gb"] = max(peak[0], status_gb("VmHWM"))
+    if args.checkpoint:
+        out.update(checkpoint_peak(policy, cfg.output_dir))
     print(json.dumps(out, indent=1))
+
+
+def checkpoint_peak(policy, output_dir: str) -> dict:
+    """Save the policy's checkpoint (model, DistributedOptimizer state, scheduler) into a temporary folder; the
+    resident peak during the save (VmHWM reset first, /proc/self/clear_refs) and its CPU seconds."""
+    import tempfile
+    from pathlib import Path
+
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    before = status_gb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    t0 = time.process_time()
+    with tempfile.TemporaryDirectory(dir=output_dir, prefix="rank-memory-ckpt-") as tmp:
+        save_checkpoint(policy, Path(tmp) / "step-000001")
+    return {"checkpoint_cpu_s": time.process_time() - t0, "checkpoint_peak_rss_gb": status_gb("VmHWM"),
+            "rss_gb_before_checkpoint": before, "rss_gb_after_checkpoint": status_gb("VmRSS")}
 
 
 if __name__ == "__main__":
