@@ -12,8 +12,9 @@ over the run, the fraction of groups with a gradient (mixed rewards) over the ru
 With many domains use the many-domains config (configs/many_domains_cpu.yaml, when present) for CONFIG; the
 run is tens of minutes per side on 2 cores. Each side's output goes to <out>/<side>.log; `--parallel` runs the two
 at once (on a shared machine both then see the same load; it needs the memory of both: a side of
-configs/many_domains_cpu.yaml grew to 9.8 GB resident in its first RL steps, and two sides beside other jobs on a
-23 GB machine were killed by the kernel's OOM killer), otherwise one after the other. `--dry-run` prints the
+configs/many_domains_cpu.yaml holds 4-6 GB through its steps and peaks at 9.9 GB for seconds in its last
+checkpoint save; with --steps 3 and launch.threads_per_rank=1 the two sides ran at once beside the test suite on
+23 GB, 2646 and 2792 CPU-s, docs/task_libraries.md), otherwise one after the other. `--dry-run` prints the
 two commands only.
 
 `simulate`: no model: a scripted policy over N synthetic domains (most out of reach, some solved, some
