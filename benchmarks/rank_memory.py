@@ -19,7 +19,7 @@ save of the last step, when the run's resident memory is highest.
 Measured (SmolLM2-135M-Instruct shape, fp32, 2 samples; docs/task_libraries.md, Measured): step peak
     python benchmarks/rank_memory.py --set model.recompute_activations=false     8.57 GB
     python benchmarks/rank_memory.py                                             5.40 GB (recompute on)
-    python benchmarks/rank_memory.py --checkpoint                                see docs/task_libraries.md
+    python benchmarks/rank_memory.py --checkpoint          save: 4.91 -> 9.64 GB peak, 13 CPU-s (this process)
 Prints one JSON object.
 """
 from __future__ import annotations
