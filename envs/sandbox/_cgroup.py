@@ -58,6 +58,16 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
+def own_v1_groups() -> dict[str, str]:
+    """controller -> the folder of this process's own cgroup in each v1 hierarchy mounted here."""
+    mounts, own, out = _v1_mounts(), _own_paths(), {}
+    for c, (mnt, root) in mounts.items():
+        rel = own.get(c, "/")
+        rel = rel[len(root):] if root != "/" and rel.startswith(root) else rel
+        out[c] = os.path.join(mnt, rel.lstrip("/"))
+    return out
+
+
 def v2_status() -> str:
     """What cgroup v2 offers this process, for the notes: whether its own v2 cgroup (Slurm's job cgroup, a
     systemd user slice) is a writable subtree with the memory and pids controllers. Used for notes only: the
@@ -152,15 +162,12 @@ class SlotCgroups:
     def create(cls, group: str, slot: str) -> tuple[SlotCgroups | None, list[str]]:
         """Create `<own cgroup>/<group>/<slot>` in each v1 controller hierarchy that is writable.
         Returns (None or the groups, notes on what is missing)."""
-        mounts, own, dirs, notes = _v1_mounts(), _own_paths(), {}, []
+        own, dirs, notes = own_v1_groups(), {}, []
         for c in CONTROLLERS:
-            if c not in mounts:
+            if c not in own:
                 notes.append(f"no cgroup v1 '{c}' hierarchy")
                 continue
-            mnt, root = mounts[c]
-            rel = own.get(c, "/")
-            rel = rel[len(root):] if root != "/" and rel.startswith(root) else rel
-            d = os.path.join(mnt, rel.lstrip("/"), group, slot)
+            d = os.path.join(own[c], group, slot)
             try:
                 os.makedirs(d, exist_ok=True)
             except OSError as e:
@@ -277,26 +284,36 @@ class SlotCgroups:
 
 
 def remove_stale_groups(prefix: str, pid_alive) -> None:
-    """Remove `<own cgroup>/<prefix><pid>-*` groups (and their slots) of processes that no longer exist."""
-    mounts, own = _v1_mounts(), _own_paths()
-    for c, (mnt, root) in mounts.items():
-        rel = own.get(c, "/")
-        rel = rel[len(root):] if root != "/" and rel.startswith(root) else rel
-        parent = os.path.join(mnt, rel.lstrip("/"))
-        try:
-            names = os.listdir(parent)
-        except OSError:
-            continue
-        for name in names:
-            pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
-            if not pid.isdigit() or pid_alive(int(pid)):
+    """Remove `<own cgroup>/<prefix><pid>-*` groups (and their slots) of processes that no longer exist.
+
+    Several processes sweep at once (every rank of a job builds its sandbox at start-up), so a group or slot
+    listed here may be gone a moment later, removed by another sweeper: that is its goal reached, never an
+    error."""
+    for c, parent in own_v1_groups().items():
+        for group in _stale_in(parent, prefix, pid_alive):
+            try:
+                slots = os.listdir(group)
+            except OSError:  # removed by a concurrent sweeper
                 continue
-            group = os.path.join(parent, name)
-            for slot in os.listdir(group):
+            for slot in slots:
                 if os.path.isdir(os.path.join(group, slot)):
                     SlotCgroups({c: os.path.join(group, slot)}).kill_all(timeout_s=1.0)
                     _rmdir(os.path.join(group, slot), quiet=True)
             _rmdir(group, quiet=True)
+
+
+def _stale_in(parent: str, prefix: str, pid_alive) -> list[str]:
+    """`parent/<prefix><pid>-*` of pids that are gone (nothing when `parent` cannot be listed)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and not pid_alive(int(pid)):
+            out.append(os.path.join(parent, name))
+    return out
 
 
 def _state(pid: int) -> str | None:

@@ -3,6 +3,7 @@ must be contained, reported as a violation by name, and leave the sandbox servin
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import inspect
 import json
@@ -618,6 +619,62 @@ def test_stale_sweep_never_follows_symlinks(tmp_path):
             elif p.exists():
                 shutil.rmtree(p)
         subprocess.run(["umount", "-l", str(victim)], check=False)
+
+
+@needs_root
+def test_stale_slot_cgroups_are_swept_by_several_processes_at_once():
+    """Every rank of a job sweeps the slot cgroups of dead workers when it builds its sandbox, all at once. A
+    group another sweeper removed between the listing and the entering is its goal reached, never an error
+    (CI once lost a 4-rank world to FileNotFoundError there). Deterministic half: the group vanishes exactly in
+    that gap. Racing half: four processes sweep the same twenty stale groups."""
+    from megatron_rl.envs.sandbox import _cgroup
+
+    own = {c: d for c, d in _cgroup.own_v1_groups().items() if os.access(d, os.W_OK)}
+    if "memory" not in own:
+        pytest.skip("no writable cgroup v1 memory hierarchy on this host")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    prefix = f"mrl-test-stale-{os.getpid()}-"
+
+    def plant(n):
+        for d in own.values():
+            for i in range(n):
+                os.makedirs(os.path.join(d, f"{prefix}{dead.pid}-{i}", "slot0"))
+
+    def left():
+        return [n for d in own.values() for n in os.listdir(d) if n.startswith(prefix)]
+
+    try:
+        plant(1)
+
+        def alive_but_a_peer_sweeps_first(pid):  # called between the parent's listing and the group's
+            for d in own.values():
+                g = os.path.join(d, f"{prefix}{dead.pid}-0")
+                for gone in (os.path.join(g, "slot0"), g):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(gone)
+            return False
+
+        _cgroup.remove_stale_groups(prefix, alive_but_a_peer_sweeps_first)
+        assert left() == []
+
+        plant(20)
+        code = ("import sys; from megatron_rl.envs.sandbox import _cgroup; "
+                "_cgroup.remove_stale_groups(sys.argv[1], lambda pid: False)")
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        procs = [subprocess.Popen([sys.executable, "-c", code, prefix], stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(4)]
+        errs = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
+        assert all(rc == 0 for rc, _ in errs), errs
+        assert left() == []
+    finally:
+        for d in own.values():
+            for n in os.listdir(d):
+                if n.startswith(prefix):
+                    for sub in os.listdir(os.path.join(d, n)):
+                        if os.path.isdir(os.path.join(d, n, sub)):
+                            os.rmdir(os.path.join(d, n, sub))
+                    os.rmdir(os.path.join(d, n))
 
 
 # ------------------------------------------------------------------------------------------ seccomp
