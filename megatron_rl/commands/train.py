@@ -224,13 +224,16 @@ def _export(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def _prepare(cfg: RunConfig, run_dir: Path) -> None:
-    from megatron_rl.commands.warmup import prepare_data
+    from megatron_rl.commands.warmup import RECHECKS, prepare_data
 
     data = prepare_data(cfg, run_dir)
     _say(f"data: {data['train_samples']} train / {data['heldout_samples']} held-out samples from "
          f"'{cfg.data.domain}'; reference solutions verified in the '{cfg.data.sandbox}' sandbox: "
          f"{data['verified']}/{data['checked']} correct, corrupted answers rejected: {data['rejected']}/"
          f"{data['checked']}; shards in {data['shard_dir']}")
+    if data["unverified"]:
+        _say(f"data: {data['unverified']} reference solutions failed {1 + RECHECKS} checks each and are left out "
+             f"({data['rechecked']} re-checks in all): " + "; ".join(data["unverified_tasks"]))
 
 
 def launch_workers(cfg: RunConfig, run_dir: Path, here: bool = False) -> int:

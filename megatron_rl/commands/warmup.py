@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from megatron_rl.prompts import prompt_ids
 from megatron_rl.run_config import RunConfig
 
 TRAIN_SHARD, HELDOUT_SHARD = "warmup-train.h5", "warmup-heldout.h5"
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -30,9 +32,17 @@ def _trajectory(tok, task, answer: str, reward, episode: str):
                       reward_components=dict(reward.components), provenance={"source": "reference solution"})
 
 
+RECHECKS = 2
+"""How many more times a failing reference answer is checked, alone, before it is left out."""
+
+
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     """Check each task's reference answer (and a corrupted one) with the environment's reward in the sandbox
-    (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts."""
+    (concurrently, on the episode runner the RL phase uses); write the verified ones as shards. Returns counts.
+
+    A reference answer that fails is checked again, alone, up to `RECHECKS` times: under load a sandbox's
+    wall-clock limit can fail a correct solution, and the warm-up data must not depend on the machine's load.
+    One that still fails is left out, counted (`unverified`) and named in a warning."""
     import megatron_rl.envs.sandbox.bwrap  # noqa: F401  (registers the default backend)
     from megatron_rl.data.shards import write_shard
     from megatron_rl.loop.job import episode_runner, task_lists
@@ -42,7 +52,9 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     shard_dir.mkdir(parents=True, exist_ok=True)
     runner = episode_runner(cfg, run_dir)  # the run's environments (envs.mixture.EnvFactory), as in RL
     tasks = task_lists(cfg)
-    stats = {"checked": 0, "verified": 0, "rejected": 0, "shard_dir": str(shard_dir)}
+    stats = {"checked": 0, "verified": 0, "rejected": 0, "rechecked": 0, "unverified": 0,
+             "shard_dir": str(shard_dir)}
+    unverified = []
     try:
         for split, n, name in (("train", cfg.data.train_tasks, TRAIN_SHARD),
                                ("heldout", cfg.data.heldout_tasks, HELDOUT_SHARD)):
@@ -52,16 +64,35 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
             trajs = []
             for task, answer, good_f, bad_f in futs:
                 good, bad = good_f.result(), bad_f.result()
+                for _ in range(RECHECKS if not _verified(good) else 0):
+                    stats["rechecked"] += 1
+                    good = runner.submit(task, answer).result()
+                    if _verified(good):
+                        break
                 stats["checked"] += 1
                 stats["rejected"] += int(bad.components.get("correct", 0.0) == 0.0)
-                if good.valid and good.components.get("correct", 0.0) == 1.0:
+                if _verified(good):
                     stats["verified"] += 1
                     trajs.append(_trajectory(tok, task, answer, good, f"warmup-{task.id}"))
+                else:
+                    unverified.append(f"{task.id} ({good.status}: {_why(good)})")
             write_shard(shard_dir / name, trajs)
             stats[f"{split}_samples"] = len(trajs)
     finally:
         runner.close()
+    stats["unverified"], stats["unverified_tasks"] = len(unverified), unverified[:20]
+    if unverified:
+        log.warning("warm-up: %d reference solutions failed %d checks each and are left out: %s",
+                    len(unverified), 1 + RECHECKS, "; ".join(unverified)[:2000])
     return stats
+
+
+def _verified(reward) -> bool:
+    return reward.valid and reward.components.get("correct", 0.0) == 1.0
+
+
+def _why(reward) -> str:
+    return ("; ".join(f"{k}: {v}" for k, v in reward.reasons.items()) or "no reason given")[:200]
 
 
 # --------------------------------------------------------------------------------------------- ranks
