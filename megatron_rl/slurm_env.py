@@ -138,8 +138,13 @@ class SlurmEnv:
             raise RuntimeError("Slurm gave no node list (SLURM_STEP_NODELIST / SLURM_JOB_NODELIST)")
         return self.nodelist[0]
 
-    def master_port(self, base: int = 20000, span: int = 20000) -> int:
-        """A port derived from the job and step ids, so every task of a step picks the same one unasked."""
+    def master_port(self, base: int = 20000, span: int = 12000) -> int:
+        """A port derived from the job and step ids, so every task of a step picks the same one unasked.
+
+        In [20000, 32000): below Linux's ephemeral range (ip_local_port_range, 32768-60999 by default), from
+        which the kernel takes the local port of every outgoing connection and of every bind to port 0 on the
+        node. A derived port inside that range was once held by such a socket (EADDRINUSE at the rendezvous,
+        a job lost). Two jobs on one node share a port only when their ids are equal modulo `span`."""
         digits = re.sub(r"\D", "", self.job_id) or "0"
         return base + (int(digits) * 31 + self.step_id) % span
 

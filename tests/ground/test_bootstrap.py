@@ -39,6 +39,18 @@ def test_slurm_env_reads_a_step():
     assert SlurmEnv.from_environ({}) is None
 
 
+def test_the_derived_port_stays_below_the_kernels_ephemeral_ports_and_apart_between_jobs():
+    """The rendezvous port of a Slurm step is never one the kernel hands to an outgoing connection or a bind to
+    port 0 (Linux's default ip_local_port_range starts at 32768): such a socket on the node once held it and the
+    job failed with EADDRINUSE. Consecutive jobs on a node get different ports."""
+    ports = [SlurmEnv.from_environ({**SLURM_STEP, "SLURM_JOB_ID": str(j)}).master_port()
+             for j in range(47549000, 47549000 + 5000)]
+    assert all(20000 <= p < 32768 for p in ports), (min(ports), max(ports))
+    assert len(set(ports)) == len(ports)
+    array = SlurmEnv.from_environ({**SLURM_STEP, "SLURM_JOB_ID": "47549516_3"}).master_port()
+    assert 20000 <= array < 32768
+
+
 def test_detect_launch_from_each_source():
     li = detect_launch("auto", SLURM_STEP)
     assert (li.source, li.rank, li.world_size, li.local_rank, li.master_addr) == ("slurm", 3, 4, 1, "gpu07")
