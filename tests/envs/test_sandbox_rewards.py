@@ -112,14 +112,17 @@ class _CountingSandbox:
 
 
 def test_code_results_file_is_never_parsed_in_the_worker(sandbox, monkeypatch):
-    """A 15 MB results file of nested empty lists (the old worker json.loads'ed it: ~400 MB, tens of seconds) is
-    refused by size unparsed; what the worker parses is the verifier's small verdict only."""
+    """A results file of nested empty lists just over the claim bound (4 MiB; the old worker json.loads'ed 15 MB
+    of them into ~400 MB, tens of seconds) is refused by size unparsed; what the worker parses is the verifier's
+    small verdict only. Just over the bound: writing it runs under the solution's load-time alarm, which a
+    15 MB write on a loaded machine once exceeded (a timeout, not the size refusal, was then the verdict)."""
     import megatron_rl.envs.code.verifier as V
 
     seen: list[int] = []
     real = V.json.loads
     monkeypatch.setattr(V.json, "loads", lambda s, *a, **k: seen.append(len(s)) or real(s, *a, **k))
-    flood = ("import os\nopen('.mrl_results.json', 'w').write('[' + '[],' * 5000000 + '[]]')\nos._exit(0)\n"
+    n = V.CLAIM_MAX_BYTES // 3 + 4096  # '[],' each: the file is 12 KB over the bound
+    flood = (f"import os\nopen('.mrl_results.json', 'w').write('[' + '[],' * {n} + '[]]')\nos._exit(0)\n"
              "def gcd(a, b):\n    return 1\n")
     reward, reason = code_reward(sandbox, "code-gcd", flood)
     assert reward == 0.0 and "larger than" in reason, reason
