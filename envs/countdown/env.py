@@ -77,6 +77,12 @@ def answer_expression(response: str) -> str | None:
     return expr.split("=")[0].strip()  # "(1 + 2) * 3 = 9" -> left side
 
 
+EVAL_RUNS = 3
+"""Runs of the evaluation before a limit hit is reported. An expression that passed `check_expression` evaluates
+in milliseconds, so a limit it hits is the machine's (a loaded host, a slow sandbox start), never the model's:
+it is run again, and after `EVAL_RUNS` hits the sample is a sandbox_error (dropped and counted, not a 0)."""
+
+
 @reward("countdown", version="1")
 def countdown_reward(ctx: RewardContext) -> RewardOutput:
     """1 if the <answer> expression uses only the task's numbers (each at most once) and equals the target."""
@@ -89,12 +95,16 @@ def countdown_reward(ctx: RewardContext) -> RewardOutput:
         return RewardOutput(0.0, err)
     if ctx.sandbox is None:
         return RewardOutput(0.0, "no sandbox available", status="sandbox_error")
-    res = ctx.sandbox.run(["python3", "eval.py"], files={"eval.py": _EVAL, "expr.txt": expr},
-                          limits=Limits(wall_s=5.0, cpu_s=2.0, memory_mb=256))
     prov = {"sandbox": getattr(ctx.sandbox, "name", "?")}
-    problem = sandbox_problem(res)
-    if problem:
-        return RewardOutput(0.0, problem[0], prov, problem[1])
+    for _ in range(EVAL_RUNS):
+        res = ctx.sandbox.run(["python3", "eval.py"], files={"eval.py": _EVAL, "expr.txt": expr},
+                              limits=Limits(wall_s=5.0, cpu_s=2.0, memory_mb=256))
+        problem = sandbox_problem(res)
+        if not problem:
+            break
+    if problem:  # never the model's doing: the expression passed check_expression (<= 200 chars of + - * /)
+        return RewardOutput(0.0, f"{problem[0]} in {EVAL_RUNS} runs evaluating a checked expression",
+                            {**prov, "runs": EVAL_RUNS}, "sandbox_error")
     m = re.search(r"^VALUE (-?\d+)/(\d+)$", res.stdout, re.M)
     if not m:
         err = re.search(r"^ERROR (.*)$", res.stdout, re.M)

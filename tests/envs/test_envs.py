@@ -246,6 +246,38 @@ def test_countdown_rewards_and_evaluation_in_sandbox(sandbox):
     assert total == pytest.approx(0.1) and "division by zero" in reason
 
 
+class Stalling(Recording):
+    """The real sandbox, but its first `stalls` runs hit the wall-clock limit, as on a loaded host."""
+
+    def __init__(self, inner: Sandbox, stalls: int):
+        super().__init__(inner)
+        self.stalls = stalls
+
+    def run(self, command, files=None, limits=None, stdin=None, collect=None):
+        result = super().run(command, files=files, limits=limits, stdin=stdin, collect=collect)
+        if len(self.calls) <= self.stalls:
+            result.violations.append("wall")
+        return result
+
+
+@pytest.mark.parametrize("stalls", [1, 2, 3])
+def test_countdown_runs_a_checked_expression_again_when_the_machine_stalls_it(sandbox, stalls):
+    """A checked expression evaluates in milliseconds, so a limit it hits is the host's load: it is run again, and
+    the reward is the expression's (never a 0 that depends on the load); after EVAL_RUNS hits the sample is a
+    sandbox_error (dropped and counted by the loop), never a valid 0."""
+    from megatron_rl.envs.countdown.env import EVAL_RUNS
+
+    rec = Stalling(sandbox, stalls)
+    env = make_env("countdown", sandbox=rec)
+    env.reset(Task("cd", "countdown", "p", {"numbers": [3, 5, 25], "target": 60}))
+    r = env.step("<answer>(25 - 5) * 3</answer>").reward_result
+    if stalls < EVAL_RUNS:
+        assert r.valid and r.components["correct"] == 1.0 and len(rec.calls) == stalls + 1, r
+    else:
+        assert r.status == "sandbox_error" and len(rec.calls) == EVAL_RUNS, r
+        assert f"sandbox limit hit: wall in {EVAL_RUNS} runs" in r.reasons["correct"]
+
+
 def test_countdown_owns_its_compact_prompt_and_reference_answer_format(sandbox):
     """The warm-up's reference responses and the byte-level prompt are countdown's own format, reached through
     the environment's interface (generic code no longer writes `<answer>` or reads countdown's payload)."""
